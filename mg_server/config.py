@@ -1,0 +1,50 @@
+"""Frozen configurations handed to each process entry point (never read from globals)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# The key mg sets in a request's `custom_params`; SGLang carries it to the model forward.
+DETERMINISTIC_PARAM = "mg_deterministic"
+
+# Top-1/top-2 logit margin histogram buckets (logit units). Flips were observed at margins
+# <= 0.25 on H200 (ENVIRONMENT.md), so the low end is finely divided.
+MARGIN_BUCKETS: tuple[float, ...] = (0.0625, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+
+
+@dataclass(frozen=True)
+class HookConfig:
+    """Config of the forward hook that runs inside SGLang's scheduler process.
+
+    Travels through SGLang's `--forward-hooks` JSON, so every field is JSON-serialisable.
+    """
+
+    metrics_dir: str  # prometheus multiprocess folder shared with the front
+    margin_buckets: tuple[float, ...] = MARGIN_BUCKETS
+
+    def to_json_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json_dict(cls, d: dict) -> "HookConfig":
+        d = dict(d)
+        d["margin_buckets"] = tuple(d.get("margin_buckets", MARGIN_BUCKETS))
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class FrontConfig:
+    """Config of the ASGI middleware in the HTTP process."""
+
+    noop_processor: str  # serialized no-op SGLang custom logit processor (enables custom_params)
+    metrics_dir: str
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_path: str
+    host: str
+    port: int
+    cpu: bool  # no CUDA: apply the CPU compatibility fixes and CPU engine defaults
+    metrics_dir: str
+    sglang_args: tuple[str, ...] = ()  # extra SGLang server flags, passed through verbatim

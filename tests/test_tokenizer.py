@@ -1,0 +1,58 @@
+"""The tokenizer rebuilt from the GGUF must round-trip exactly and match SmolLM2's vocabulary."""
+
+import pytest
+from transformers import AutoTokenizer
+
+SAMPLES = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
+    "3.14159265358979 and 1,000,000 and 2026-11-21T06:33:00Z",
+    "tabs\t\tand   spaces     and\n\n\nnewlines  \r\n trailing   ",
+    "ünïcödé: naïve café, 日本語のテキスト, emoji 🙂👍🏽, Ελληνικά, русский",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "",
+    " leading space and  double",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(prepared_model):
+    return AutoTokenizer.from_pretrained(prepared_model)
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_round_trip_is_exact(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+
+
+def test_special_tokens_are_single_ids(tok):
+    assert tok.encode("<|im_start|>", add_special_tokens=False) == [1]
+    assert tok.encode("<|im_end|>", add_special_tokens=False) == [2]
+    assert tok.encode("<|endoftext|>", add_special_tokens=False) == [0]
+    assert (tok.bos_token_id, tok.eos_token_id) == (1, 2)
+
+
+def test_digits_are_split_one_by_one(tok):
+    ids = tok.encode("12345", add_special_tokens=False)
+    assert [tok.decode([i]) for i in ids] == list("12345")
+
+
+def test_byte_level_words_use_known_merges(tok):
+    # SentencePiece-style conversion (the transformers GGUF bug) splits these into many pieces
+    ids = tok.encode(" the", add_special_tokens=False)
+    assert len(ids) == 1 and tok.convert_ids_to_tokens(ids) == ["Ġthe"]
+
+
+def test_chat_template_renders_im_tokens(tok):
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert text.startswith("<|im_start|>system\n")
+
+
+def test_prepare_is_idempotent(prepared_model):
+    from mg_server.model.prepare import prepare_model
+
+    before = (prepared_model / "model.safetensors").stat().st_mtime_ns
+    assert prepare_model(progress=False) == prepared_model
+    assert (prepared_model / "model.safetensors").stat().st_mtime_ns == before
