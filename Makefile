@@ -38,7 +38,7 @@ test-fast: $(STAMP)
 # Regenerate requirements/lock.txt from a fresh environment built without it.
 lock:
 	rm -rf /tmp/mg-lock-venv && $(PYTHON) -m venv /tmp/mg-lock-venv
-	$(MAKE) VENV=/tmp/mg-lock-venv LOCK_FREE=1 /tmp/mg-lock-venv/.mg-installed
+	$(MAKE) VENV=/tmp/mg-lock-venv /tmp/mg-lock-venv/.mg-installed
 	/tmp/mg-lock-venv/bin/pip freeze --exclude-editable | grep -v '^mg-server' > requirements/lock.txt
 
 bench-serve: $(STAMP)
