@@ -1,0 +1,113 @@
+"""Batch-invariant kernels for the MarginGate verifier.
+
+Contract: for every op, the bits of a row's result depend only on that row's inputs (and, for
+attention, on the request's keys/values up to the row's position) -- never on the number of
+rows in the call, the row's position in it, the thread count, or how a sequence is chunked
+into prefill pieces / decode steps.
+
+Dispatch is by tensor device: CUDA -> Triton kernels (`triton_ops`, `attention_triton`),
+anything else -> plain-torch exact-integer implementations (`cpu`).  CPU and GPU results are
+each self-consistent but NOT bit-equal to each other; `kernel_config_id(device)` names the
+numerics a result came from.
+
+Public API (shapes: M rows, K in-features, N out-features, T query tokens, S keys):
+    matmul(x, w, bias=None)                x [M,K] fp32/bf16, w [N,K] (or prepare_weight(w)),
+                                           bias [N] -> [M,N] x.dtype
+    prepare_weight(w)                      once at load: CPU -> PreparedWeight (exact-integer
+                                           fp64 copy, cached per tensor), CUDA -> w.contiguous()
+    rms_norm(x, weight, eps)               x [...,H] -> [...,H] x.dtype
+    add_rms_norm(x, residual, weight, eps) -> (rms_norm(x+residual), x+residual)
+    log_softmax(x, dtype=torch.float32)    x [...,V] -> [...,V] dtype
+    top2(x)                                -> (values [M,2] fp32, indices [M,2] int64);
+                                           ties -> lower index
+    argmax(x)                              -> [M] int64 (= top2(x)[1][:, 0])
+    silu_mul(gate, up)                     silu(gate) * up, element-wise (torch's CPU silu is
+                                           NOT batch-invariant)
+    attention(q, k, v, q_start, scale=None)
+        q [T,Hq,D], k/v [S,Hkv,D] with S >= q_start+T; row t is at position q_start+t and
+        attends keys 0..q_start+t (causal, GQA: q head h uses kv head h // (Hq//Hkv)).
+    attention_paged(q, k_buffer, v_buffer, kv_indices, q_start, scale=None)
+        k_buffer/v_buffer [slots,Hkv,D] (SGLang pool, one layer), kv_indices [>=q_start+T]
+        int32/int64 slot of each position.
+    KERNEL_CONFIG, kernel_config_id(device=None)
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from . import cpu as _cpu
+from .config import KERNEL_CONFIG, kernel_config_id
+from .cpu import PreparedWeight
+
+__all__ = ["matmul", "prepare_weight", "PreparedWeight", "rms_norm", "add_rms_norm",
+           "log_softmax", "top2", "argmax", "silu_mul", "attention", "attention_paged",
+           "KERNEL_CONFIG", "kernel_config_id"]
+
+# Debug only: MG_KERNELS_BACKEND=triton sends CPU tensors to the Triton kernels (use with
+# TRITON_INTERPRET=1); it is never needed in production.
+_FORCE_TRITON = os.environ.get("MG_KERNELS_BACKEND", "") == "triton"
+
+
+def _gpu(t: Tensor) -> bool:
+    return t.device.type == "cuda" or _FORCE_TRITON
+
+
+def _tri():
+    from . import triton_ops
+    return triton_ops
+
+
+def _att():
+    from . import attention_triton
+    return attention_triton
+
+
+def prepare_weight(w: Tensor):
+    """Call once per weight at model load (CPU: builds the exact-integer copy)."""
+    if isinstance(w, PreparedWeight) or not _gpu(w):
+        return _cpu.prepare_weight(w)
+    return w.contiguous()
+
+
+def matmul(x: Tensor, w, bias: Tensor | None = None) -> Tensor:
+    if _gpu(x) and not isinstance(w, PreparedWeight):
+        return _tri().matmul(x, w, bias)
+    return _cpu.matmul(x, w, bias)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return (_tri() if _gpu(x) else _cpu).rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float):
+    return (_tri() if _gpu(x) else _cpu).add_rms_norm(x, residual, weight, eps)
+
+
+def log_softmax(x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+    return (_tri() if _gpu(x) else _cpu).log_softmax(x, dtype)
+
+
+def top2(x: Tensor) -> tuple[Tensor, Tensor]:
+    """Row-local top-2; ties are broken toward the LOWER index (both for the max and runner-up)."""
+    return (_tri() if _gpu(x) else _cpu).top2(x)
+
+
+def argmax(x: Tensor) -> Tensor:
+    return top2(x)[1][:, 0]
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return (_tri() if _gpu(gate) else _cpu).silu_mul(gate, up)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float | None = None):
+    return (_att() if _gpu(q) else _cpu).attention(q, k, v, q_start, scale)
+
+
+def attention_paged(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, kv_indices: Tensor,
+                    q_start: int, scale: float | None = None) -> Tensor:
+    return (_att() if _gpu(q) else _cpu).attention_paged(q, k_buffer, v_buffer, kv_indices,
+                                                         q_start, scale)

@@ -1,0 +1,165 @@
+"""GPU (Triton) causal GQA attention with a fixed KV split size and a fixed-order merge.
+
+One code path for prefill (T > 1) and decode (T == 1):
+1. `_attn_split_kernel`, grid (row blocks, kv heads, splits): for split j it reduces keys
+   [j*KV_SPLIT, (j+1)*KV_SPLIT) in BLOCK_N steps, in order, with an online softmax started
+   fresh at the split, and writes the partial (m, l, acc[D]) of every row in fp32.
+2. `_attn_merge_kernel`, one program per (token, q head): merges that row's splits
+   0 .. pos // KV_SPLIT in increasing order, then divides.
+
+Why a row's bits do not depend on T, q_start chunking or decode vs prefill:
+* split boundaries are absolute multiples of KV_SPLIT, sub-blocks are aligned to them;
+* the set of splits a row merges depends on its absolute position only;
+* keys the row cannot see (causal, or beyond the keys present) get p == 0 exactly, and a fully
+  masked sub-block leaves (m, l, acc) bit-identical (alpha == exp2(0) == 1, p == 0);
+* each MMA output element's accumulation does not depend on which tile row holds it, and the
+  tile shapes / instruction choice come from KERNEL_CONFIG only (sizes are do_not_specialize).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .config import KERNEL_CONFIG
+
+_LOG2E = 1.4426950408889634
+_PARTIAL_BUDGET = 1 << 29  # bytes of fp32 partials per launch; only bounds memory, not bits
+
+
+@triton.jit(do_not_specialize=["T", "q_start", "s_eff"])
+def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, m_ptr, l_ptr, o_ptr,
+                       T, q_start, s_eff, sm_scale,
+                       sqt, sqh, sks, skh, svs, svh,
+                       NS, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                       PAGED: tl.constexpr, KV_SPLIT: tl.constexpr, PREC: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rb = tl.program_id(0)
+    kvh = tl.program_id(1)
+    j = tl.program_id(2)
+    r = rb * BLOCK_M + tl.arange(0, BLOCK_M)  # row = token * G + (q head within the group)
+    r_ok = r < T * G
+    tok = r // G
+    head = kvh * G + r % G
+    pos = q_start + tok  # absolute position of each row
+    split0 = j * KV_SPLIT
+    last_pos = q_start + (tl.minimum((rb + 1) * BLOCK_M, T * G) - 1) // G
+    if split0 <= last_pos:  # some row of this block sees this split
+        dd = tl.arange(0, D)
+        q = tl.load(q_ptr + tok[:, None].to(tl.int64) * sqt + head[:, None] * sqh + dd[None, :],
+                    mask=r_ok[:, None], other=0.0)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        qk_scale = sm_scale * 1.4426950408889634
+        split_end = tl.minimum(split0 + KV_SPLIT, s_eff)
+        for n0 in range(split0, split_end, BLOCK_N):  # why: fixed, aligned, ascending sub-blocks
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < split_end
+            if PAGED:
+                slot = tl.load(idx_ptr + n, mask=n_ok, other=0).to(tl.int64)
+            else:
+                slot = n.to(tl.int64)
+            k = tl.load(k_ptr + slot[:, None] * sks + kvh * skh + dd[None, :],
+                        mask=n_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + slot[:, None] * svs + kvh * svh + dd[None, :],
+                        mask=n_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            vis = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.where(vis, tl.exp2(s - m_safe[:, None]), 0.0)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+            m_i = m_new
+        out_row = (tok.to(tl.int64) * HQ + head) * NS + j
+        tl.store(m_ptr + out_row, m_i, mask=r_ok)
+        tl.store(l_ptr + out_row, l_i, mask=r_ok)
+        tl.store(o_ptr + out_row[:, None] * D + dd[None, :], acc, mask=r_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["q_start"])
+def _attn_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, q_start, sot, soh, NS,
+                       HQ: tl.constexpr, D: tl.constexpr, KV_SPLIT: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    dd = tl.arange(0, D)
+    base = (t.to(tl.int64) * HQ + h) * NS
+    n_splits = (q_start + t) // KV_SPLIT + 1  # why: depends on the absolute position only
+    m = tl.load(m_ptr + base)
+    l = tl.load(l_ptr + base)
+    acc = tl.load(o_ptr + base * D + dd)
+    for j in range(1, n_splits):  # fixed order: split 0, 1, 2, ...
+        mj = tl.load(m_ptr + base + j)
+        lj = tl.load(l_ptr + base + j)
+        oj = tl.load(o_ptr + (base + j) * D + dd)
+        m_new = tl.maximum(m, mj)
+        a = tl.exp2(m - m_new)
+        b = tl.exp2(mj - m_new)
+        l = l * a + lj * b
+        acc = acc * a + oj * b
+        m = m_new
+    tl.store(out_ptr + t.to(tl.int64) * sot + h * soh + dd,
+             (acc / l).to(out_ptr.dtype.element_ty))
+
+
+def _attention(q: Tensor,  # [T, Hq, D] bf16/fp32 cuda, D a power of two
+               k: Tensor,  # [S or slots, Hkv, D] q.dtype, unit stride on D
+               v: Tensor,  # [S or slots, Hkv, D] q.dtype
+               kv_indices: Tensor | None,  # [>= q_start+T] int32/int64 slot per position
+               q_start: int,  # absolute position of q[0]
+               scale: float | None) -> Tensor:  # [T, Hq, D] q.dtype
+    T, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    assert hq == g * hkv and d == triton.next_power_of_2(d) and k.stride(2) == 1
+    assert k.dtype == q.dtype == v.dtype and v.stride(2) == 1
+    q = q if q.stride(2) == 1 else q.contiguous()
+    cfg = KERNEL_CONFIG["attention"]
+    ksplit = cfg["KV_SPLIT"]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out = torch.empty((T, hq, d), device=q.device, dtype=q.dtype)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    idx = kv_indices if kv_indices is not None else out  # dummy pointer when not paged
+    # Query tokens are processed in chunks only to bound the partial buffers; by the invariance
+    # argument above, a chunk is just a call with a later q_start.
+    ns_max = triton.cdiv(q_start + T, ksplit)
+    step = max(1, _PARTIAL_BUDGET // (hq * ns_max * (d + 2) * 4))
+    for t0 in range(0, T, step):
+        tc = min(step, T - t0)
+        qs = q_start + t0
+        s_eff = qs + tc
+        ns = triton.cdiv(s_eff, ksplit)
+        m_buf = torch.empty((tc, hq, ns), device=q.device, dtype=torch.float32)
+        l_buf = torch.empty_like(m_buf)
+        o_buf = torch.empty((tc, hq, ns, d), device=q.device, dtype=torch.float32)
+        qc = q[t0:t0 + tc]
+        grid = (triton.cdiv(tc * g, cfg["BLOCK_M"]), hkv, ns)
+        _attn_split_kernel[grid](
+            qc, k, v, idx, m_buf, l_buf, o_buf, tc, qs, s_eff, scale,
+            qc.stride(0), qc.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            ns, HQ=hq, G=g, D=d, PAGED=kv_indices is not None, KV_SPLIT=ksplit, PREC=prec,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        oc = out[t0:t0 + tc]
+        _attn_merge_kernel[(tc, hq)](m_buf, l_buf, o_buf, oc, qs, oc.stride(0), oc.stride(1),
+                                     ns, HQ=hq, D=d, KV_SPLIT=ksplit,
+                                     num_warps=cfg["MERGE_num_warps"])
+    return out
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float | None = None):
+    assert k.shape[0] >= q_start + q.shape[0]
+    return _attention(q, k, v, None, int(q_start), scale)
+
+
+def attention_paged(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, kv_indices: Tensor,
+                    q_start: int, scale: float | None = None) -> Tensor:
+    assert kv_indices.shape[0] >= q_start + q.shape[0]
+    return _attention(q, k_buffer, v_buffer, kv_indices.contiguous(), int(q_start), scale)

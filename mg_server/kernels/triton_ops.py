@@ -1,0 +1,331 @@
+"""GPU (Triton) batch-invariant matmul and row-wise ops.
+
+Invariance rules followed by every kernel here:
+* Tile sizes come from KERNEL_CONFIG only (one entry per dtype); nothing is chosen from M.
+* The row count M (and other per-call sizes) is `do_not_specialize`: Triton would otherwise
+  compile separate variants for M == 1 / M % 16 == 0, which could change code generation.
+* A row's reduction is done entirely by one program, over its full length, in a fixed order:
+  no split-K, no atomics, no cross-program reduction.  Rows beyond M are masked, never mixed in.
+* Matmul is persistent (grid = min(#SMs, #tiles)); which program computes a tile does not
+  matter because every tile runs the identical K loop.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .config import KERNEL_CONFIG
+
+_TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    if not torch.cuda.is_available():  # TRITON_INTERPRET on CPU
+        return 4
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _rows(x: Tensor) -> Tensor:
+    """[..., N] -> [M, N] view with unit column stride (rows may be strided)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(1) == 1 or x2.shape[1] == 1 else x2.contiguous()
+
+
+def _dev_index(t: Tensor) -> int:
+    return t.device.index if t.device.type == "cuda" and t.device.index is not None else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# persistent matmul
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
+                   sxm, sxk, swn, swk, sym, syn,
+                   HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PREC: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    in_group = GROUP_M * num_pid_n
+    for tile in range(pid, num_tiles, NUM_SMS):
+        group = tile // in_group
+        first_m = group * GROUP_M
+        gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % in_group) % gsize
+        pid_n = (tile % in_group) // gsize
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        a_ptrs = x_ptr + rm[:, None] * sxm + rk[None, :] * sxk
+        b_ptrs = w_ptr + rn[None, :] * swn + rk[:, None] * swk
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # why: the one and only reduction order of y[m, n] -- K in BLOCK_K steps, ascending.
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                k_ok = (k0 + rk) < K
+                a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+            a_ptrs += BLOCK_K * sxk
+            b_ptrs += BLOCK_K * swk
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + rm[:, None] * sym + rn[None, :] * syn
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K,
+                       HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr):
+    # Same tile walk and the same ascending BLOCK_K loop as _matmul_kernel; only the loads and
+    # stores go through TMA descriptors (out-of-bounds rows/cols read as 0, stores are clipped).
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_tiles = num_pid_m * num_pid_n
+    in_group = GROUP_M * num_pid_n
+    for tile in range(pid, num_tiles, NUM_SMS):
+        group = tile // in_group
+        first_m = group * GROUP_M
+        gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
+        off_m = (first_m + (tile % in_group) % gsize) * BLOCK_M
+        off_n = ((tile % in_group) // gsize) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):  # why: the one reduction order, K ascending
+            a = x_desc.load([off_m, k0])
+            b = w_desc.load([off_n, k0])
+            acc = tl.dot(a, b.T, acc, input_precision=PREC)
+        if HAS_BIAS:
+            rn = off_n + tl.arange(0, BLOCK_N)
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+
+
+def _tma_ok(n: int, k: int, dtype: torch.dtype) -> bool:
+    """TMA needs 16-byte aligned row strides: a property of the weight shape only, never M."""
+    esz = torch.empty((), dtype=dtype).element_size()
+    return (k * esz) % 16 == 0 and (n * esz) % 16 == 0
+
+
+def matmul(x: Tensor,  # [M, K] bf16/fp16/fp32, cuda
+           w: Tensor,  # [N, K] same dtype (nn.Linear layout)
+           bias: Tensor | None = None,  # [N] any float dtype, added in fp32
+           ) -> Tensor:  # [M, N] x.dtype
+    """x @ w.T (+ bias) with fp32 accumulation; one persistent kernel, one tile config."""
+    lead = x.shape[:-1]
+    x2 = _rows(x)
+    M, K = x2.shape
+    N = w.shape[0]
+    assert w.shape[1] == K and w.dtype == x.dtype, (x.shape, x.dtype, w.shape, w.dtype)
+    cfg = KERNEL_CONFIG["matmul"][_TL_DTYPE[x.dtype]]
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    if M == 0:
+        return y.view(*lead, N)
+    sms = num_sms(_dev_index(x))
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    # why min(): idle programs would only return; the tile->program map never affects bits.
+    grid = (min(sms, tiles),)
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 flag is unused for bf16
+    if cfg.get("tma") and x.device.type == "cuda" and _tma_ok(N, K, x.dtype):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+        x2 = x2.contiguous()  # row stride K: same layout for every M
+        if x2.data_ptr() % 16:  # TMA needs a 16-byte aligned base; a copy has equal values
+            x2 = x2.clone()
+        wc = w.contiguous()
+        if wc.data_ptr() % 16:  # never for a freshly allocated weight
+            wc = wc.clone()
+        _matmul_tma_kernel[grid](
+            TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(wc, [bn, bk]),
+            TensorDescriptor.from_tensor(y, [bm, bn]), bias if bias is not None else y,
+            M, N, K, HAS_BIAS=bias is not None, PREC=prec, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], NUM_SMS=sms,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return y.view(*lead, N)
+    _matmul_kernel[grid](
+        x2, w, bias if bias is not None else y, y, M, N, K,
+        x2.stride(0), x2.stride(1), w.stride(0), w.stride(1), y.stride(0), y.stride(1),
+        HAS_BIAS=bias is not None, EVEN_K=(K % cfg["BLOCK_K"] == 0),  # a function of K only
+        PREC=prec,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        GROUP_M=cfg["GROUP_M"], NUM_SMS=sms,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return y.view(*lead, N)
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm (+ fused residual add): one program per row
+@triton.jit
+def _rms_kernel(x_ptr, r_ptr, w_ptr, y_ptr, nr_ptr, N, sx, sr, sy, snr, eps,
+                HAS_RES: tl.constexpr, CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols0 = tl.arange(0, CHUNK)
+    acc = tl.zeros((CHUNK,), dtype=tl.float32)
+    for off in range(0, N, CHUNK):  # why: fixed chunk walk + per-lane partials, M-independent
+        cols = off + cols0
+        ok = cols < N
+        x = tl.load(x_ptr + row * sx + cols, mask=ok, other=0.0)
+        if HAS_RES:
+            x = (x.to(tl.float32) + tl.load(r_ptr + row * sr + cols, mask=ok, other=0.0)
+                 .to(tl.float32)).to(nr_ptr.dtype.element_ty)  # residual rounds to its dtype
+            tl.store(nr_ptr + row * snr + cols, x, mask=ok)
+        xf = x.to(tl.float32)
+        acc += xf * xf
+    rstd = 1.0 / tl.sqrt_rn(tl.sum(acc, axis=0) / N + eps)
+    for off in range(0, N, CHUNK):
+        cols = off + cols0
+        ok = cols < N
+        x = tl.load(x_ptr + row * sx + cols, mask=ok, other=0.0)
+        if HAS_RES:  # recompute instead of re-reading nr (no intra-program store->load hazard)
+            x = (x.to(tl.float32) + tl.load(r_ptr + row * sr + cols, mask=ok, other=0.0)
+                 .to(tl.float32)).to(nr_ptr.dtype.element_ty)
+        h = (x.to(tl.float32) * rstd).to(y_ptr.dtype.element_ty)  # HF-Llama order
+        wv = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * sy + cols, (wv * h.to(tl.float32)).to(y_ptr.dtype.element_ty),
+                 mask=ok)
+
+
+def _rms(x: Tensor,  # [..., H] bf16/fp32 cuda
+         residual: Tensor | None,  # [..., H] x.dtype
+         weight: Tensor,  # [H]
+         eps: float):  # -> (y [..., H] x.dtype, x + residual [..., H] x.dtype)
+    x2 = _rows(x)
+    M, N = x2.shape
+    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    r2 = _rows(residual) if residual is not None else x2
+    nr = torch.empty_like(y) if residual is not None else y
+    weight = weight.contiguous()
+    cfg = KERNEL_CONFIG["rowwise"]
+    if M:
+        _rms_kernel[(M,)](x2, r2, weight, y, nr, N, x2.stride(0), r2.stride(0), y.stride(0),
+                          nr.stride(0), float(eps), HAS_RES=residual is not None,
+                          CHUNK=cfg["CHUNK"], num_warps=cfg["num_warps"])
+    return y.view(x.shape), nr.view(x.shape)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return _rms(x, None, weight, eps)[0]
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float):
+    return _rms(x, residual, weight, eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# log-softmax and top2: one program per row, chunk walk in index order
+@triton.jit
+def _log_softmax_kernel(x_ptr, y_ptr, N, sx, sy, CHUNK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols0 = tl.arange(0, CHUNK)
+    mx = tl.full((CHUNK,), float("-inf"), tl.float32)
+    for off in range(0, N, CHUNK):
+        cols = off + cols0
+        x = tl.load(x_ptr + row * sx + cols, mask=cols < N, other=float("-inf"))
+        mx = tl.maximum(mx, x.to(tl.float32))
+    m = tl.max(mx, axis=0)  # exact
+    acc = tl.zeros((CHUNK,), dtype=tl.float32)
+    for off in range(0, N, CHUNK):
+        cols = off + cols0
+        x = tl.load(x_ptr + row * sx + cols, mask=cols < N, other=float("-inf"))
+        acc += tl.exp(x.to(tl.float32) - m)
+    lse = m + tl.log(tl.sum(acc, axis=0))  # why: one fixed tree over CHUNK lanes
+    for off in range(0, N, CHUNK):
+        cols = off + cols0
+        x = tl.load(x_ptr + row * sx + cols, mask=cols < N, other=0.0)
+        tl.store(y_ptr + row * sy + cols, (x.to(tl.float32) - lse).to(y_ptr.dtype.element_ty),
+                 mask=cols < N)
+
+
+def log_softmax(x: Tensor,  # [..., V] any float dtype, cuda
+                dtype: torch.dtype = torch.float32) -> Tensor:  # [..., V] dtype
+    x2 = _rows(x)
+    M, N = x2.shape
+    y = torch.empty((M, N), device=x.device, dtype=dtype)
+    cfg = KERNEL_CONFIG["rowwise"]
+    if M:
+        _log_softmax_kernel[(M,)](x2, y, N, x2.stride(0), y.stride(0), CHUNK=cfg["CHUNK"],
+                                  num_warps=cfg["num_warps"])
+    return y.view(x.shape)
+
+
+@triton.jit
+def _top2_kernel(x_ptr, v_ptr, i_ptr, N, sx, CHUNK: tl.constexpr):
+    # Four exact passes (max, argmin-index-of-max, runner-up, its index): order-free.
+    row = tl.program_id(0).to(tl.int64)
+    cols0 = tl.arange(0, CHUNK)
+    big = N + CHUNK
+    m = tl.full((CHUNK,), float("-inf"), tl.float32)
+    for off in range(0, N, CHUNK):
+        cols = off + cols0
+        x = tl.load(x_ptr + row * sx + cols, mask=cols < N, other=float("-inf")).to(tl.float32)
+        m = tl.maximum(m, x)
+    v1 = tl.max(m, axis=0)
+    ib = tl.full((CHUNK,), big, tl.int32)
+    for off in range(0, N, CHUNK):
+        cols = off + cols0
+        x = tl.load(x_ptr + row * sx + cols, mask=cols < N, other=float("-inf")).to(tl.float32)
+        ib = tl.minimum(ib, tl.where((x == v1) & (cols < N), cols, big))
+    i1 = tl.min(ib, axis=0)  # ties -> lowest index
+    m = tl.full((CHUNK,), float("-inf"), tl.float32)
+    for off in range(0, N, CHUNK):
+        cols = off + cols0
+        x = tl.load(x_ptr + row * sx + cols, mask=cols < N, other=float("-inf")).to(tl.float32)
+        m = tl.maximum(m, tl.where(cols == i1, float("-inf"), x))
+    v2 = tl.max(m, axis=0)
+    ib = tl.full((CHUNK,), big, tl.int32)
+    for off in range(0, N, CHUNK):
+        cols = off + cols0
+        x = tl.load(x_ptr + row * sx + cols, mask=cols < N, other=float("-inf")).to(tl.float32)
+        ib = tl.minimum(ib, tl.where((x == v2) & (cols < N) & (cols != i1), cols, big))
+    i2 = tl.min(ib, axis=0)
+    tl.store(v_ptr + row * 2, v1)
+    tl.store(v_ptr + row * 2 + 1, v2)
+    tl.store(i_ptr + row * 2, i1.to(tl.int64))
+    tl.store(i_ptr + row * 2 + 1, i2.to(tl.int64))
+
+
+def top2(x: Tensor,  # [..., V] any float dtype, cuda
+         ) -> tuple[Tensor, Tensor]:  # values [M, 2] fp32, indices [M, 2] int64
+    x2 = _rows(x)
+    M, N = x2.shape
+    vals = torch.empty((M, 2), device=x.device, dtype=torch.float32)
+    idx = torch.empty((M, 2), device=x.device, dtype=torch.int64)
+    cfg = KERNEL_CONFIG["rowwise"]
+    if M:
+        _top2_kernel[(M,)](x2, vals, idx, N, x2.stride(0), CHUNK=cfg["CHUNK"],
+                           num_warps=cfg["num_warps"])
+    return vals, idx
+
+
+# ---------------------------------------------------------------------------------------------
+# SiLU(gate) * up: element-wise, every element runs the same instruction sequence
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty)  # HF order: silu in dtype, then *
+    tl.store(y_ptr + offs, (s.to(tl.float32) * u).to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:  # [..., I] each, same dtype -> [..., I]
+    g, u = gate.contiguous(), up.contiguous()
+    y = torch.empty_like(g)
+    n = g.numel()
+    if n:
+        _silu_mul_kernel[(triton.cdiv(n, 1024),)](g, u, y, n, BLOCK=1024, num_warps=4)
+    return y

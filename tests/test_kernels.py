@@ -1,0 +1,275 @@
+"""Batch-invariance and accuracy tests for mg_server.kernels, on CPU and (marker `gpu`) CUDA.
+
+Invariance is checked bitwise (torch.equal): op(x[:k]) == op(x)[:k] for k = 1..64 and a few
+large k, permuted rows, 1 vs 2 CPU threads; attention: one prefill == any chunking == decode
+steps, contiguous == paged.  A sanity test shows torch.mm itself fails the same check, so the
+harness can detect variance.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+import mg_server.kernels as K
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DTYPES = [torch.float32, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.5e-2}  # relative to max |ref|
+
+
+def ks_for(m: int) -> list[int]:
+    return sorted(set(list(range(1, min(64, m) + 1)) + [m // 3, m // 2 + 1, m - 1, m]) - {0})
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def gen(seed=0):
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def rand(*shape, dtype, device, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=gen(seed)) * scale).to(device=device, dtype=dtype)
+
+
+def check_rows(fn, x, full=None):
+    """fn on prefixes and on a row permutation must equal the full call's rows bitwise."""
+    full = fn(x) if full is None else full
+    m = x.shape[0]
+    bad = [k for k in ks_for(m) if not torch.equal(fn(x[:k]), full[:k])]
+    assert not bad, f"prefix results differ for k={bad[:10]}"
+    perm = torch.randperm(m, generator=gen(1)).to(x.device)
+    assert torch.equal(fn(x[perm]), full[perm]), "permuted rows differ"
+    if x.device.type == "cpu":
+        with threads(1):
+            one = fn(x)
+        with threads(2):
+            two = fn(x)
+        assert torch.equal(one, full) and torch.equal(two, full), "thread count changes bits"
+    return full
+
+
+def rel_err(a, ref):
+    return ((a.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------------------------------------
+def test_torch_mm_is_batch_variant_sanity():
+    """The harness must be able to fail: plain torch.mm (CPU fp32) is M-variant here."""
+    x = rand(64, 576, dtype=torch.float32, device="cpu")
+    w = rand(960, 576, dtype=torch.float32, device="cpu", seed=1)
+    full = torch.mm(x, w.t())
+    variant = [k for k in ks_for(64) if not torch.equal(torch.mm(x[:k], w.t()), full[:k])]
+    if not variant:
+        pytest.skip("torch.mm happened to be batch-invariant on this CPU/BLAS")
+    with pytest.raises(AssertionError):
+        check_rows(lambda a: torch.mm(a, w.t()), x, full)
+
+
+@pytest.mark.gpu
+def test_cublas_is_batch_variant_sanity():
+    found = False
+    for m, n, k in [(1024, 4096, 4096), (512, 14336, 4096), (2048, 4096, 14336)]:
+        x = rand(m, k, dtype=torch.bfloat16, device="cuda")
+        w = rand(n, k, dtype=torch.bfloat16, device="cuda", seed=1, scale=0.02)
+        full = torch.mm(x, w.t())
+        if any(not torch.equal(torch.mm(x[:j], w.t()), full[:j]) for j in (1, 8, 32, 64, 257)):
+            found = True
+            break
+    if not found:
+        pytest.skip("cuBLAS happened to be batch-invariant on these shapes")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,bias", [(300, 960, 576, False), (200, 576, 1536, True),
+                                        (1024, 77, 100, True)])
+def test_matmul_invariant_and_accurate(device, dtype, m, n, k, bias):
+    x = rand(m, k, dtype=dtype, device=device)
+    w = rand(n, k, dtype=dtype, device=device, seed=1, scale=k ** -0.5)
+    b = rand(n, dtype=dtype, device=device, seed=2) if bias else None
+    pw = K.prepare_weight(w)
+    full = check_rows(lambda a: K.matmul(a, pw, b), x)
+    assert full.dtype == dtype and full.shape == (m, n)
+    assert torch.equal(K.matmul(x, w, b), full), "raw weight and prepared weight differ"
+    ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+    assert rel_err(full, ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 14336)])
+def test_matmul_invariant_8b_shapes_gpu(n, k, tma):
+    """Both kernel flavours (pointer loads / TMA descriptors) of the bf16 table entry."""
+    cfg = K.KERNEL_CONFIG["matmul"]["bfloat16"]
+    old = cfg.get("tma")
+    cfg["tma"] = tma
+    try:
+        x = rand(1024, k, dtype=torch.bfloat16, device="cuda")
+        w = rand(n, k, dtype=torch.bfloat16, device="cuda", seed=1, scale=0.02)
+        b = rand(n, dtype=torch.bfloat16, device="cuda", seed=2)
+        full = check_rows(lambda a: K.matmul(a, w, b), x)
+        ref = x.double() @ w.double().t() + b.double()
+        assert rel_err(full, ref) < TOL[torch.bfloat16]
+    finally:
+        cfg.pop("tma", None) if old is None else cfg.update(tma=old)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("h", [576, 4096])
+def test_rms_norm(device, dtype, h):
+    x = rand(150, h, dtype=dtype, device=device, scale=3.0)
+    r = rand(150, h, dtype=dtype, device=device, seed=3)
+    w = rand(h, dtype=dtype, device=device, seed=4)
+    y = check_rows(lambda a: K.rms_norm(a, w, 1e-5), x)
+    x64 = x.double()
+    ref = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert rel_err(y, ref) < TOL[dtype] * 2
+    xr = torch.stack([x, r], 1)  # rows carry (x, residual) together through the checks
+    both = check_rows(lambda a: torch.stack(K.add_rms_norm(a[:, 0], a[:, 1], w, 1e-5), 1), xr)
+    assert torch.equal(both[:, 1], x + r)
+    assert torch.equal(both[:, 0], K.rms_norm(x + r, w, 1e-5))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_log_softmax(device, dtype):
+    x = rand(70, 2048, dtype=dtype, device=device, scale=4.0)
+    y = check_rows(K.log_softmax, x)
+    assert y.dtype == torch.float32
+    ref = torch.log_softmax(x.double(), -1)
+    assert (y.double() - ref).abs().max().item() < 1e-5
+    big = rand(6, 49152, dtype=dtype, device=device, seed=5, scale=4.0)  # vocab-sized rows
+    yb = K.log_softmax(big)
+    assert all(torch.equal(K.log_softmax(big[:k]), yb[:k]) for k in range(1, 7))
+    assert (yb.double() - torch.log_softmax(big.double(), -1)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_top2_ties_and_invariance(device, dtype):
+    x = rand(200, 49152 if device == "cuda" else 8192, dtype=dtype, device=device)
+    x[0, 10] = x[0, 500] = 50.0  # tied maximum -> (10, 500)
+    x[1, 7] = 50.0
+    x[1, 3] = x[1, 9] = 40.0  # tied runner-up -> (7, 3)
+    x[2, :] = 1.0  # all equal -> (0, 1)
+    v, i = K.top2(x)
+    assert v.dtype == torch.float32 and i.dtype == torch.int64
+    assert i[0].tolist() == [10, 500] and v[0].tolist() == [50.0, 50.0]
+    assert i[1].tolist() == [7, 3] and i[2].tolist() == [0, 1]
+    both = check_rows(lambda a: torch.cat([t.double() for t in K.top2(a)], 1), x)
+    tv, _ = torch.topk(x.float(), 2)
+    assert torch.equal(both[:, :2].float(), tv)
+    assert torch.equal(K.argmax(x), i[:, 0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(device, dtype):
+    g = rand(100, 1024, dtype=dtype, device=device, scale=4.0)
+    u = rand(100, 1024, dtype=dtype, device=device, seed=1)
+    gu = torch.stack([g, u], 1)
+    y = check_rows(lambda a: K.silu_mul(a[:, 0], a[:, 1]), gu)
+    ref = torch.nn.functional.silu(g.double()) * u.double()
+    assert rel_err(y, ref) < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------------
+def _attn_ref(q, k, v, q_start):
+    T, hq, d = q.shape
+    g = hq // k.shape[1]
+    s = q_start + T
+    qq = q.double().transpose(0, 1)
+    kk = k[:s].double().repeat_interleave(g, 1).transpose(0, 1)
+    vv = v[:s].double().repeat_interleave(g, 1).transpose(0, 1)
+    sc = qq @ kk.transpose(1, 2) / math.sqrt(d)
+    pos = q_start + torch.arange(T, device=q.device)
+    mask = torch.arange(s, device=q.device)[None, :] <= pos[:, None]
+    sc = sc.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(sc, -1) @ vv).transpose(0, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 2, 128)])
+def test_attention_chunking_decode_paged(device, dtype, hq, hkv, d):
+    S = 600  # crosses two KV split boundaries (256, 512)
+    q = rand(S, hq, d, dtype=dtype, device=device)
+    k = rand(S, hkv, d, dtype=dtype, device=device, seed=1)
+    v = rand(S, hkv, d, dtype=dtype, device=device, seed=2)
+    full = K.attention(q, k, v, 0)
+    assert full.shape == (S, hq, d) and full.dtype == dtype
+    assert rel_err(full, _attn_ref(q, k, v, 0)) < TOL[dtype] * 2
+    for cuts in ([0, 1, 255, 256, 257, 511, 513, 600], [0, 100, 356, 600], [0, 300, 600]):
+        parts = [K.attention(q[a:b], k, v, a) for a, b in zip(cuts[:-1], cuts[1:])]
+        assert torch.equal(torch.cat(parts), full), f"chunking {cuts} differs"
+    # k/v holding more keys than needed (a pre-allocated cache) must not matter either
+    steps = [K.attention(q[t:t + 1], k[:t + 1] if t % 2 else k, v[:t + 1] if t % 2 else v, t)
+             for t in list(range(0, 20)) + list(range(250, 262)) + list(range(505, 520)) + [599]]
+    ts = list(range(0, 20)) + list(range(250, 262)) + list(range(505, 520)) + [599]
+    assert torch.equal(torch.cat(steps), full[ts]), "decode steps differ from prefill"
+    slots = torch.randperm(2048, generator=gen(7))[:S].to(device)
+    kb = torch.full((2048, hkv, d), float("nan"), dtype=dtype, device=device)
+    vb = torch.full((2048, hkv, d), float("nan"), dtype=dtype, device=device)  # unused slots
+    kb[slots], vb[slots] = k, v
+    assert torch.equal(K.attention_paged(q, kb, vb, slots, 0), full), "paged != contiguous"
+    pc = [K.attention_paged(q[a:b], kb, vb, slots, a) for a, b in ((0, 333), (333, 600))]
+    assert torch.equal(torch.cat(pc), full)
+    assert torch.equal(K.attention_paged(q[599:], kb, vb, slots[:600], 599), full[599:])
+    if device == "cpu":
+        with threads(1):
+            assert torch.equal(K.attention(q, k, v, 0), full)
+
+
+@pytest.mark.gpu
+def test_attention_long_context_gpu():
+    S, hq, hkv, d = 5000, 32, 8, 128
+    q = rand(S, hq, d, dtype=torch.bfloat16, device="cuda")
+    k = rand(S, hkv, d, dtype=torch.bfloat16, device="cuda", seed=1)
+    v = rand(S, hkv, d, dtype=torch.bfloat16, device="cuda", seed=2)
+    full = K.attention(q, k, v, 0)
+    parts = [K.attention(q[a:b], k, v, a) for a, b in ((0, 1000), (1000, 4097), (4097, 5000))]
+    assert torch.equal(torch.cat(parts), full)
+    for t in (0, 4095, 4096, 4999):
+        assert torch.equal(K.attention(q[t:t + 1], k[:t + 1], v[:t + 1], t), full[t:t + 1])
+    ref = _attn_ref(q[-64:], k, v, S - 64)
+    assert rel_err(full[-64:], ref) < TOL[torch.bfloat16] * 2
+
+
+def test_kernel_config_id_stable():
+    a = K.kernel_config_id("cpu")
+    assert a == K.kernel_config_id("cpu") and a.startswith("cpu-") and len(a) == 16
+    cpu = K.KERNEL_CONFIG["cpu"]
+    old = cpu["attn_kv_split"]
+    try:
+        cpu["attn_kv_split"] = old * 2
+        assert K.kernel_config_id("cpu") != a
+    finally:
+        cpu["attn_kv_split"] = old
+    gpu_tile = K.KERNEL_CONFIG["attention"]
+    old = gpu_tile["KV_SPLIT"]
+    try:
+        gpu_tile["KV_SPLIT"] = old * 2
+        assert K.kernel_config_id("cpu") == a  # GPU tiles do not name CPU numerics
+    finally:
+        gpu_tile["KV_SPLIT"] = old
+
+
+def test_cpu_silu_is_variant_sanity():
+    """Why silu_mul exists: torch's CPU silu changes bits with the row count (vector vs scalar
+    tail path).  Skipped if this build happens not to."""
+    x = rand(37, 1001, dtype=torch.float32, device="cpu", scale=5.0)
+    full = torch.nn.functional.silu(x)
+    if all(torch.equal(torch.nn.functional.silu(x[:k]), full[:k]) for k in range(1, 37)):
+        pytest.skip("torch CPU silu is invariant in this build")
