@@ -1,0 +1,242 @@
+"""Control messages between mg processes (msgspec structs over zmq; one module, one version).
+
+Wire format: one zmq frame holding the msgpack encoding of a tagged `Message` union. Messages
+carry token ids, positions, slot indices and generation counters: never tensors or pickles.
+K/V columns travel through the shared slot buffer (`mg_server.runtime.shm`).
+
+Positions (the convention every mg process uses):
+  A request's tokens are t_0 .. t_{n-1} (prompt) then the emitted tokens. The decode step at
+  position p reads input token t_p, writes the **K/V column of position p** (the K after RoPE and
+  the V that the model computes for the input token t_p at position p, for every layer) and
+  produces the logits that choose t_{p+1}. The prefill's last position is the first step.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class ErrorCode:
+    """Typed error codes of `ErrorReply` (strings on the wire, so logs stay readable)."""
+
+    BAD_REQUEST = "bad_request"  # undecodable or malformed message
+    PROTOCOL_MISMATCH = "protocol_mismatch"  # client and server speak different versions
+    MODEL_MISMATCH = "model_mismatch"  # the client expected another model / kernel config
+    UNKNOWN_REQUEST = "unknown_request"  # no shadow cache for rid and the message is not a start
+    POSITION_MISMATCH = "position_mismatch"  # caller and verifier disagree on the prefix length
+    TOO_LONG = "too_long"  # pos + 1 > max_seq_len
+    NO_CAPACITY = "no_capacity"  # out of request entries or K/V pool tokens
+    DEADLINE = "deadline"  # the request's deadline passed before the verifier started it
+    TIMEOUT = "timeout"  # client side: no reply in time (never sent by the server)
+    INTERNAL = "internal"  # unexpected exception in the worker (it keeps serving)
+
+
+class Message(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    msg_id: int = 0  # chosen by the client; echoed in the reply (stale replies are dropped)
+
+
+class Hello(Message):
+    protocol_version: int
+    client: str = ""
+    expect_model_id: str = ""  # "" = accept any
+    expect_kernel_config_id: str = ""
+
+
+class ShmSpec(msgspec.Struct, kw_only=True):
+    """How to open the slot buffer. kind "cpu": POSIX shared memory by name; "cuda": CUDA IPC."""
+
+    kind: str  # "cpu" | "cuda"
+    name: str  # shared-memory name of the data (cpu) and of the generation header (both)
+    n_slots: int
+    shape: list[int]  # [n_slots, layers, 2, kv_heads, head_dim]
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+    cuda_device: int = -1
+    cuda_ipc: list[bytes | int | bool] = []  # the storage's CUDA IPC handle fields (cuda only)
+
+
+class HelloReply(Message):
+    protocol_version: int
+    model_id: str  # hash of config.json + weight file names/sizes + dtype
+    kernel_config_id: str
+    family: str
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    vocab: int
+    dtype: str
+    device: str
+    max_seq_len: int
+    max_requests: int
+    shm: ShmSpec
+
+
+class VerifyItem(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Verify the step at position `pos` of request `rid`.
+
+    `tokens` are t_start .. t_pos, with start = pos + 1 - len(tokens): the tokens the verifier has
+    not seen yet (the first item for a request carries the whole prompt, start = 0). The verifier
+    teacher-forces them, then answers for position pos. start must equal the verifier's known
+    length, except with `rewind`, which first drops the verifier's positions >= start.
+    """
+
+    rid: str
+    pos: int
+    tokens: list[int]
+    rewind: bool = False
+    prompt_len: int = 0  # first item only: prompt tokens (not audited); 0 = all of this item's tokens
+    want_digest: bool = False  # reply with a blake2b digest of the fp32 logits row of pos
+    deadline_ns: int = 0  # time.time_ns() after which the worker answers DEADLINE unstarted
+
+
+class Verify(Message):
+    """One or more items; the worker serves them in batched forwards (one rid per forward)."""
+
+    items: list[VerifyItem]
+
+
+class VerifyResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    rid: str
+    pos: int
+    token: int  # the verifier's greedy token t_{pos+1} (argmax, ties -> lower id)
+    margin: float  # top1 - top2 logit at pos, fp32
+    slot: int  # slot of the shared buffer holding the K/V column of position pos
+    gen: int  # generation stamped on that slot; the reader checks it after copying
+    audit_tokens: list[int] = []  # verifier argmax at positions start .. pos-1 (predicts start+1..pos)
+    audit_margins: list[float] = []  # their margins
+    first_mismatch: int = -1  # first q in [start-1, pos-1], q+1 >= prompt_len, whose verifier
+    #                           token != the caller's t_{q+1} (a missed flip), -1 if none
+    digest: bytes = b""
+    batch_rows: int = 0  # rows in the forward that served this item (for tests and metrics)
+    batch_requests: int = 0  # requests in that forward
+    forward_ms: float = 0.0
+
+
+class ErrorReply(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
+    code: str
+    message: str
+    rid: str = ""
+    expected_pos: int = -1  # POSITION_MISMATCH: the position the verifier expects next (= start)
+
+
+class VerifyReply(Message):
+    results: list[VerifyResult | ErrorReply]  # one per item, in order
+
+
+class Release(Message):
+    """Free the shadow caches of finished or aborted requests (unknown rids are ignored)."""
+
+    rids: list[str]
+
+
+class Stats(Message):
+    pass
+
+
+class StatsReply(Message):
+    requests: int
+    pool_tokens_used: int
+    pool_tokens: int
+    served_items: int
+    forwards: int
+    errors: int
+
+
+class Shutdown(Message):
+    pass
+
+
+class Ack(Message):
+    n: int = 0
+
+
+class Error(Message):
+    """A message-level error (the whole request failed)."""
+
+    error: ErrorReply
+
+
+
+# ---- hook / front <-> controller ---------------------------------------------------------
+
+
+class ControllerHello(Message):
+    protocol_version: int
+    client: str = ""
+
+
+class ControllerInfo(Message):
+    protocol_version: int
+    mode: str  # "off" | "margin" | "always"
+    tau: float
+    verifier_up: bool
+    kernel_config_id: str = ""
+    model_id: str = ""
+    shm: ShmSpec | None = None  # the verifier's K/V slot buffer (None in mode "off")
+
+
+class StepRow(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One protected request's step in a fast-path forward (positions as in the module doc)."""
+
+    rid: str
+    pos: int  # position of the input token of this step; the logits choose t_{pos+1}
+    new_tokens: list[int]  # t_k .. t_pos: the tokens the controller has not been sent yet
+    margin: float  # fast path's top1 - top2 logit at pos (fp32)
+    fast_token: int  # fast path's argmax at pos
+
+
+class Step(Message):
+    rows: list[StepRow]
+
+
+class StepDecision(msgspec.Struct, kw_only=True, omit_defaults=True):
+    rid: str
+    verified: bool = False  # the verifier computed this step: emit `token`
+    token: int = -1
+    repair: bool = False  # verifier disagreed with the fast path: write its K/V column
+    slot: int = -1  # slot of the K/V column of position pos in the verifier's buffer
+    gen: int = -1
+    error: str = ""  # non-empty: the step could not be served deterministically (fail it)
+
+
+class StepReply(Message):
+    decisions: list[StepDecision]  # one per row, in order
+
+
+class Finish(Message):
+    """A protected request ended: `new_tokens` completes its token list (final audit)."""
+
+    rid: str
+    new_tokens: list[int]
+    aborted: bool = False
+
+
+class Verdict(Message):
+    rid: str
+
+
+class VerdictReply(Message):
+    rid: str
+    state: str  # "unknown" | "running" | "verified" | "mismatch" | "failed"
+    steps: int = 0
+    verified_steps: int = 0
+    repairs: int = 0
+    mismatch_positions: list[int] = []
+    error: str = ""
+
+
+AnyMessage = (Hello | HelloReply | Verify | VerifyReply | Release | Stats | StatsReply | Shutdown
+              | Ack | Error | ControllerHello | ControllerInfo | Step | StepReply | Finish | Verdict
+              | VerdictReply)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)

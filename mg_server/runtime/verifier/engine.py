@@ -1,0 +1,208 @@
+"""Shadow K/V caches per protected request, lazy catch-up and batched verify forwards.
+
+In-process core of the verifier worker (no sockets here). One `VerifyItem` (see protocol.py)
+teacher-forces the tokens t_start..t_pos the verifier has not seen, writing their K/V into the
+request's shadow cache, and answers for position pos: the greedy token t_{pos+1}, its margin and
+the K/V column of position pos. Catch-up rows are ordinary rows of the same forward, so the
+verifier also records its own argmax/margin at every caught-up position (the audit).
+Several requests share one forward; the kernels are batch-invariant, so this changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from mg_server.runtime.protocol import ErrorCode, ErrorReply, VerifyItem
+from mg_server.runtime.verifier import ops
+from mg_server.runtime.verifier.model import KVPool, Segment, VerifierModel
+
+
+@dataclass
+class SeqState:
+    rid: str
+    slots: list[int] = field(default_factory=list)  # pool slot of positions 0..len-1
+    last_pred: int = -1  # the verifier's token for position len (from its last forward)
+    prompt_len: int = 0  # t_q with q < prompt_len are prompt tokens: not audited
+    last_used: float = 0.0  # time.monotonic() of the last forward (for idle eviction)
+
+    @property
+    def length(self) -> int:
+        return len(self.slots)
+
+
+@dataclass
+class StepOutput:
+    """Result for one item (in-process form; the server turns it into a VerifyResult)."""
+
+    rid: str
+    pos: int
+    token: int
+    margin: float
+    kv_column: Tensor  # [L, 2, Hkv, D] model dtype, device: K/V of position pos (0 = K, 1 = V)
+    logits: Tensor  # [V] fp32, device: the logits row of position pos
+    audit_tokens: list[int]
+    audit_margins: list[float]
+    first_mismatch: int
+    batch_rows: int
+    batch_requests: int
+    forward_ms: float
+
+    def digest(self) -> bytes:
+        return hashlib.blake2b(self.logits.cpu().numpy().tobytes(), digest_size=16).digest()
+
+
+class VerifierEngine:
+    def __init__(self, model: VerifierModel, max_requests: int, pool_tokens: int, max_seq_len: int,
+                 evict_idle_s: float = float("inf")):
+        self.model = model
+        self.evict_idle_s = evict_idle_s  # when full, requests idle this long are dropped (LRU first)
+        self.max_requests = max_requests
+        self.max_seq_len = min(max_seq_len, model.max_positions)
+        self.pool = KVPool(model.spec, pool_tokens, model.dtype, model.device)
+        self._free: list[int] = list(range(pool_tokens - 1, -1, -1))  # stack of free slots
+        self.seqs: dict[str, SeqState] = {}
+        self.forwards = 0
+
+    # ---- request table -------------------------------------------------------------------
+    def release(self, rid: str) -> bool:
+        st = self.seqs.pop(rid, None)
+        if st is None:
+            return False
+        self._free.extend(reversed(st.slots))
+        return True
+
+    def _truncate(self, st: SeqState, length: int) -> None:
+        drop = st.slots[length:]
+        del st.slots[length:]
+        self._free.extend(reversed(drop))
+        st.last_pred = -1
+
+    def _evict_idle(self, need_tokens: int, need_requests: int, keep: set[str]) -> None:
+        """Free least-recently-used requests idle > evict_idle_s until the need is met (a caller
+        that comes back gets UNKNOWN_REQUEST and resends its prefix from position 0)."""
+        now = time.monotonic()
+        for st in sorted(self.seqs.values(), key=lambda x: x.last_used):
+            if len(self._free) >= need_tokens and len(self.seqs) + need_requests <= self.max_requests:
+                return
+            if st.rid not in keep and now - st.last_used > self.evict_idle_s:
+                self.release(st.rid)
+
+    @property
+    def pool_used(self) -> int:
+        return self.pool.n_tokens - len(self._free)
+
+    def _check(self, it: VerifyItem, busy: set[str]) -> ErrorReply | None:
+        """Validate an item against the request table; on success, prepare its state."""
+        n = len(it.tokens)
+        start = it.pos + 1 - n
+        if n == 0 or start < 0:
+            return ErrorReply(code=ErrorCode.BAD_REQUEST, rid=it.rid,
+                              message=f"need 1..pos+1 tokens, got {n} for pos {it.pos}")
+        if it.pos + 1 > self.max_seq_len:
+            return ErrorReply(code=ErrorCode.TOO_LONG, rid=it.rid,
+                              message=f"pos {it.pos} needs {it.pos + 1} positions > max_seq_len {self.max_seq_len}")
+        vocab = self.model.spec.vocab
+        if min(it.tokens) < 0 or max(it.tokens) >= vocab:
+            return ErrorReply(code=ErrorCode.BAD_REQUEST, rid=it.rid, message=f"token id outside [0, {vocab})")
+        st = self.seqs.get(it.rid)
+        if st is None:
+            if start != 0:
+                return ErrorReply(code=ErrorCode.UNKNOWN_REQUEST, rid=it.rid, expected_pos=0,
+                                  message=f"no shadow cache for {it.rid!r}; the first item must start at 0")
+            need = n
+        else:
+            if start != st.length and not (it.rewind and start <= st.length):
+                return ErrorReply(code=ErrorCode.POSITION_MISMATCH, rid=it.rid, expected_pos=st.length,
+                                  message=f"tokens start at {start}, verifier holds {st.length} positions")
+            need = it.pos + 1 - min(start, st.length)
+        self._evict_idle(need, int(st is None), busy | {it.rid})
+        if st is None and len(self.seqs) >= self.max_requests:
+            return ErrorReply(code=ErrorCode.NO_CAPACITY, rid=it.rid,
+                              message=f"{self.max_requests} requests already held")
+        if need > len(self._free):
+            return ErrorReply(code=ErrorCode.NO_CAPACITY, rid=it.rid,
+                              message=f"K/V pool has {len(self._free)} free tokens, need {need}")
+        if st is None:
+            self.seqs[it.rid] = SeqState(it.rid, prompt_len=it.prompt_len or n, last_used=time.monotonic())
+        elif start < st.length:  # rewind
+            self._truncate(st, start)
+        return None
+
+    # ---- forward ------------------------------------------------------------------------
+    def step(self, items: list[VerifyItem]) -> list[StepOutput | ErrorReply]:
+        """Serve items in order; items of one rid go to successive forwards, the rest batch."""
+        out: list[StepOutput | ErrorReply | None] = [None] * len(items)
+        pending = list(range(len(items)))
+        while pending:
+            batch, later, seen = [], [], set()
+            for i in pending:
+                (later if items[i].rid in seen else batch).append(i)
+                seen.add(items[i].rid)
+            ok = []
+            for i in batch:
+                err = self._check(items[i], {items[j].rid for j in ok})
+                if err is None:
+                    ok.append(i)
+                else:
+                    out[i] = err
+            if ok:
+                try:
+                    for i, res in zip(ok, self._forward([items[i] for i in ok])):
+                        out[i] = res
+                except Exception as e:  # noqa: BLE001 - drop the half-written requests, keep serving
+                    for i in ok:
+                        self.release(items[i].rid)
+                        out[i] = ErrorReply(code=ErrorCode.INTERNAL, rid=items[i].rid,
+                                            message=f"{type(e).__name__}: {e}")
+            pending = later
+        return out  # type: ignore[return-value]
+
+    def _forward(self, items: list[VerifyItem]) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        dev = self.model.device
+        tokens, positions, out_slots, segs, metas = [], [], [], [], []
+        for it in items:
+            st = self.seqs[it.rid]
+            st.last_used = time.monotonic()
+            start = it.pos + 1 - len(it.tokens)
+            new = [self._free.pop() for _ in it.tokens]
+            prev_pred = st.last_pred
+            st.slots.extend(new)
+            segs.append(Segment(row_start=len(tokens), n_rows=len(it.tokens), q_start=start,
+                                kv_indices=torch.tensor(st.slots, dtype=torch.int64, device=dev)))
+            metas.append((st, start, prev_pred))
+            tokens.extend(it.tokens)
+            positions.extend(range(start, it.pos + 1))
+            out_slots.extend(new)
+        t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+        logits = self.model.forward(t(tokens), t(positions), t(out_slots), segs, self.pool)  # [R, V] fp32
+        vals, idx = ops.top2(logits)  # [R, 2] fp32, [R, 2] int64 (ties -> lower id)
+        preds = idx[:, 0].tolist()
+        margins = (vals[:, 0] - vals[:, 1]).tolist()  # fp32 difference, then exact as Python float
+        self.forwards += 1
+        ms = (time.perf_counter() - t0) * 1e3
+        results = []
+        for it, seg, (st, start, prev_pred) in zip(items, segs, metas):
+            last = seg.row_start + seg.n_rows - 1
+            audit_t = preds[seg.row_start:last]
+            audit_m = margins[seg.row_start:last]
+            first_mm = -1
+            if start >= st.prompt_len and prev_pred >= 0 and prev_pred != it.tokens[0]:
+                first_mm = start - 1
+            else:
+                for j, tok in enumerate(audit_t):
+                    if start + j + 1 >= st.prompt_len and tok != it.tokens[j + 1]:
+                        first_mm = start + j
+                        break
+            st.last_pred = preds[last]
+            results.append(StepOutput(
+                rid=it.rid, pos=it.pos, token=preds[last], margin=margins[last],
+                kv_column=self.pool.column(st.slots[it.pos]), logits=logits[last],
+                audit_tokens=audit_t, audit_margins=audit_m, first_mismatch=first_mm,
+                batch_rows=len(tokens), batch_requests=len(items), forward_ms=ms))
+        return results

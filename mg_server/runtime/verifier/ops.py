@@ -1,0 +1,25 @@
+"""The verifier's view of `mg_server.kernels` (batch-invariant ops).
+
+The model calls only the names bound here, so every reduction in the verifier goes through one
+place, and the kernel configuration id reported in the hello names exactly these kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mg_server.kernels import (  # noqa: F401 - re-exported
+    add_rms_norm,
+    attention_paged,
+    kernel_config_id,
+    matmul,
+    prepare_weight,
+    rms_norm,
+    silu_mul,
+    top2,
+)
+
+
+def config_id(device: torch.device) -> str:
+    """Kernel configuration id of the backend that serves `device` (CPU torch / CUDA Triton)."""
+    return kernel_config_id(device)

@@ -1,0 +1,247 @@
+"""The verifier worker process: zmq ROUTER on an ipc:// path, shared slot buffer for K/V columns.
+
+Entry point: `run_verifier(cfg)` (in the child) or `start_verifier(cfg)` (spawns it). The worker
+binds before loading the model, so a client's hello simply waits in the queue; if loading fails,
+the worker stays up and answers every message with a typed error instead of vanishing.
+Messages are served in arrival order; consecutive Verify messages are coalesced into one batched
+step (batch-invariant kernels make that safe); control messages flush pending verifies first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from mg_server.runtime import protocol as P
+from mg_server.runtime.shm import SlotBuffer
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    model_path: str  # Hugging Face checkpoint folder (config.json + *.safetensors)
+    ipc_path: str  # filesystem path of the ipc:// socket, unique per worker instance
+    dtype: str = "bfloat16"  # model dtype (weights, activations, K/V); logits are fp32
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    n_slots: int = 64  # K/V-column slots in the shared buffer (reused round-robin)
+    max_seq_len: int = 4096  # longest request (positions) the verifier accepts
+    max_requests: int = 64  # shadow caches held at once
+    pool_tokens: int = 16384  # K/V pool capacity in tokens, shared by all requests
+    evict_idle_s: float = 600.0  # when full, drop requests idle this long (clients that vanished)
+    max_batch_items: int = 64  # items coalesced into one step
+    num_threads: int = 0  # torch CPU threads (0: leave torch's default); results do not depend on it
+    shm_name: str = ""  # shared-memory name; "" derives one from ipc_path
+    poll_ms: int = 50  # receive poll period
+
+    def __post_init__(self):
+        # Results of one step occupy distinct slots until the client copies them out.
+        if self.n_slots < self.max_batch_items:
+            raise ValueError(f"n_slots ({self.n_slots}) must be >= max_batch_items ({self.max_batch_items})")
+
+    @property
+    def endpoint(self) -> str:
+        return "ipc://" + self.ipc_path
+
+    @property
+    def shm_base(self) -> str:
+        return self.shm_name or "mgv_" + hashlib.sha1(self.ipc_path.encode()).hexdigest()[:16]
+
+
+def _err(code: str, message: str, msg_id: int = 0) -> P.Error:
+    return P.Error(msg_id=msg_id, error=P.ErrorReply(code=code, message=message))
+
+
+class VerifierServer:
+    def __init__(self, cfg: VerifierConfig):
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(cfg.endpoint)
+        self.engine = None
+        self.shm: SlotBuffer | None = None
+        self.load_error = ""
+        self.next_slot = 0
+        self.gen = 0  # global generation counter of written slots
+        self.served = self.errors = 0
+        self.running = True
+
+    def load(self) -> None:
+        from mg_server.runtime.verifier import ops
+        from mg_server.runtime.verifier.engine import VerifierEngine
+        from mg_server.runtime.verifier.model import VerifierModel, model_identity
+
+        cfg = self.cfg
+        try:
+            if cfg.num_threads > 0:
+                torch.set_num_threads(cfg.num_threads)
+            dtype = getattr(torch, cfg.dtype)
+            model = VerifierModel.load(cfg.model_path, dtype, cfg.device, cfg.max_seq_len)
+            self.engine = VerifierEngine(model, cfg.max_requests, cfg.pool_tokens, cfg.max_seq_len,
+                                         cfg.evict_idle_s)
+            s = model.spec
+            self.shm = SlotBuffer.create(cfg.shm_base, cfg.n_slots, s.n_layers, s.n_kv_heads, s.head_dim,
+                                         dtype, model.device)
+            self.model_id = model_identity(cfg.model_path, dtype)
+            self.kernel_config_id = ops.config_id(model.device)  # the backend that serves the device
+        except Exception as e:  # noqa: BLE001 - reported to every client, see module doc
+            self.load_error = f"verifier failed to load {cfg.model_path!r}: {type(e).__name__}: {e}"
+            traceback.print_exc()
+
+    # ---- handlers -----------------------------------------------------------------------
+    def _hello(self, m: P.Hello) -> P.Message:
+        if m.protocol_version != P.PROTOCOL_VERSION:
+            return _err(P.ErrorCode.PROTOCOL_MISMATCH,
+                        f"server speaks {P.PROTOCOL_VERSION}, client {m.protocol_version}", m.msg_id)
+        if m.expect_model_id and m.expect_model_id != self.model_id:
+            return _err(P.ErrorCode.MODEL_MISMATCH, f"model {self.model_id} != expected {m.expect_model_id}",
+                        m.msg_id)
+        if m.expect_kernel_config_id and m.expect_kernel_config_id != self.kernel_config_id:
+            return _err(P.ErrorCode.MODEL_MISMATCH,
+                        f"kernel config {self.kernel_config_id} != expected {m.expect_kernel_config_id}", m.msg_id)
+        eng = self.engine
+        s = eng.model.spec
+        return P.HelloReply(
+            msg_id=m.msg_id, protocol_version=P.PROTOCOL_VERSION, model_id=self.model_id,
+            kernel_config_id=self.kernel_config_id, family=s.family, n_layers=s.n_layers,
+            n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, vocab=s.vocab, dtype=self.cfg.dtype,
+            device=str(eng.model.device), max_seq_len=eng.max_seq_len, max_requests=eng.max_requests,
+            shm=self.shm.spec)
+
+    def _verify(self, batch: list[tuple[bytes, P.Verify]]) -> None:
+        items, owners = [], []
+        now = time.time_ns()
+        late: dict[int, P.ErrorReply] = {}
+        for k, (_, m) in enumerate(batch):
+            for it in m.items:
+                if it.deadline_ns and now > it.deadline_ns:
+                    late[len(owners)] = P.ErrorReply(code=P.ErrorCode.DEADLINE, rid=it.rid,
+                                                     message="deadline passed before the verifier started")
+                else:
+                    items.append(it)
+                owners.append(k)
+        outs = iter(self.engine.step(items)) if items else iter(())
+        replies: list[list] = [[] for _ in batch]
+        for n, k in enumerate(owners):
+            res = late[n] if n in late else next(outs)
+            if isinstance(res, P.ErrorReply):
+                self.errors += 1
+                replies[k].append(res)
+                continue
+            slot = self.next_slot
+            self.next_slot = (slot + 1) % self.cfg.n_slots
+            self.gen += 1
+            self.shm.write(slot, res.kv_column, self.gen)
+            it_digest = batch[k][1].items[len(replies[k])].want_digest
+            replies[k].append(P.VerifyResult(
+                rid=res.rid, pos=res.pos, token=res.token, margin=res.margin, slot=slot, gen=self.gen,
+                audit_tokens=res.audit_tokens, audit_margins=res.audit_margins,
+                first_mismatch=res.first_mismatch, digest=res.digest() if it_digest else b"",
+                batch_rows=res.batch_rows, batch_requests=res.batch_requests, forward_ms=res.forward_ms))
+            self.served += 1
+        for (ident, m), results in zip(batch, replies):
+            self._send(ident, P.VerifyReply(msg_id=m.msg_id, results=results))
+
+    def _control(self, m: P.Message) -> P.Message:
+        if isinstance(m, P.Hello):
+            return self._hello(m)
+        if isinstance(m, P.Release):
+            return P.Ack(msg_id=m.msg_id, n=sum(self.engine.release(r) for r in m.rids))
+        if isinstance(m, P.Stats):
+            e = self.engine
+            return P.StatsReply(msg_id=m.msg_id, requests=len(e.seqs), pool_tokens_used=e.pool_used,
+                                pool_tokens=e.pool.n_tokens, served_items=self.served,
+                                forwards=e.forwards, errors=self.errors)
+        if isinstance(m, P.Shutdown):
+            self.running = False
+            return P.Ack(msg_id=m.msg_id)
+        return _err(P.ErrorCode.BAD_REQUEST, f"unexpected message {type(m).__name__}", m.msg_id)
+
+    # ---- loop ---------------------------------------------------------------------------
+    def _send(self, ident: bytes, msg: P.Message) -> None:
+        self.sock.send_multipart([ident, P.encode(msg)])
+
+    def _handle_batch(self, frames: list[list[bytes]]) -> None:
+        pending: list[tuple[bytes, P.Verify]] = []
+
+        def flush():
+            if pending:
+                try:
+                    self._verify(pending)
+                except Exception as e:  # noqa: BLE001 - the worker survives; callers get an error
+                    traceback.print_exc()
+                    for ident, m in pending:
+                        self._send(ident, _err(P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", m.msg_id))
+                pending.clear()
+
+        for fr in frames:
+            ident = fr[0]
+            try:
+                m = P.decode(fr[-1])
+            except Exception as e:  # noqa: BLE001 - malformed bytes
+                self.errors += 1
+                self._send(ident, _err(P.ErrorCode.BAD_REQUEST, f"undecodable message: {e}"))
+                continue
+            if self.load_error and not isinstance(m, P.Shutdown):
+                self._send(ident, _err(P.ErrorCode.MODEL_MISMATCH, self.load_error, m.msg_id))
+                continue
+            if isinstance(m, P.Verify):
+                if not 0 < len(m.items) <= self.cfg.n_slots:  # each result needs its own live slot
+                    self._send(ident, _err(P.ErrorCode.BAD_REQUEST,
+                                           f"{len(m.items)} items; 1..{self.cfg.n_slots} per message", m.msg_id))
+                    continue
+                pending.append((ident, m))
+                if sum(len(x.items) for _, x in pending) >= self.cfg.max_batch_items:
+                    flush()
+                continue
+            flush()
+            try:
+                reply = self._control(m)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                reply = _err(P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", m.msg_id)
+            self._send(ident, reply)
+        flush()
+
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while self.running:
+                if not poller.poll(self.cfg.poll_ms):
+                    continue
+                frames = []
+                while len(frames) < self.cfg.max_batch_items:  # drain what is queued: one batch
+                    try:
+                        frames.append(self.sock.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                self._handle_batch(frames)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def run_verifier(cfg: VerifierConfig) -> None:
+    """Process entry point: bind, load, serve until a Shutdown message."""
+    server = VerifierServer(cfg)
+    server.load()
+    server.serve_forever()
+
+
+def start_verifier(cfg: VerifierConfig) -> mp.Process:
+    """Spawn a worker process (spawn start method: no forked torch/zmq state)."""
+    proc = mp.get_context("spawn").Process(target=run_verifier, args=(cfg,), name="mg-verifier", daemon=True)
+    proc.start()
+    return proc

@@ -1,0 +1,127 @@
+"""Batch/chunk/gap invariance of the in-process verifier engine, on CPU (tiny models) and CUDA.
+
+Every scenario reaches the same positions as a gap-1 reference in another way and must be
+bitwise equal to it (argmax, margin, logits, K/V columns, whole shadow cache).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verifier_helpers import assert_same, drive, make_tiny, schedule, smollm2_shaped
+
+from mg_server.runtime.protocol import ErrorCode, ErrorReply, VerifyItem
+from mg_server.runtime.verifier.engine import VerifierEngine
+from mg_server.runtime.verifier.model import VerifierModel
+
+N_PROMPT, N_GEN = 21, 72  # total 93 positions: room for a 64-token catch-up after the prompt
+
+CASES = [
+    pytest.param(("cpu", "llama"), id="cpu-llama"),
+    pytest.param(("cpu", "qwen3"), id="cpu-qwen3"),
+    pytest.param(("cuda", "qwen2"), id="cuda-qwen2", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "smollm2-shaped"), id="cuda-smollm2-shaped", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()  # wall time only: results do not depend on threads
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=CASES)
+def setup(request, tmp_path_factory):
+    device, kind = request.param
+    d = tmp_path_factory.mktemp(kind)
+    if kind == "smollm2-shaped":
+        smollm2_shaped(d)
+    else:
+        make_tiny(kind, d, dtype=torch.bfloat16, seed=3)
+    model = VerifierModel.load(d, torch.bfloat16, device, max_positions=256)
+    engine = VerifierEngine(model, max_requests=16, pool_tokens=4096, max_seq_len=256)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, model.spec.vocab, (N_PROMPT,), generator=g).tolist()
+    ref, seq = drive(engine, "ref", prompt, list(range(N_PROMPT - 1, N_PROMPT + N_GEN - 1)))
+    others = [(f"o{i}", torch.randint(0, model.spec.vocab, (3 + 5 * i,), generator=g).tolist()) for i in range(8)]
+    return d, engine, ref, seq, others
+
+
+def test_prompt_chunkings(setup):
+    _, engine, ref, seq, _ = setup
+    for chunks in ([1] * N_PROMPT, [4, 9, 8], [N_PROMPT - 1, 1]):
+        got, _ = drive(engine, "c", seq, schedule(N_PROMPT, len(seq), 1, chunks))
+        assert_same(ref, got)
+
+
+@pytest.mark.parametrize("gap", [1, 7, 64])
+def test_catch_up_gaps(setup, gap):
+    _, engine, ref, seq, _ = setup
+    got, _ = drive(engine, "g", seq, schedule(N_PROMPT, len(seq), gap))
+    assert_same(ref, got)
+    assert set(got.pred) == set(range(len(seq) - 1))
+
+
+@pytest.mark.parametrize("n_others", [1, 8])
+def test_other_requests_in_the_same_forward(setup, n_others):
+    _, engine, ref, seq, others = setup
+    got, _ = drive(engine, "b", seq, schedule(N_PROMPT, len(seq), 1), others=others[:n_others])
+    assert_same(ref, got)
+    assert max(got.batch_requests) == n_others + 1
+
+
+def test_fresh_model_instance_agrees(setup):
+    d, engine, ref, seq, _ = setup
+    model = VerifierModel.load(d, torch.bfloat16, engine.model.device, max_positions=128)
+    fresh = VerifierEngine(model, max_requests=2, pool_tokens=512, max_seq_len=128)
+    got, _ = drive(fresh, "f", seq, schedule(N_PROMPT, len(seq), 5))
+    assert_same(ref, got)
+
+
+def test_audit_reports_the_first_divergence(setup):
+    _, engine, ref, seq, _ = setup
+    bad = list(seq)
+    p = N_PROMPT + 10
+    bad[p] = (bad[p] + 1) % engine.model.spec.vocab  # the caller emitted another token at p
+    out = engine.step([VerifyItem(rid="x", pos=N_PROMPT + 20, tokens=bad[: N_PROMPT + 21],
+                                  prompt_len=N_PROMPT)])[0]
+    assert out.first_mismatch == p - 1
+    assert engine.release("x")
+    good = engine.step([VerifyItem(rid="y", pos=N_PROMPT - 1, tokens=seq[:N_PROMPT])])[0]
+    assert good.first_mismatch == -1  # prompt tokens are not audited
+    out = engine.step([VerifyItem(rid="y", pos=N_PROMPT + 20, tokens=bad[N_PROMPT: N_PROMPT + 21])])[0]
+    assert out.first_mismatch == p - 1
+    assert engine.release("y")
+    first = engine.step([VerifyItem(rid="z", pos=N_PROMPT - 1, tokens=seq[:N_PROMPT])])[0]
+    bad2 = list(seq)
+    bad2[N_PROMPT] = (first.token + 1) % engine.model.spec.vocab  # differs from the verified token
+    out = engine.step([VerifyItem(rid="z", pos=N_PROMPT + 3, tokens=bad2[N_PROMPT: N_PROMPT + 4])])[0]
+    assert out.first_mismatch == N_PROMPT - 1
+    assert engine.release("z")
+
+
+def test_engine_errors(setup):
+    _, engine, _, seq, _ = setup
+    out = engine.step([VerifyItem(rid="u", pos=5, tokens=[1])])[0]
+    assert isinstance(out, ErrorReply) and out.code == ErrorCode.UNKNOWN_REQUEST
+    out = engine.step([VerifyItem(rid="t", pos=300, tokens=seq[:1] * 301)])[0]
+    assert isinstance(out, ErrorReply) and out.code == ErrorCode.TOO_LONG
+    assert not engine.seqs and engine.pool_used == 0
+
+
+def test_idle_requests_are_evicted_when_full(setup):
+    d, engine, _, seq, _ = setup
+    small = VerifierEngine(engine.model, max_requests=2, pool_tokens=64, max_seq_len=64, evict_idle_s=0.0)
+    for rid in ("a", "b"):
+        assert not isinstance(small.step([VerifyItem(rid=rid, pos=9, tokens=seq[:10])])[0], ErrorReply)
+    assert not isinstance(small.step([VerifyItem(rid="c", pos=9, tokens=seq[:10])])[0], ErrorReply)
+    assert "a" not in small.seqs and set(small.seqs) == {"b", "c"}  # least recently used went first
+    out = small.step([VerifyItem(rid="a", pos=10, tokens=seq[10:11])])[0]
+    assert out.code == ErrorCode.UNKNOWN_REQUEST
+    strict = VerifierEngine(engine.model, max_requests=1, pool_tokens=64, max_seq_len=64)
+    strict.step([VerifyItem(rid="a", pos=9, tokens=seq[:10])])
+    out = strict.step([VerifyItem(rid="b", pos=9, tokens=seq[:10])])[0]
+    assert out.code == ErrorCode.NO_CAPACITY
