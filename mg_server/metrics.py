@@ -32,3 +32,23 @@ def render(metrics_dir: str) -> bytes:
     registry = CollectorRegistry()
     multiprocess.MultiProcessCollector(registry, path=metrics_dir)
     return generate_latest(registry)
+
+
+class ControllerMetrics:
+    """Counters of the controller process (MarginGate decisions, verifier calls, audit)."""
+
+    def __init__(self):
+        self.steps = Counter("mg_steps", "Protected steps by decision (fast commit or verified)", ["decision"])
+        self.verify = Counter("mg_verify", "Steps computed by the deterministic verifier")
+        self.repair = Counter("mg_repair", "Verified steps where the verifier's token differed (K/V column rewritten)")
+        self.audit_mismatch = Counter("mg_audit_mismatch", "Missed flips found by the verifier's audit of unverified steps")
+        self.verify_errors = Counter("mg_verify_errors", "Verify calls that failed (timeout, verifier down, rejected)")
+        self.verify_seconds = Histogram(
+            "mg_verify_seconds", "Latency of one verify call (all rows of a forward), seconds",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        )
+
+
+@lru_cache(maxsize=None)
+def controller_metrics() -> ControllerMetrics:
+    return ControllerMetrics()

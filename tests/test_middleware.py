@@ -59,10 +59,14 @@ def test_existing_custom_params_are_kept(client):
 
 def test_native_generate_single_and_batch(client):
     r = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 4}}, headers={"X-Deterministic": "1"})
-    sp = json.loads(r.json()["raw"])["sampling_params"]
+    sent = json.loads(r.json()["raw"])
+    sp = sent["sampling_params"]
+    assert isinstance(sent["rid"], str) and sent["rid"].startswith("mg-")
     assert sp["custom_params"] == {DETERMINISTIC_PARAM: True} and sp["temperature"] == 0.0 and sp["max_new_tokens"] == 4
     r = client.post("/generate", json={"text": ["a", "b"], "sampling_params": [{}, {"temperature": 0}]}, headers={"X-Deterministic": "1"})
-    sps = json.loads(r.json()["raw"])["sampling_params"]
+    sent = json.loads(r.json()["raw"])
+    assert isinstance(sent["rid"], list) and len(sent["rid"]) == 2
+    sps = sent["sampling_params"]
     assert [p["custom_params"][DETERMINISTIC_PARAM] for p in sps] == [True, True]
 
 

@@ -1,0 +1,32 @@
+"""Client of the controller, used by mg's forward hook (scheduler process) and the HTTP front.
+
+One client per thread: zmq sockets are not thread-safe.
+"""
+
+from __future__ import annotations
+
+from mg_server.runtime import protocol as P
+from mg_server.runtime.channel import RpcClient, RpcError
+
+
+class ControllerClient(RpcClient):
+    def __init__(self, ipc_path: str, timeout_s: float = 60.0, client_name: str = ""):
+        super().__init__(ipc_path, timeout_s, client_name)
+
+    def hello(self, timeout_s: float | None = None) -> P.ControllerInfo:
+        info = self.call(P.ControllerHello(protocol_version=P.PROTOCOL_VERSION, client=self.client_name), timeout_s)
+        if info.protocol_version != P.PROTOCOL_VERSION:
+            raise RpcError(P.ErrorCode.PROTOCOL_MISMATCH, f"controller speaks protocol {info.protocol_version}")
+        return info
+
+    def step(self, rows: list[P.StepRow], timeout_s: float | None = None) -> list[P.StepDecision]:
+        return self.call(P.Step(rows=rows), timeout_s).decisions
+
+    def finish(self, rid: str, new_tokens: list[int], aborted: bool, timeout_s: float | None = None) -> None:
+        self.call(P.Finish(rid=rid, new_tokens=new_tokens, aborted=aborted), timeout_s)
+
+    def verdict(self, rid: str, timeout_s: float | None = None) -> P.VerdictReply:
+        return self.call(P.Verdict(rid=rid), timeout_s)
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        self.call(P.Shutdown(), timeout_s)

@@ -1,0 +1,287 @@
+"""The controller process: MarginGate policy, verifier dispatch, audit, counters.
+
+It owns the verifier worker (spawned as its child), so it knows at once when the worker dies.
+Clients: mg's forward hook in SGLang's scheduler (one `Step` per fast-path forward holding every
+protected row, and `Finish` when a protected request ends) and the HTTP front (`Verdict`).
+For each row the policy decides fast commit or verified commit; verified rows of one forward go
+to the verifier in one message (it serves them in one batched, batch-invariant forward). Every
+verify call carries the tokens the verifier has not seen, so its catch-up also audits the steps
+that were not verified; `Finish` audits the tail. A request's verdict is `verified` only when
+every emitted token has been checked against the verifier.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from mg_server.runtime import protocol as P
+from mg_server.runtime.policy import Policy
+
+log = logging.getLogger("mg.controller")
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    ipc_path: str  # filesystem path of this controller's ipc:// socket
+    mode: str  # "off" | "margin" | "always"
+    tau: float
+    metrics_dir: str  # prometheus multiprocess folder (set in the env before metrics exist)
+    verifier: "object | None" = None  # VerifierConfig of the worker to spawn (None: mode "off")
+    verify_timeout_s: float = 30.0
+    start_timeout_s: float = 300.0  # verifier model load
+    verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept
+
+
+@dataclass
+class ReqState:
+    tokens: list[int] = field(default_factory=list)  # t_0 .. as reported by the hook
+    prompt_len: int = 0  # the first step's tokens are the prompt (not audited)
+    verifier_len: int = 0  # the verifier has been sent t_0 .. t_{verifier_len-1}
+    steps: int = 0
+    verified_steps: int = 0
+    repairs: int = 0
+    mismatches: list[int] = field(default_factory=list)  # positions q whose t_{q+1} was a missed flip
+    error: str = ""
+    finished_at: float = 0.0  # monotonic time of Finish; 0 while running
+
+    def state(self, mode: str) -> str:
+        if self.error:
+            return "failed"
+        if not self.finished_at:
+            return "running"
+        if self.mismatches:
+            return "mismatch"
+        return "verified" if mode != "off" else "unverified"
+
+
+class Controller:
+    def __init__(self, cfg: ControllerConfig):
+        from mg_server.metrics import controller_metrics
+
+        self.cfg = cfg
+        self.policy = Policy(cfg.mode, cfg.tau)
+        self.m = controller_metrics()
+        self.reqs: dict[str, ReqState] = {}
+        self.verifier_proc = None
+        self.vclient = None
+        self.vinfo: P.HelloReply | None = None
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("ipc://" + cfg.ipc_path)
+        self.running = True
+
+    # ---- verifier -------------------------------------------------------------------------
+    def start_verifier(self) -> None:
+        if self.cfg.verifier is None:
+            return
+        from mg_server.runtime.verifier.client import VerifierClient
+        from mg_server.runtime.verifier.server import start_verifier
+
+        self.verifier_proc = start_verifier(self.cfg.verifier)
+        self.vclient = VerifierClient(self.cfg.verifier.ipc_path, timeout_s=self.cfg.verify_timeout_s,
+                                      client_name="controller")
+        # attach_slots=False: the controller relays (slot, gen) to the hook; on CUDA attaching
+        # would open a CUDA context here for nothing.
+        self.vinfo = self.vclient.connect(timeout_s=self.cfg.start_timeout_s, attach_slots=False)
+        log.info("verifier ready: model %s, kernels %s", self.vinfo.model_id, self.vinfo.kernel_config_id)
+
+    def verifier_up(self) -> bool:
+        return self.vclient is not None and self.verifier_proc is not None and self.verifier_proc.is_alive()
+
+    # ---- messages -----------------------------------------------------------------------
+    def handle(self, msg: P.Message) -> P.Message:
+        if isinstance(msg, P.Step):
+            return P.StepReply(decisions=self._step(msg.rows))
+        if isinstance(msg, P.Finish):
+            self._finish(msg)
+            return P.Ack()
+        if isinstance(msg, P.Verdict):
+            return self._verdict(msg.rid)
+        if isinstance(msg, P.ControllerHello):
+            return P.ControllerInfo(
+                protocol_version=P.PROTOCOL_VERSION, mode=self.cfg.mode, tau=self.cfg.tau,
+                verifier_up=self.verifier_up(),
+                kernel_config_id=self.vinfo.kernel_config_id if self.vinfo else "",
+                model_id=self.vinfo.model_id if self.vinfo else "",
+                shm=self.vinfo.shm if self.vinfo else None,
+            )
+        if isinstance(msg, P.Shutdown):
+            self.running = False
+            return P.Ack()
+        return P.Error(error=P.ErrorReply(code=P.ErrorCode.BAD_REQUEST, message=f"unexpected {type(msg).__name__}"))
+
+    def _step(self, rows: list[P.StepRow]) -> list[P.StepDecision]:
+        decisions: list[P.StepDecision] = []
+        to_verify: list[tuple[int, P.StepRow, ReqState]] = []
+        for row in rows:
+            st = self.reqs.setdefault(row.rid, ReqState())
+            start = row.pos + 1 - len(row.new_tokens)
+            if start != len(st.tokens) or st.error:
+                st.error = st.error or f"position mismatch: controller has {len(st.tokens)} tokens, step starts at {start}"
+                decisions.append(P.StepDecision(rid=row.rid, error=st.error))
+                continue
+            if not st.tokens:
+                st.prompt_len = len(row.new_tokens)
+            st.tokens.extend(row.new_tokens)
+            st.steps += 1
+            decisions.append(P.StepDecision(rid=row.rid))
+            if self.cfg.mode != "off" and not self.verifier_up():
+                st.error = "deterministic verifier is not running"
+                decisions[-1].error = st.error
+            elif self.policy.should_verify(row.margin):
+                to_verify.append((len(decisions) - 1, row, st))
+            else:
+                self.m.steps.labels(decision="fast").inc()
+        if to_verify:
+            self._verify(to_verify, decisions)
+        return decisions
+
+    def _verify(self, batch, decisions: list[P.StepDecision]) -> None:
+        from mg_server.runtime.verifier.client import VerifierError
+
+        items = [P.VerifyItem(rid=row.rid, pos=row.pos, tokens=st.tokens[st.verifier_len:row.pos + 1],
+                              prompt_len=st.prompt_len if st.verifier_len == 0 else 0,
+                              deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9))
+                 for _, row, st in batch]
+        t0 = time.perf_counter()
+        try:
+            results = self.vclient.verify_many(items)
+        except VerifierError as e:
+            results = [P.ErrorReply(code=e.code, message=str(e)) for _ in items]
+        self.m.verify_seconds.observe(time.perf_counter() - t0)
+        for (i, row, st), res in zip(batch, results):
+            d = decisions[i]
+            if isinstance(res, P.ErrorReply):
+                st.error = d.error = f"verifier: [{res.code}] {res.message}"
+                self.m.verify_errors.inc()
+                continue
+            self.m.steps.labels(decision="verify").inc()
+            self.m.verify.inc()
+            self._audit(row.rid, st, res)
+            st.verifier_len = row.pos + 1
+            st.verified_steps += 1
+            d.verified, d.token, d.slot, d.gen = True, res.token, res.slot, res.gen
+            d.repair = res.token != row.fast_token
+            if d.repair:
+                st.repairs += 1
+                self.m.repair.inc()
+
+    def _audit(self, rid: str, st: ReqState, res: P.VerifyResult) -> None:
+        """The verifier's catch-up recomputed steps that were committed from the fast path."""
+        if res.first_mismatch >= 0:
+            st.mismatches.append(res.first_mismatch)
+            self.m.audit_mismatch.inc()
+            log.warning("missed flip: request %s position %d (fast-path token differs from the verifier's)",
+                        rid, res.first_mismatch)
+
+    def _finish(self, msg: P.Finish) -> None:
+        st = self.reqs.setdefault(msg.rid, ReqState())
+        if not st.error and len(msg.new_tokens) and st.tokens:
+            st.tokens.extend(msg.new_tokens)
+        n = len(st.tokens)
+        # t_{n-1} was chosen at position n-2; unless that step was verified, audit the tail.
+        if not msg.aborted and not st.error and self.cfg.mode != "off" and st.verifier_len < n - 1:
+            self._final_audit(msg.rid, st, n)
+        st.finished_at = time.monotonic()
+        if self.vclient is not None and self.verifier_up():
+            try:
+                self.vclient.release([msg.rid], timeout_s=5)
+            except Exception as e:  # noqa: BLE001 - a failed release only costs verifier memory
+                log.warning("release %s failed: %s", msg.rid, e)
+        self._expire()
+
+    def _final_audit(self, rid: str, st: ReqState, n: int) -> None:
+        from mg_server.runtime.verifier.client import VerifierError
+
+        if not self.verifier_up():
+            st.error = "deterministic verifier is not running (final audit)"
+            return
+        item = P.VerifyItem(rid=rid, pos=n - 2, tokens=st.tokens[st.verifier_len:n - 1],
+                            prompt_len=st.prompt_len if st.verifier_len == 0 else 0,
+                            deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9))
+        try:
+            (res,) = self.vclient.verify_many([item])
+            if isinstance(res, P.ErrorReply):
+                raise VerifierError(res.code, res.message)
+        except VerifierError as e:
+            st.error = f"verifier (final audit): {e}"
+            return
+        self._audit(rid, st, res)
+        if res.first_mismatch < 0 and res.token != st.tokens[n - 1]:
+            st.mismatches.append(n - 2)
+            self.m.audit_mismatch.inc()
+            log.warning("missed flip: request %s position %d (final token)", rid, n - 2)
+        st.verifier_len = n - 1
+
+    def _verdict(self, rid: str) -> P.VerdictReply:
+        st = self.reqs.get(rid)
+        if st is None:
+            return P.VerdictReply(rid=rid, state="unknown")
+        return P.VerdictReply(rid=rid, state=st.state(self.cfg.mode), steps=st.steps,
+                              verified_steps=st.verified_steps, repairs=st.repairs,
+                              mismatch_positions=list(st.mismatches), error=st.error)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, s in self.reqs.items() if s.finished_at and now - s.finished_at > self.cfg.verdict_ttl_s]:
+            del self.reqs[rid]
+
+    # ---- loop -----------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        while self.running:
+            if not self.sock.poll(200):
+                continue
+            ident, data = self.sock.recv_multipart()
+            try:
+                msg = P.decode(data)
+            except Exception as e:  # noqa: BLE001 - a bad message gets a typed error
+                reply: P.Message = P.Error(error=P.ErrorReply(code=P.ErrorCode.BAD_REQUEST, message=str(e)))
+            else:
+                try:
+                    reply = self.handle(msg)
+                except Exception as e:  # noqa: BLE001 - the controller survives a bad request
+                    log.exception("controller error")
+                    reply = P.Error(error=P.ErrorReply(code=P.ErrorCode.INTERNAL, message=repr(e)))
+                reply.msg_id = msg.msg_id
+            self.sock.send_multipart([ident, P.encode(reply)])
+
+    def close(self) -> None:
+        if self.vclient is not None:
+            try:
+                if self.verifier_up():
+                    self.vclient.shutdown(timeout_s=5)
+            except Exception:  # noqa: BLE001
+                pass
+            self.vclient.close()
+        if self.verifier_proc is not None:
+            self.verifier_proc.join(5)
+            if self.verifier_proc.is_alive():
+                self.verifier_proc.kill()
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def run_controller(cfg: ControllerConfig) -> None:
+    import os
+
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = cfg.metrics_dir  # before the first metric exists
+    logging.basicConfig(level=logging.INFO, format="[mg-controller %(asctime)s] %(message)s")
+    ctl = Controller(cfg)
+    try:
+        ctl.start_verifier()
+        ctl.serve_forever()
+    finally:
+        ctl.close()
+
+
+def start_controller(cfg: ControllerConfig) -> mp.Process:
+    """Spawn the controller (not a daemon: it spawns the verifier worker itself)."""
+    proc = mp.get_context("spawn").Process(target=run_controller, args=(cfg,), name="mg-controller")
+    proc.start()
+    return proc

@@ -1,0 +1,165 @@
+"""MarginGate policy and the controller's decisions, audit and verdicts (fake verifier)."""
+
+import math
+
+import pytest
+
+from mg_server.runtime import protocol as P
+from mg_server.runtime.controller.server import Controller, ControllerConfig
+from mg_server.runtime.policy import Policy, resolve_tau
+
+
+def test_policy_modes():
+    assert not Policy("off", 1.0).should_verify(0.0)
+    assert Policy("always", 1.0).should_verify(100.0)
+    m = Policy("margin", 0.5)
+    assert m.should_verify(0.49) and not m.should_verify(0.5) and not m.should_verify(3.0)
+    assert m.should_verify(math.nan)  # broken logits are never fast-committed
+    assert not Policy("margin", 0.0).should_verify(0.0)
+    with pytest.raises(ValueError):
+        Policy("sometimes", 1.0)
+    with pytest.raises(ValueError):
+        Policy("margin", -1.0)
+
+
+def test_tau_from_flag_profile_or_error():
+    assert resolve_tau("/x/SmolLM2-135M-Instruct", 0.3) == (0.3, "flag")
+    tau, source = resolve_tau("/x/SmolLM2-135M-Instruct", None)
+    assert tau > 0 and "profile" in source
+    with pytest.raises(ValueError, match="no tau profile"):
+        resolve_tau("/x/unknown-model", None)
+
+
+def ref_next(prefix: list[int]) -> int:
+    """The fake verifier's greedy rule."""
+    return (sum(prefix) * 31 + len(prefix)) % 50
+
+
+class FakeVerifier:
+    """Follows the protocol: catch-up from the known length, audit of t_{q+1} for q in [start-1, pos-1]."""
+
+    def __init__(self):
+        self.seen: dict[str, list[int]] = {}
+        self.prompt_len: dict[str, int] = {}
+        self.items: list[P.VerifyItem] = []
+        self.released: list[str] = []
+
+    def verify_many(self, items, timeout_s=None):
+        out = []
+        for it in items:
+            self.items.append(it)
+            hist = self.seen.setdefault(it.rid, [])
+            start = it.pos + 1 - len(it.tokens)
+            if start != len(hist):
+                out.append(P.ErrorReply(code=P.ErrorCode.POSITION_MISMATCH, message="", rid=it.rid, expected_pos=len(hist)))
+                continue
+            if not hist:
+                self.prompt_len[it.rid] = it.prompt_len or len(it.tokens)
+            hist.extend(it.tokens)
+            lo = max(start - 1, self.prompt_len[it.rid] - 1, 0)
+            first = next((q for q in range(lo, it.pos) if ref_next(hist[: q + 1]) != hist[q + 1]), -1)
+            out.append(P.VerifyResult(rid=it.rid, pos=it.pos, token=ref_next(hist), margin=1.0, slot=0, gen=1,
+                                      first_mismatch=first))
+        return out
+
+    def release(self, rids, timeout_s=None):
+        self.released += rids
+        return len(rids)
+
+
+class Alive:
+    def __init__(self):
+        self.alive = True
+
+    def is_alive(self):
+        return self.alive
+
+
+@pytest.fixture()
+def make_ctl(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    ctls = []
+
+    def make(mode="margin", tau=0.5):
+        ctl = Controller(ControllerConfig(ipc_path=str(tmp_path / f"c{len(ctls)}.sock"), mode=mode, tau=tau,
+                                          metrics_dir=str(tmp_path)))
+        ctl.vclient, ctl.verifier_proc = FakeVerifier(), Alive()
+        ctls.append(ctl)
+        return ctl
+
+    yield make
+    for c in ctls:
+        c.vclient, c.verifier_proc = None, None
+        c.close()
+
+
+def run_request(ctl, rid, prompt, n_steps, margins, follow_verifier=True, flip_at=None):
+    """Drive a request like the hook does; returns the emitted tokens."""
+    tokens = list(prompt)
+    sent = 0
+    for step in range(n_steps):
+        pos = len(tokens) - 1
+        fast = ref_next(tokens) if step != flip_at else (ref_next(tokens) + 1) % 50
+        row = P.StepRow(rid=rid, pos=pos, new_tokens=tokens[sent:], margin=margins[step], fast_token=fast)
+        sent = len(tokens)
+        (d,) = ctl._step([row])
+        assert not d.error, d.error
+        tokens.append(d.token if d.verified and follow_verifier else fast)
+    ctl._finish(P.Finish(rid=rid, new_tokens=tokens[sent:]))
+    return tokens
+
+
+def test_margin_mode_verifies_low_margins_with_catch_up(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    margins = [2.0, 0.1, 3.0, 3.0, 0.2, 5.0]
+    run_request(ctl, "a", [5, 6, 7], 6, margins)
+    items = ctl.vclient.items
+    # two verified steps + the final audit of the tail
+    assert [it.pos for it in items] == [3, 6, 7]
+    # step 0 (pos 2, the prompt's last) was fast-committed; step 1 verifies pos 3 = its token
+    assert items[0].tokens[:3] == [5, 6, 7] and len(items[0].tokens) == 4
+    assert items[0].prompt_len == 3 and items[1].prompt_len == 0
+    v = ctl._verdict("a")
+    assert v.state == "verified" and v.steps == 6 and v.verified_steps == 2 and v.repairs == 0
+    assert ctl.vclient.released == ["a"]
+
+
+def test_flip_at_verified_step_is_repaired(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    run_request(ctl, "b", [1, 2], 4, [1.0, 0.1, 1.0, 1.0], flip_at=1)
+    v = ctl._verdict("b")
+    assert v.repairs == 1 and v.state == "verified"
+
+
+def test_missed_flip_is_found_by_the_audit(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    # the fast path flips at a high-margin step (never verified): the final audit must see it
+    run_request(ctl, "c", [3, 3], 5, [9.0] * 5, flip_at=2)
+    v = ctl._verdict("c")
+    assert v.state == "mismatch" and v.mismatch_positions == [3]
+
+
+def test_always_mode_verifies_every_step(make_ctl):
+    ctl = make_ctl("always", 0.5)
+    run_request(ctl, "d", [4], 5, [9.0] * 5, flip_at=3)
+    assert [it.pos for it in ctl.vclient.items] == [0, 1, 2, 3, 4]
+    v = ctl._verdict("d")
+    assert v.verified_steps == 5 and v.repairs == 1 and v.state == "verified"
+
+
+def test_position_mismatch_and_dead_verifier_fail_the_request(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    (d,) = ctl._step([P.StepRow(rid="e", pos=5, new_tokens=[1, 2], margin=0.1, fast_token=0)])
+    assert "position mismatch" in d.error
+    assert ctl._verdict("e").state == "failed"
+    ctl.verifier_proc.alive = False
+    (d,) = ctl._step([P.StepRow(rid="f", pos=0, new_tokens=[1], margin=9.0, fast_token=0)])
+    assert "not running" in d.error
+
+
+def test_off_mode_never_calls_the_verifier(make_ctl):
+    ctl = make_ctl("off", 0.5)
+    run_request(ctl, "g", [1], 3, [0.0] * 3)
+    assert ctl.vclient.items == []
+    assert ctl._verdict("g").state == "unverified"
+    assert ctl._verdict("nope").state == "unknown"
