@@ -91,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad pass-through flags, no tau for the model
         print(f"mg-server: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - start-up failure (seams, verifier, controller): say so, exit
+        logging.getLogger("mg").exception("mg-server could not start")
+        print(f"mg-server: could not start: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

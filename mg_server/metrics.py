@@ -13,7 +13,7 @@ from mg_server.config import MARGIN_BUCKETS
 
 
 @lru_cache(maxsize=None)
-def hook_metrics(buckets: tuple[float, ...] = MARGIN_BUCKETS) -> tuple[Counter, Histogram]:
+def hook_metrics(buckets: tuple[float, ...] = MARGIN_BUCKETS) -> tuple[Counter, Histogram, Histogram]:
     """Created on first use, in the process that records them (the SGLang scheduler)."""
     steps = Counter(
         "mg_deterministic_steps",
@@ -24,7 +24,12 @@ def hook_metrics(buckets: tuple[float, ...] = MARGIN_BUCKETS) -> tuple[Counter, 
         "Top-1 minus top-2 pre-sampling logit of deterministic requests' steps",
         buckets=buckets,
     )
-    return steps, margin
+    control = Histogram(
+        "mg_control_seconds",
+        "Time mg's hook adds to a forward in which no row was verified (margins + controller round trip)",
+        buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05),
+    )
+    return steps, margin, control
 
 
 def render(metrics_dir: str) -> bytes:

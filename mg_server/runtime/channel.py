@@ -64,3 +64,12 @@ class RpcClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def set_process_title(title: str) -> None:
+    """Name mg's processes in `ps` (`mg::controller`, `mg::verifier`), as SGLang names its own."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.setproctitle(title)

@@ -127,7 +127,7 @@ class ControllerLink:
 class MarginHook:
     def __init__(self, config: HookConfig):
         self.config = config
-        self.steps, self.margin = metrics.hook_metrics(config.margin_buckets)
+        self.steps, self.margin, self.control = metrics.hook_metrics(config.margin_buckets)
         self.link = ControllerLink(config) if config.controller_ipc else None
 
     def __call__(self, module, args, output):
@@ -137,17 +137,20 @@ class MarginHook:
         rows = protected_rows(forward_batch)
         if not rows:
             return None
+        t0 = time.perf_counter()
         logits = output.next_token_logits  # [bs, vocab], pre-sampling
         margins, fast = top2(logits[[i for i, _ in rows]])
         margins_l, fast_l = margins.tolist(), fast.tolist()
         self.steps.inc(len(rows))
         for m in margins_l:
             self.margin.observe(m)
-        if self.link is not None:
-            self._control(forward_batch, logits, rows, margins_l, fast_l)
+        verified = self._control(forward_batch, logits, rows, margins_l, fast_l) if self.link else False
+        if not verified:
+            self.control.observe(time.perf_counter() - t0)
         return None  # logits were edited in place where needed
 
-    def _control(self, forward_batch, logits, rows, margins, fast) -> None:
+    def _control(self, forward_batch, logits, rows, margins, fast) -> bool:
+        """Ask the controller; apply its decisions. True if any row was verified."""
         link = self.link
         step_rows, positions = [], []
         with link.lock:
@@ -162,7 +165,9 @@ class MarginHook:
             decisions = link.client.step(step_rows)
         except Exception as e:  # noqa: BLE001 - controller unreachable: fail these requests loudly
             decisions = [P.StepDecision(rid=r.rid, error=f"mg controller unavailable: {e}") for r in step_rows]
+        any_verified = False
         for (i, req), pos, d in zip(rows, positions, decisions):
+            any_verified |= d.verified
             if d.error:
                 req.to_finish = FINISH_ABORT(f"deterministic decoding failed: {d.error}",
                                              HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailable")
@@ -176,6 +181,7 @@ class MarginHook:
                 except Exception as e:  # noqa: BLE001
                     req.to_finish = FINISH_ABORT(f"deterministic K/V repair failed: {e}",
                                                  HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+        return any_verified
 
 
 def make_hook(config: dict) -> MarginHook:

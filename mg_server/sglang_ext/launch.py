@@ -84,11 +84,14 @@ def start_runtime(cfg: ServeConfig):
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
                             metrics_dir=cfg.metrics_dir, verifier=verifier)
     proc = start_controller(ccfg)
-    with ControllerClient(ccfg.ipc_path, timeout_s=ccfg.start_timeout_s, client_name="launcher") as client:
-        info = client.hello()
-    if not info.verifier_up:
-        proc.kill()
-        raise RuntimeError("the deterministic verifier did not start")
+    try:
+        with ControllerClient(ccfg.ipc_path, timeout_s=ccfg.start_timeout_s, client_name="launcher") as client:
+            info = client.hello()
+        if not info.verifier_up:
+            raise RuntimeError("the deterministic verifier did not start")
+    except BaseException:
+        proc.kill()  # a live non-daemon child would keep this process from exiting
+        raise
     log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s", cfg.mg_mode, tau, source, info.kernel_config_id)
     atexit.register(_stop_runtime, proc, ccfg.ipc_path)
     threading.Thread(target=_watch_runtime, args=(proc,), name="mg-runtime-watch", daemon=True).start()

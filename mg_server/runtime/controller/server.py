@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -234,8 +235,11 @@ class Controller:
 
     # ---- loop -----------------------------------------------------------------------------
     def serve_forever(self) -> None:
+        parent = os.getppid()
         while self.running:
             if not self.sock.poll(200):
+                if os.getppid() != parent:  # orphaned (mg-server was killed): stop, and the verifier with us
+                    break
                 continue
             ident, data = self.sock.recv_multipart()
             try:
@@ -268,8 +272,9 @@ class Controller:
 
 
 def run_controller(cfg: ControllerConfig) -> None:
-    import os
+    from mg_server.runtime.channel import set_process_title
 
+    set_process_title("mg::controller")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = cfg.metrics_dir  # before the first metric exists
     logging.basicConfig(level=logging.INFO, format="[mg-controller %(asctime)s] %(message)s")
     ctl = Controller(cfg)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
+import os
 import time
 import traceback
 from dataclasses import dataclass
@@ -211,9 +212,12 @@ class VerifierServer:
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        parent = os.getppid()
         try:
             while self.running:
                 if not poller.poll(self.cfg.poll_ms):
+                    if os.getppid() != parent:  # orphaned (the controller was killed): stop
+                        break
                     continue
                 frames = []
                 while len(frames) < self.cfg.max_batch_items:  # drain what is queued: one batch
@@ -235,6 +239,9 @@ class VerifierServer:
 
 def run_verifier(cfg: VerifierConfig) -> None:
     """Process entry point: bind, load, serve until a Shutdown message."""
+    from mg_server.runtime.channel import set_process_title
+
+    set_process_title("mg::verifier")
     server = VerifierServer(cfg)
     server.load()
     server.serve_forever()

@@ -1,0 +1,194 @@
+"""Does a running server give every deterministic request its verifier-alone answer?
+
+Client side only (HTTP to a server on loopback); used by the determinism test and benchmark and
+later by calibration. The checks:
+- alone: each deterministic prompt sent by itself;
+- mixed: groups of deterministic prompts sent concurrently with other traffic (other prompts,
+  other lengths, `X-Deterministic: 0` and no header);
+- composition: one batched /generate holding deterministic and plain rows, sent twice (rows
+  flagged, then unflagged): the plain rows must come out identical, i.e. mg's token forcing and
+  K/V repair touch only the rows they protect.
+Each deterministic answer is compared token for token with the verifier-alone reference.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+import requests
+
+from mg_server.config import DETERMINISTIC_PARAM
+
+MG_COUNTERS = ("mg_deterministic_steps_total", "mg_verify_total", "mg_repair_total",
+               "mg_audit_mismatch_total", "mg_verify_errors_total")
+
+
+@dataclass(frozen=True)
+class DeterminismConfig:
+    url: str
+    max_new: int = 64
+    group: int = 4  # deterministic requests per mixed group
+    others_per_group: int = 4
+    timeout_s: float = 900.0
+    phases: tuple[str, ...] = ("alone", "mixed", "composition")
+
+
+@dataclass
+class Outcome:
+    label: str
+    prompt_index: int
+    match: bool
+    first_diff: int  # -1 when equal
+    verdict: str = ""
+
+
+@dataclass
+class Report:
+    outcomes: list[Outcome] = field(default_factory=list)
+    composition_equal: bool | None = None
+    counters: dict = field(default_factory=dict)  # mg counter deltas over the run
+    seconds: float = 0.0
+
+    @property
+    def mismatches(self) -> list[Outcome]:
+        return [o for o in self.outcomes if not o.match]
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["n_checked"] = len(self.outcomes)
+        d["n_mismatch"] = len(self.mismatches)
+        return d
+
+
+def scrape(url: str) -> dict[str, float]:
+    text = requests.get(url + "/metrics", timeout=30).text
+    out = {}
+    for name in MG_COUNTERS:
+        m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
+    for decision in ("fast", "verify"):
+        m = re.search(rf'^mg_steps_total{{decision="{decision}"}} ([0-9.e+-]+)$', text, re.M)
+        out[f"steps_{decision}"] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def generate(url: str, input_ids: list[int], max_new: int, header: str | None, timeout_s: float) -> tuple[list[int], str]:
+    """Greedy /generate of a token prompt; returns (output token ids, verdict header)."""
+    body = {"input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 0}}
+    headers = {"X-Deterministic": header} if header is not None else {}
+    r = requests.post(url + "/generate", json=body, headers=headers, timeout=timeout_s)
+    r.raise_for_status()
+    return r.json()["output_ids"], r.headers.get("x-mg-verdict", "")
+
+
+def _compare(label: str, i: int, got: list[int], want: list[int], verdict: str) -> Outcome:
+    diff = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), -1)
+    if diff < 0 and len(got) != len(want):
+        diff = min(len(got), len(want))
+    return Outcome(label, i, diff < 0, diff, verdict)
+
+
+def run(cfg: DeterminismConfig, det_prompts: list[list[int]], refs: list[list[int]],
+        other_prompts: list[list[int]], noop_processor: str, progress=print) -> Report:
+    """det_prompts[i]'s answer must equal refs[i] (max_new tokens) in every setting."""
+    rep = Report()
+    before, t0 = scrape(cfg.url), time.monotonic()
+
+    if "alone" in cfg.phases:
+        _alone(cfg, det_prompts, refs, rep)
+        progress(f"alone: {sum(o.match for o in rep.outcomes)}/{len(det_prompts)} equal the reference")
+    if "mixed" in cfg.phases:
+        _mixed(cfg, det_prompts, refs, other_prompts, rep)
+        progress(f"mixed: {sum(o.match for o in rep.outcomes if o.label == 'mixed')}/{len(det_prompts)} equal")
+    if "composition" in cfg.phases:
+        rep.composition_equal = _composition(cfg, det_prompts[:2], other_prompts[:4], refs[:2], noop_processor, rep)
+        progress(f"composition: plain rows unchanged = {rep.composition_equal}")
+    after = scrape(cfg.url)
+    rep.counters = {k: after[k] - before[k] for k in after}
+    rep.seconds = time.monotonic() - t0
+    return rep
+
+
+def _alone(cfg, det_prompts, refs, rep: Report) -> None:
+    for i, ids in enumerate(det_prompts):
+        got, verdict = generate(cfg.url, ids, cfg.max_new, "1", cfg.timeout_s)
+        rep.outcomes.append(_compare("alone", i, got, refs[i], verdict))
+
+
+def _mixed(cfg, det_prompts, refs, other_prompts, rep: Report) -> None:
+    for g in range(0, len(det_prompts), cfg.group):
+        jobs = [("det", i, det_prompts[i], cfg.max_new, "1") for i in range(g, min(g + cfg.group, len(det_prompts)))]
+        for k in range(cfg.others_per_group):
+            ids = other_prompts[(g + k) % len(other_prompts)]
+            jobs.append(("other", -1, ids, 16 + 24 * k, ("0", None)[k % 2]))
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            futs = [pool.submit(generate, cfg.url, ids, n, h, cfg.timeout_s) for _, _, ids, n, h in jobs]
+            for (kind, i, *_), fut in zip(jobs, futs):
+                got, verdict = fut.result()
+                if kind == "det":
+                    rep.outcomes.append(_compare("mixed", i, got, refs[i], verdict))
+
+
+def _composition(cfg, dets, others, refs, noop_processor, rep: Report) -> bool:
+    """One batched /generate (all rows enter the scheduler together), with and without flags."""
+    def batch(flagged: bool) -> list[list[int]]:
+        rows = dets + others
+        params = [{"max_new_tokens": cfg.max_new, "ignore_eos": True, "temperature": 0,
+                   "custom_params": {DETERMINISTIC_PARAM: flagged and i < len(dets)}} for i in range(len(rows))]
+        body = {"input_ids": rows, "sampling_params": params,
+                "custom_logit_processor": [noop_processor if flagged and i < len(dets) else None for i in range(len(rows))]}
+        r = requests.post(cfg.url + "/generate", json=body, timeout=cfg.timeout_s)
+        r.raise_for_status()
+        return [o["output_ids"] for o in r.json()]
+
+    flagged, plain = batch(True), batch(False)
+    for i in range(len(dets)):
+        rep.outcomes.append(_compare("composition", i, flagged[i], refs[i], ""))
+    return flagged[len(dets):] == plain[len(dets):]
+
+
+@dataclass
+class Workload:
+    det: list[list[int]]  # deterministic prompts (chat-templated token ids)
+    other: list[list[int]]  # other traffic
+    refs: list[list[int]]  # verifier-alone answers of det, max_new tokens each
+    ref_margins: list[list[float]]
+
+
+def build_workload(model_path: str, n_prompts: int, max_new: int, n_other: int = 8) -> Workload:
+    """Prompts from the offline sets, chat-templated, and their verifier-alone references."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from mg_server.prompts import mixed_prompts, sharegpt_prompts
+    from mg_server.runtime.verifier.reference import greedy_reference, load_engine
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+
+    def ids(text: str) -> list[int]:
+        chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return tok.encode(chat, add_special_tokens=False)
+
+    det = [ids(t) for t in mixed_prompts(n_prompts)]
+    other = [ids(t) for t in sharegpt_prompts(n_other, seed=7)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # results do not depend on it; one thread leaves a core to the rest
+    try:
+        refs = greedy_reference(load_engine(model_path), det, max_new)
+    finally:
+        torch.set_num_threads(threads)
+    return Workload(det, other, [r.tokens for r in refs], [r.margins for r in refs])
+
+
+def noop_processor() -> str:
+    """The serialized no-op logit processor (as the front sends it), for hand-made bodies."""
+    from mg_server.sglang_ext.cpu_compat import install
+
+    install()  # the processor's module imports SGLang
+    from mg_server.sglang_ext.processor import serialized
+
+    return serialized()
