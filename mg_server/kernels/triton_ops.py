@@ -42,6 +42,16 @@ def _dev_index(t: Tensor) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # persistent matmul
+@triton.jit
+def _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Tile index -> (pid_m, pid_n), grouped along M for L2 reuse. Both matmul kernels walk
+    tiles through this one function, so their output tiling is the same by construction."""
+    in_group = GROUP_M * num_pid_n
+    first_m = (tile // in_group) * GROUP_M
+    gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % in_group) % gsize, (tile % in_group) // gsize
+
+
 @triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
                    sxm, sxk, swn, swk, sym, syn,
@@ -52,13 +62,8 @@ def _matmul_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K,
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    in_group = GROUP_M * num_pid_n
     for tile in range(pid, num_tiles, NUM_SMS):
-        group = tile // in_group
-        first_m = group * GROUP_M
-        gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % in_group) % gsize
-        pid_n = (tile % in_group) // gsize
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -96,13 +101,10 @@ def _matmul_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K,
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_tiles = num_pid_m * num_pid_n
-    in_group = GROUP_M * num_pid_n
     for tile in range(pid, num_tiles, NUM_SMS):
-        group = tile // in_group
-        first_m = group * GROUP_M
-        gsize = tl.minimum(num_pid_m - first_m, GROUP_M)
-        off_m = (first_m + (tile % in_group) % gsize) * BLOCK_M
-        off_n = ((tile % in_group) // gsize) * BLOCK_N
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):  # why: the one reduction order, K ascending
             a = x_desc.load([off_m, k0])
