@@ -106,20 +106,22 @@ def run_request(ctl, rid, prompt, n_steps, margins, follow_verifier=True, flip_a
         assert not d.error, d.error
         tokens.append(d.token if d.verified and follow_verifier else fast)
     ctl._finish(P.Finish(rid=rid, new_tokens=tokens[sent:]))
-    return tokens
+    assert ctl.reqs[rid].state(ctl.cfg.mode) == "running"  # tail audit deferred ...
+    return tokens  # ... until the verdict is asked for (or the controller is idle)
 
 
 def test_margin_mode_verifies_low_margins_with_catch_up(make_ctl):
     ctl = make_ctl("margin", 0.5)
     margins = [2.0, 0.1, 3.0, 3.0, 0.2, 5.0]
     run_request(ctl, "a", [5, 6, 7], 6, margins)
+    assert [it.pos for it in ctl.vclient.items] == [3, 6]  # the tail audit has not run yet
+    v = ctl._verdict("a")
     items = ctl.vclient.items
     # two verified steps + the final audit of the tail
     assert [it.pos for it in items] == [3, 6, 7]
     # step 0 (pos 2, the prompt's last) was fast-committed; step 1 verifies pos 3 = its token
     assert items[0].tokens[:3] == [5, 6, 7] and len(items[0].tokens) == 4
     assert items[0].prompt_len == 3 and items[1].prompt_len == 0
-    v = ctl._verdict("a")
     assert v.state == "verified" and v.steps == 6 and v.verified_steps == 2 and v.repairs == 0
     assert ctl.vclient.released == ["a"]
 

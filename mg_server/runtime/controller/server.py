@@ -49,11 +49,13 @@ class ReqState:
     mismatches: list[int] = field(default_factory=list)  # positions q whose t_{q+1} was a missed flip
     error: str = ""
     finished_at: float = 0.0  # monotonic time of Finish; 0 while running
+    aborted: bool = False
+    audit_pending: bool = False  # finished, tail audit not run yet
 
     def state(self, mode: str) -> str:
         if self.error:
             return "failed"
-        if not self.finished_at:
+        if not self.finished_at or self.audit_pending:
             return "running"
         if self.mismatches:
             return "mismatch"
@@ -68,6 +70,9 @@ class Controller:
         self.policy = Policy(cfg.mode, cfg.tau)
         self.m = controller_metrics()
         self.reqs: dict[str, ReqState] = {}
+        # Finished requests whose tail audit waits until no Step is queued (or their verdict is
+        # asked for): a Step holds up an SGLang forward, an audit holds up nobody yet.
+        self.pending: dict[str, None] = {}
         self.verifier_proc = None
         self.vclient = None
         self.vinfo: P.HelloReply | None = None
@@ -185,16 +190,25 @@ class Controller:
         st = self.reqs.setdefault(msg.rid, ReqState())
         if not st.error and len(msg.new_tokens) and st.tokens:
             st.tokens.extend(msg.new_tokens)
+        st.finished_at, st.aborted, st.audit_pending = time.monotonic(), msg.aborted, True
+        self.pending[msg.rid] = None
+
+    def _complete(self, rid: str) -> None:
+        """The deferred part of Finish: audit the tail, free the verifier's shadow cache."""
+        self.pending.pop(rid, None)
+        st = self.reqs.get(rid)
+        if st is None or not st.audit_pending:
+            return
         n = len(st.tokens)
         # t_{n-1} was chosen at position n-2; unless that step was verified, audit the tail.
-        if not msg.aborted and not st.error and self.cfg.mode != "off" and st.verifier_len < n - 1:
-            self._final_audit(msg.rid, st, n)
-        st.finished_at = time.monotonic()
+        if not st.aborted and not st.error and self.cfg.mode != "off" and st.verifier_len < n - 1:
+            self._final_audit(rid, st, n)
+        st.audit_pending = False
         if self.vclient is not None and self.verifier_up():
             try:
-                self.vclient.release([msg.rid], timeout_s=5)
+                self.vclient.release([rid], timeout_s=5)
             except Exception as e:  # noqa: BLE001 - a failed release only costs verifier memory
-                log.warning("release %s failed: %s", msg.rid, e)
+                log.warning("release %s failed: %s", rid, e)
         self._expire()
 
     def _final_audit(self, rid: str, st: ReqState, n: int) -> None:
@@ -221,6 +235,8 @@ class Controller:
         st.verifier_len = n - 1
 
     def _verdict(self, rid: str) -> P.VerdictReply:
+        if rid in self.pending:
+            self._complete(rid)  # its response is waiting for this audit
         st = self.reqs.get(rid)
         if st is None:
             return P.VerdictReply(rid=rid, state="unknown")
@@ -237,8 +253,10 @@ class Controller:
     def serve_forever(self) -> None:
         parent = os.getppid()
         while self.running:
-            if not self.sock.poll(200):
-                if os.getppid() != parent:  # orphaned (mg-server was killed): stop, and the verifier with us
+            if not self.sock.poll(0 if self.pending else 200):
+                if self.pending:  # idle: run one deferred tail audit
+                    self._complete(next(iter(self.pending)))
+                elif os.getppid() != parent:  # orphaned (mg-server was killed): stop, and the verifier with us
                     break
                 continue
             ident, data = self.sock.recv_multipart()
