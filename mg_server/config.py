@@ -42,7 +42,7 @@ class FrontConfig:
     metrics_dir: str
     controller_ipc: str = ""  # "" = no controller: no verdict headers
     kernel_config_id: str = ""  # the verifier's, reported on deterministic responses
-    verdict_wait_s: float = 10.0  # how long a response waits for its request's final audit
+    verdict_wait_s: float = 120.0  # how long a response waits for its request's final audit (CPU: long)
 
 
 @dataclass(frozen=True)

@@ -182,7 +182,9 @@ class DeterministicMiddleware:
 
         client = getattr(self._local, "client", None)
         if client is None:
-            client = self._local.client = ControllerClient(self.config.controller_ipc, timeout_s=5, client_name="front")
+            # the verdict may first run the request's tail audit: allow the whole wait for it
+            client = self._local.client = ControllerClient(self.config.controller_ipc,
+                                                           timeout_s=self.config.verdict_wait_s, client_name="front")
         deadline = time.monotonic() + self.config.verdict_wait_s
         states = []
         for rid in rids:
