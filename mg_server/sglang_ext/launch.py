@@ -67,10 +67,10 @@ def _fresh_metrics_dir(path: str) -> None:
 def start_runtime(cfg: ServeConfig):
     """Start the controller (which starts the verifier) and wait until both report ready.
 
-    Returns (controller process, ControllerInfo), or (None, None) in mode "off".
+    Returns (controller ipc path, ControllerInfo), or ("", None) in mode "off".
     """
     if cfg.mg_mode == "off":
-        return None, None
+        return "", None
     from mg_server.runtime.controller.client import ControllerClient
     from mg_server.runtime.controller.server import ControllerConfig, start_controller
     from mg_server.runtime.policy import resolve_tau
@@ -95,7 +95,7 @@ def start_runtime(cfg: ServeConfig):
     log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s", cfg.mg_mode, tau, source, info.kernel_config_id)
     atexit.register(_stop_runtime, proc, ccfg.ipc_path)
     threading.Thread(target=_watch_runtime, args=(proc,), name="mg-runtime-watch", daemon=True).start()
-    return proc, info
+    return ccfg.ipc_path, info
 
 
 def _stop_runtime(proc, ipc_path: str) -> None:
@@ -129,8 +129,7 @@ def serve(cfg: ServeConfig) -> None:
     from mg_server.sglang_ext import seams
 
     version = seams.check()
-    _, info = start_runtime(cfg)
-    controller_ipc = str(Path(cfg.run_dir) / "controller.sock") if info else ""
+    controller_ipc, info = start_runtime(cfg)
     from sglang.srt.entrypoints.http_server import app, launch_server
     from sglang.srt.server_args import ServerArgs
 

@@ -151,10 +151,7 @@ class Controller:
     def _verify(self, batch, decisions: list[P.StepDecision]) -> None:
         from mg_server.runtime.verifier.client import VerifierError
 
-        items = [P.VerifyItem(rid=row.rid, pos=row.pos, tokens=st.tokens[st.verifier_len:row.pos + 1],
-                              prompt_len=st.prompt_len if st.verifier_len == 0 else 0,
-                              deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9))
-                 for _, row, st in batch]
+        items = [self._item(row.rid, st, row.pos) for _, row, st in batch]
         t0 = time.perf_counter()
         try:
             results = self.vclient.verify_many(items)
@@ -178,13 +175,21 @@ class Controller:
                 st.repairs += 1
                 self.m.repair.inc()
 
+    def _item(self, rid: str, st: ReqState, pos: int) -> P.VerifyItem:
+        """Verify position pos after teaching the verifier every token it has not seen yet."""
+        return P.VerifyItem(rid=rid, pos=pos, tokens=st.tokens[st.verifier_len:pos + 1],
+                            prompt_len=st.prompt_len if st.verifier_len == 0 else 0,
+                            deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9))
+
+    def _missed_flip(self, rid: str, st: ReqState, pos: int, what: str) -> None:
+        st.mismatches.append(pos)
+        self.m.audit_mismatch.inc()
+        log.warning("missed flip: request %s position %d (%s)", rid, pos, what)
+
     def _audit(self, rid: str, st: ReqState, res: P.VerifyResult) -> None:
         """The verifier's catch-up recomputed steps that were committed from the fast path."""
         if res.first_mismatch >= 0:
-            st.mismatches.append(res.first_mismatch)
-            self.m.audit_mismatch.inc()
-            log.warning("missed flip: request %s position %d (fast-path token differs from the verifier's)",
-                        rid, res.first_mismatch)
+            self._missed_flip(rid, st, res.first_mismatch, "fast-path token differs from the verifier's")
 
     def _finish(self, msg: P.Finish) -> None:
         st = self.reqs.setdefault(msg.rid, ReqState())
@@ -217,11 +222,8 @@ class Controller:
         if not self.verifier_up():
             st.error = "deterministic verifier is not running (final audit)"
             return
-        item = P.VerifyItem(rid=rid, pos=n - 2, tokens=st.tokens[st.verifier_len:n - 1],
-                            prompt_len=st.prompt_len if st.verifier_len == 0 else 0,
-                            deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9))
         try:
-            (res,) = self.vclient.verify_many([item])
+            (res,) = self.vclient.verify_many([self._item(rid, st, n - 2)])
             if isinstance(res, P.ErrorReply):
                 raise VerifierError(res.code, res.message)
         except VerifierError as e:
@@ -229,9 +231,7 @@ class Controller:
             return
         self._audit(rid, st, res)
         if res.first_mismatch < 0 and res.token != st.tokens[n - 1]:
-            st.mismatches.append(n - 2)
-            self.m.audit_mismatch.inc()
-            log.warning("missed flip: request %s position %d (final token)", rid, n - 2)
+            self._missed_flip(rid, st, n - 2, "final token")
         st.verifier_len = n - 1
 
     def _verdict(self, rid: str) -> P.VerdictReply:

@@ -27,9 +27,6 @@ class VerifierClient(RpcClient):
         self.info: P.HelloReply | None = None
         self.slots: SlotBuffer | None = None
 
-    def _call(self, msg: P.Message, timeout_s: float | None) -> P.Message:
-        return self.call(msg, timeout_s)
-
     # ---- API ----------------------------------------------------------------------------
     def connect(self, timeout_s: float | None = None, expect_model_id: str = "",
                 expect_kernel_config_id: str = "", attach_slots: bool = True) -> P.HelloReply:
@@ -38,7 +35,7 @@ class VerifierClient(RpcClient):
         attach_slots=False for a client that only relays (slot, gen) to another process: on CUDA,
         attaching opens a CUDA context and an IPC mapping in this process.
         """
-        info = self._call(P.Hello(protocol_version=P.PROTOCOL_VERSION, client=self.client_name,
+        info = self.call(P.Hello(protocol_version=P.PROTOCOL_VERSION, client=self.client_name,
                                   expect_model_id=expect_model_id,
                                   expect_kernel_config_id=expect_kernel_config_id), timeout_s)
         assert isinstance(info, P.HelloReply)
@@ -52,7 +49,7 @@ class VerifierClient(RpcClient):
     def verify_many(self, items: list[P.VerifyItem], timeout_s: float | None = None
                     ) -> list[P.VerifyResult | P.ErrorReply]:
         """Send items in one message (served in one batched forward where rids differ)."""
-        reply = self._call(P.Verify(items=list(items)), timeout_s)
+        reply = self.call(P.Verify(items=list(items)), timeout_s)
         assert isinstance(reply, P.VerifyReply)
         return reply.results
 
@@ -75,11 +72,11 @@ class VerifierClient(RpcClient):
 
     def release(self, rids: list[str], timeout_s: float | None = None) -> int:
         """Free finished/aborted requests' shadow caches; returns how many were held."""
-        reply = self._call(P.Release(rids=list(rids)), timeout_s)
+        reply = self.call(P.Release(rids=list(rids)), timeout_s)
         return reply.n  # type: ignore[union-attr]
 
     def stats(self, timeout_s: float | None = None) -> P.StatsReply:
-        return self._call(P.Stats(), timeout_s)  # type: ignore[return-value]
+        return self.call(P.Stats(), timeout_s)  # type: ignore[return-value]
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         """Stop the worker. Detaches the slot buffer first: a CUDA IPC mapping must be released
@@ -87,7 +84,7 @@ class VerifierClient(RpcClient):
         if self.slots is not None:
             self.slots.close()
             self.slots = None
-        self._call(P.Shutdown(), timeout_s)
+        self.call(P.Shutdown(), timeout_s)
 
     def close(self) -> None:
         if self.slots is not None:

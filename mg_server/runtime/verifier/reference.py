@@ -48,12 +48,12 @@ def greedy_reference(engine, prompts: list[list[int]], max_new: int, stop_ids: t
 
 
 def load_engine(model_path: str, dtype: str = "bfloat16", device: str = "cpu", max_seq_len: int = 4096,
-                max_requests: int = 64, pool_tokens: int = 32768):
-    """An in-process verifier engine (same model and kernels as the worker process)."""
+                max_requests: int = 64, pool_tokens: int = 32768, evict_idle_s: float = float("inf")):
+    """A verifier engine: the worker process builds its own with this too."""
     import torch
 
     from mg_server.runtime.verifier.engine import VerifierEngine
     from mg_server.runtime.verifier.model import VerifierModel
 
     model = VerifierModel.load(model_path, getattr(torch, dtype), device, max_seq_len)
-    return VerifierEngine(model, max_requests, pool_tokens, max_seq_len)
+    return VerifierEngine(model, max_requests, pool_tokens, max_seq_len, evict_idle_s)

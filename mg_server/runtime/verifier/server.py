@@ -74,17 +74,17 @@ class VerifierServer:
 
     def load(self) -> None:
         from mg_server.runtime.verifier import ops
-        from mg_server.runtime.verifier.engine import VerifierEngine
-        from mg_server.runtime.verifier.model import VerifierModel, model_identity
+        from mg_server.runtime.verifier.model import model_identity
+        from mg_server.runtime.verifier.reference import load_engine
 
         cfg = self.cfg
         try:
             if cfg.num_threads > 0:
                 torch.set_num_threads(cfg.num_threads)
             dtype = getattr(torch, cfg.dtype)
-            model = VerifierModel.load(cfg.model_path, dtype, cfg.device, cfg.max_seq_len)
-            self.engine = VerifierEngine(model, cfg.max_requests, cfg.pool_tokens, cfg.max_seq_len,
-                                         cfg.evict_idle_s)
+            self.engine = load_engine(cfg.model_path, cfg.dtype, cfg.device, cfg.max_seq_len, cfg.max_requests,
+                                      cfg.pool_tokens, cfg.evict_idle_s)
+            model = self.engine.model
             s = model.spec
             self.shm = SlotBuffer.create(cfg.shm_base, cfg.n_slots, s.n_layers, s.n_kv_heads, s.head_dim,
                                          dtype, model.device)
