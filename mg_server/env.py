@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-CPU_COMPAT_VAR = "MG_CPU_COMPAT"  # set by the launcher; SGLang's spawned processes inherit it
+COMPAT_VAR = "MG_COMPAT"  # host profile set by the launcher; SGLang's spawned processes inherit it
 
 
 def cache_dir() -> Path:
@@ -20,8 +20,9 @@ def cache_dir() -> Path:
     return Path(base) / "mg_server"
 
 
-def cpu_compat_requested() -> bool:
-    return os.environ.get(CPU_COMPAT_VAR) == "1"
+def compat_profile() -> str:
+    """The compatibility profile the launcher applied ("" when none): see sglang_ext.compat."""
+    return os.environ.get(COMPAT_VAR, "")
 
 
 def prometheus_multiproc_dir() -> str | None:

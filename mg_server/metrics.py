@@ -47,6 +47,13 @@ class ControllerMetrics:
         self.verify = Counter("mg_verify", "Steps computed by the deterministic verifier")
         self.repair = Counter("mg_repair", "Verified steps where the verifier's token differed (K/V column rewritten)")
         self.audit_mismatch = Counter("mg_audit_mismatch", "Missed flips found by the verifier's audit of unverified steps")
+        self.lookahead = Counter("mg_lookahead_steps", "Steps decided after a request's last token (the overlap "
+                                 "scheduler's look-ahead forward); SGLang drops their tokens")
+        # The fast path's margin where the verifier disagreed: tau must stay above these (calibration).
+        self.flip_margin = Histogram(
+            "mg_flip_margin", "Fast-path top1-top2 margin of verified steps whose token the verifier changed",
+            buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0),
+        )
         self.verify_errors = Counter("mg_verify_errors", "Verify calls that failed (timeout, verifier down, rejected)")
         self.verify_seconds = Histogram(
             "mg_verify_seconds", "Latency of one verify call (all rows of a forward), seconds",

@@ -25,7 +25,9 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         exe = Path(sys.executable).with_name("mg-server")
-        cmd = [str(exe), "serve", "--port", str(self.port), *args]
+        # Without an installed console script (e.g. a GPU host running from a checkout): the module.
+        launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "mg_server.cli"]
+        cmd = [*launcher, "serve", "--port", str(self.port), *args]
         self._log = open(log_path, "w")
         # own process group, so SGLang's children are stopped with it
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -28,6 +28,7 @@ def test_tau_from_flag_profile_or_error():
     assert tau > 0 and "profile" in source
     with pytest.raises(ValueError, match="no tau profile"):
         resolve_tau("/x/unknown-model", None)
+    assert resolve_tau("/x/unknown-model", None, "always") == (0.0, "unused in mode always")
 
 
 def ref_next(prefix: list[int]) -> int:
@@ -93,21 +94,24 @@ def make_ctl(tmp_path, monkeypatch):
         c.close()
 
 
-def run_request(ctl, rid, prompt, n_steps, margins, follow_verifier=True, flip_at=None):
-    """Drive a request like the hook does; returns the emitted tokens."""
+def run_request(ctl, rid, prompt, n_steps, margins, flip_at=None, lookahead=0):
+    """Drive a request like mg's seam does (the seam emits every decided token); returns the
+    emitted tokens. `lookahead` extra steps are decided after the last token, as the overlap
+    scheduler's look-ahead forward does, and not emitted."""
     tokens = list(prompt)
-    sent = 0
-    for step in range(n_steps):
+    for step in range(n_steps + lookahead):
         pos = len(tokens) - 1
         fast = ref_next(tokens) if step != flip_at else (ref_next(tokens) + 1) % 50
-        row = P.StepRow(rid=rid, pos=pos, new_tokens=tokens[sent:], margin=margins[step], fast_token=fast)
-        sent = len(tokens)
+        row = P.StepRow(rid=rid, pos=pos, prompt=list(prompt) if step == 0 else [], margin=margins[step],
+                        fast_token=fast)
         (d,) = ctl._step([row])
         assert not d.error, d.error
-        tokens.append(d.token if d.verified and follow_verifier else fast)
-    ctl._finish(P.Finish(rid=rid, new_tokens=tokens[sent:]))
+        assert d.token == (d.token if d.verified else fast)
+        tokens.append(d.token)
+    emitted = tokens[: len(tokens) - lookahead]
+    ctl._finish(P.Finish(rid=rid, output=emitted[len(prompt):]))
     assert ctl.reqs[rid].state(ctl.cfg.mode) == "running"  # tail audit deferred ...
-    return tokens  # ... until the verdict is asked for (or the controller is idle)
+    return emitted  # ... until the verdict is asked for (or the controller is idle)
 
 
 def test_margin_mode_verifies_low_margins_with_catch_up(make_ctl):
@@ -151,12 +155,42 @@ def test_always_mode_verifies_every_step(make_ctl):
 
 def test_position_mismatch_and_dead_verifier_fail_the_request(make_ctl):
     ctl = make_ctl("margin", 0.5)
-    (d,) = ctl._step([P.StepRow(rid="e", pos=5, new_tokens=[1, 2], margin=0.1, fast_token=0)])
+    (d,) = ctl._step([P.StepRow(rid="e", pos=5, prompt=[1, 2], margin=0.1, fast_token=0)])
     assert "position mismatch" in d.error
     assert ctl._verdict("e").state == "failed"
     ctl.verifier_proc.alive = False
-    (d,) = ctl._step([P.StepRow(rid="f", pos=0, new_tokens=[1], margin=9.0, fast_token=0)])
+    (d,) = ctl._step([P.StepRow(rid="f", pos=0, prompt=[1], margin=9.0, fast_token=0)])
     assert "not running" in d.error
+
+
+def test_step_without_a_start_and_a_second_start_fail(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    (d,) = ctl._step([P.StepRow(rid="h", pos=3, margin=9.0, fast_token=0)])
+    assert "never saw start" in d.error
+    ctl._step([P.StepRow(rid="i", pos=1, prompt=[1, 2], margin=9.0, fast_token=0)])
+    (d,) = ctl._step([P.StepRow(rid="i", pos=1, prompt=[1, 2], margin=9.0, fast_token=0)])
+    assert "started twice" in d.error
+
+
+def test_lookahead_steps_after_the_last_token_are_dropped(make_ctl):
+    # overlap scheduler: one forward runs after the request's last token; SGLang drops its token
+    ctl = make_ctl("always", 0.5)
+    emitted = run_request(ctl, "la", [2, 3], 4, [9.0] * 5, lookahead=1)
+    v = ctl._verdict("la")
+    assert v.state == "verified" and v.steps == 4 and v.verified_steps == 4
+    assert ctl.reqs["la"].tokens == emitted
+    assert [it.pos for it in ctl.vclient.items] == [1, 2, 3, 4, 5]  # no final audit: all were verified
+
+
+def test_emitted_tokens_that_differ_from_the_decisions_fail(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    ctl._step([P.StepRow(rid="x", pos=1, prompt=[4, 5], margin=9.0, fast_token=7)])
+    ctl._finish(P.Finish(rid="x", output=[8]))  # SGLang emitted another token than mg decided
+    assert ctl._verdict("x").state == "failed"
+    ctl._step([P.StepRow(rid="y", pos=1, prompt=[4, 5], margin=9.0, fast_token=7)])
+    ctl._finish(P.Finish(rid="y", output=[7, 9]))  # a token mg never decided: a step was missed
+    v = ctl._verdict("y")
+    assert v.state == "failed" and "not seen" in v.error
 
 
 def test_off_mode_never_calls_the_verifier(make_ctl):

@@ -1,69 +1,187 @@
-"""The forward hook's repair primitives on SGLang's real KV pool class (no server)."""
+"""mg's step seam (the Sampler pre-hook) on SGLang's real KV pool class, no server: step
+classification by position (prefill chunks, overlap look-ahead, missed steps), token forcing,
+K/V column repair, failures."""
 
+import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from mg_server.config import DETERMINISTIC_PARAM, HookConfig
+from mg_server.runtime import protocol as P
+
 
 @pytest.fixture(scope="module")
 def hook_mod():
-    from mg_server.sglang_ext import cpu_compat
+    from mg_server.sglang_ext import compat
 
-    cpu_compat.install()
+    compat.install("cpu")
     from mg_server.sglang_ext import hook
 
     return hook
 
 
+LAYERS, HEADS, DIM, VOCAB = 3, 2, 8, 50
+
+
 @pytest.fixture()
-def batch():
+def runner():
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    layers, heads, dim = 3, 2, 8
-    pool = MHATokenToKVPool(size=64, page_size=1, dtype=torch.bfloat16, head_num=heads, head_dim=dim,
-                            layer_num=layers, device="cpu", enable_memory_saver=False)
+    pool = MHATokenToKVPool(size=64, page_size=1, dtype=torch.bfloat16, head_num=HEADS, head_dim=DIM,
+                            layer_num=LAYERS, device="cpu", enable_memory_saver=False)
     req_to_token = torch.zeros(4, 32, dtype=torch.int64)
-    req_to_token[0, :10] = torch.arange(10, 20)  # request 0: positions 0..9 in slots 10..19
-    req_to_token[1, :10] = torch.arange(10, 20)  # request 1 shares that prefix (radix cache) ...
-    req_to_token[1, 10] = 30  # ... and owns slot 30 for its own position 10
-    fb = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=req_to_token),
-                         req_pool_indices=torch.tensor([0, 1]),
-                         out_cache_loc=torch.tensor([19, 30]))  # this forward wrote pos 9 of req 0, pos 10 of req 1
-    return fb, (layers, heads, dim)
+    req_to_token[0, :20] = torch.arange(10, 30)  # request in pool row 0: position p in slot 10 + p
+    return SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=req_to_token))
 
 
-def test_repair_writes_every_layer_of_the_owned_slot(hook_mod, batch):
-    fb, (layers, heads, dim) = batch
-    col = torch.randn(layers, 2, heads, dim).to(torch.bfloat16)
-    before = [b.clone() for b in fb.token_to_kv_pool.k_buffer]
-    hook_mod.write_kv_column(fb, 1, 10, col)
-    for layer in range(layers):
-        assert torch.equal(fb.token_to_kv_pool.k_buffer[layer][30], col[layer, 0])
-        assert torch.equal(fb.token_to_kv_pool.v_buffer[layer][30], col[layer, 1])
-        changed = (fb.token_to_kv_pool.k_buffer[layer] != before[layer]).any(dim=(1, 2)).nonzero().flatten()
-        assert changed.tolist() == [30]  # nothing else touched
+class FakeReq:
+    def __init__(self, rid, prompt, pool_idx=0):
+        self.rid, self.origin_input_ids, self.req_pool_idx = rid, list(prompt), pool_idx
+        self.output_ids, self.to_finish, self.finished_reason = [], None, None
+
+    def finished(self):
+        return False
 
 
-def test_repair_refuses_a_slot_this_forward_did_not_allocate(hook_mod, batch):
-    fb, (layers, heads, dim) = batch
-    col = torch.zeros(layers, 2, heads, dim, dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="not written by this forward"):
-        hook_mod.write_kv_column(fb, 1, 5, col)  # position 5 lives in a shared prefix slot
+class ScriptedClient:
+    """Answers each Step with the decisions `decide(row)` returns; records the rows."""
+
+    def __init__(self, decide):
+        self.decide, self.rows = decide, []
+
+    def step(self, rows):
+        self.rows += rows
+        return [self.decide(r) for r in rows]
 
 
-def test_repair_refuses_a_column_of_another_shape(hook_mod, batch):
-    fb, (layers, heads, dim) = batch
+class Columns:
+    def __init__(self):
+        self.col = torch.randn(LAYERS, 2, HEADS, DIM).to(torch.bfloat16)
+
+    def read(self, slot, gen):
+        assert (slot, gen) == (5, 9)
+        return self.col.clone()
+
+
+def make_seam(hook_mod, runner, decide, tmp_path, monkeypatch):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    seam = hook_mod.StepSeam(HookConfig(metrics_dir=str(tmp_path)), runner)
+    seam.link = SimpleNamespace(client=ScriptedClient(decide), slots=Columns(), tracked={}, lock=threading.Lock())
+    return seam
+
+
+def sampler_args(reqs_flags, logits, positions):
+    """The Sampler.forward positional args the seam reads: (logits_output, sampling_info, ..., positions)."""
+    params = [({DETERMINISTIC_PARAM: flag, "__req__": req} if flag is not None else None) for req, flag in reqs_flags]
+    info = SimpleNamespace(has_custom_logit_processor=any(p is not None for p in params), custom_params=params)
+    return (SimpleNamespace(next_token_logits=logits), info, False, [], [], torch.tensor(positions))
+
+
+def fast(row):
+    return P.StepDecision(rid=row.rid, token=row.fast_token)
+
+
+def test_prefill_chunks_are_skipped_and_steps_follow_positions(hook_mod, runner, tmp_path, monkeypatch):
+    seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch)
+    req = FakeReq("a", [1, 2, 3, 4, 5])
+    plain = FakeReq("p", [9])
+    logits = torch.randn(2, VOCAB)
+    # chunk of a prefill: last position 2 < 4 -> not a step, logits untouched
+    before = logits.clone()
+    seam(None, sampler_args([(req, True), (plain, None)], logits, [2, 0]))
+    assert seam.link.client.rows == [] and torch.equal(logits, before)
+    # final chunk: position 4 = the prompt's last -> a step carrying the prompt
+    logits = torch.randn(2, VOCAB)
+    want = int(logits[0].argmax())
+    plain_row = logits[1].clone()
+    seam(None, sampler_args([(req, True), (plain, None)], logits, [4, 0]))
+    (row,) = seam.link.client.rows
+    assert (row.rid, row.pos, row.prompt, row.fast_token) == ("a", 4, [1, 2, 3, 4, 5], want)
+    assert int(logits[0].argmax()) == want and torch.isinf(logits[0]).sum() == VOCAB - 1  # forced
+    assert torch.equal(logits[1], plain_row)  # a plain row is never touched
+    # decode: the next position, no prompt resent; mg's own token list grows
+    logits = torch.randn(1, VOCAB)
+    seam(None, sampler_args([(req, True)], logits, [5]))
+    assert seam.link.client.rows[-1].pos == 5 and seam.link.client.rows[-1].prompt == []
+    assert seam.link.tracked["a"].tokens == [1, 2, 3, 4, 5, want, int(logits[0].argmax())]
+
+
+def test_verified_disagreement_forces_the_verifier_token_and_repairs_the_column(hook_mod, runner, tmp_path,
+                                                                               monkeypatch):
+    def verify(row):
+        return P.StepDecision(rid=row.rid, token=(row.fast_token + 1) % VOCAB, verified=True, repair=True,
+                              slot=5, gen=9)
+
+    seam = make_seam(hook_mod, runner, verify, tmp_path, monkeypatch)
+    req = FakeReq("b", [7, 8, 9])
+    logits = torch.randn(1, VOCAB)
+    fast_tok = int(logits[0].argmax())
+    pool = runner.token_to_kv_pool
+    before = [b.clone() for b in pool.k_buffer]
+    seam(None, sampler_args([(req, True)], logits, [2]))
+    assert int(logits[0].argmax()) == (fast_tok + 1) % VOCAB
+    slot = 10 + 2  # position 2 of pool row 0
+    for layer in range(LAYERS):
+        assert torch.equal(pool.k_buffer[layer][slot], seam.link.slots.col[layer, 0])
+        assert torch.equal(pool.v_buffer[layer][slot], seam.link.slots.col[layer, 1])
+        changed = (pool.k_buffer[layer] != before[layer]).any(dim=(1, 2)).nonzero().flatten()
+        assert changed.tolist() == [slot]  # nothing else touched
+    assert req.to_finish is None
+
+
+def test_a_skipped_position_fails_the_request(hook_mod, runner, tmp_path, monkeypatch):
+    seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch)
+    req = FakeReq("c", [1, 2])
+    seam(None, sampler_args([(req, True)], torch.randn(1, VOCAB), [1]))
+    seam(None, sampler_args([(req, True)], torch.randn(1, VOCAB), [3]))  # position 2 never sampled
+    assert req.to_finish is not None and "missed a step" in req.to_finish.message
+
+
+def test_controller_errors_and_unreachable_controller_fail_the_row(hook_mod, runner, tmp_path, monkeypatch):
+    seam = make_seam(hook_mod, runner, lambda r: P.StepDecision(rid=r.rid, error="verifier: [timeout] x"),
+                     tmp_path, monkeypatch)
+    req = FakeReq("d", [1])
+    logits = torch.randn(1, VOCAB)
+    before = logits.clone()
+    seam(None, sampler_args([(req, True)], logits, [0]))
+    assert "timeout" in req.to_finish.message and torch.equal(logits, before)
+    # the abort lands a step later (overlap look-ahead): that forward is ignored, the reason kept
+    n_rows = len(seam.link.client.rows)
+    seam(None, sampler_args([(req, True)], torch.randn(1, VOCAB), [1]))
+    assert len(seam.link.client.rows) == n_rows and "timeout" in req.to_finish.message
+
+    def down(row):
+        raise TimeoutError("no reply")
+
+    seam.link.client.decide = down
+    req2 = FakeReq("e", [1])
+    seam(None, sampler_args([(req2, True)], torch.randn(1, VOCAB), [0]))
+    assert "controller unavailable" in req2.to_finish.message
+
+
+def test_off_mode_counts_but_never_edits(hook_mod, runner, tmp_path, monkeypatch):
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    seam = hook_mod.StepSeam(HookConfig(metrics_dir=str(tmp_path)), runner)
+    assert seam.link is None
+    logits = torch.randn(1, VOCAB)
+    before = logits.clone()
+    seam(None, sampler_args([(FakeReq("f", [1, 2, 3]), True)], logits, [2]))
+    assert torch.equal(logits, before)
+
+
+def test_repair_refuses_a_column_of_another_shape(hook_mod, runner):
     with pytest.raises(RuntimeError, match="does not fit"):
-        hook_mod.write_kv_column(fb, 0, 9, torch.zeros(layers + 1, 2, heads, dim))
-
-
-def test_force_token_makes_greedy_pick_it(hook_mod):
-    logits = torch.randn(3, 50)
-    hook_mod.force_token(logits, 1, 7)
-    assert logits.argmax(-1)[1] == 7 and torch.isinf(logits[1]).sum() == 49
+        hook_mod.write_kv_column(runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token, 0, 3,
+                                 torch.zeros(LAYERS + 1, 2, HEADS, DIM))
 
 
 def test_top2_margin(hook_mod):
     margin, arg = hook_mod.top2(torch.tensor([[1.0, 3.0, 2.5], [0.0, 0.0, -1.0]]))
     assert arg[0] == 1 and margin.tolist() == [0.5, 0.0]
+
+
+def test_factory_refuses_to_attach_outside_model_runner_initialize(hook_mod):
+    with pytest.raises(RuntimeError, match="ModelRunner.initialize"):
+        hook_mod.make_hook({"metrics_dir": "/tmp/x"})

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,57 +16,98 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 def test_cpu_compat_makes_sglang_importable_in_a_fresh_process():
     r = _run(
-        "from mg_server.sglang_ext import cpu_compat\n"
-        "rep = cpu_compat.install()\n"
+        "from mg_server.sglang_ext import compat\n"
+        "rep = compat.install('cpu')\n"
         "import sglang.srt.entrypoints.http_server\n"
         "import sgl_kernel.kvcacheio as kv\n"
         "try:\n"
         "    kv.transfer_kv_all_layer()\n"
         "    print('NO-RAISE')\n"
         "except RuntimeError as e:\n"
-        "    print('RAISED', 'CPU stand-in' in str(e))\n"
-        "import os; print('OMP', os.environ['OMP_NUM_THREADS'], os.environ['MG_CPU_COMPAT'])\n"
+        "    print('RAISED', 'import stand-in' in str(e))\n"
+        "import os; print('OMP', os.environ['OMP_NUM_THREADS'], os.environ['MG_COMPAT'])\n"
         "print('REPORT', rep.summary())\n"
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "RAISED True" in r.stdout
-    assert "OMP 1 1" in r.stdout
+    assert "OMP 1 cpu" in r.stdout
 
 
 def test_without_fix_sglang_import_fails():
-    # proves the fixes are needed (if this starts passing, cpu_compat must report "not needed")
+    # proves the fixes are needed (if this starts passing, compat must report "not needed")
     r = _run("import sglang.srt.entrypoints.http_server")
     assert r.returncode != 0
 
 
 def test_seams_match_installed_sglang():
-    r = _run("from mg_server.sglang_ext import cpu_compat, seams\ncpu_compat.install()\nprint(seams.check())")
+    r = _run("from mg_server.sglang_ext import compat, seams\ncompat.install('cpu')\nprint(seams.check())")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().endswith("0.5.10.post1")
 
 
 def test_seams_refuse_other_version():
     r = _run(
-        "from mg_server.sglang_ext import cpu_compat, seams\ncpu_compat.install()\n"
+        "from mg_server.sglang_ext import compat, seams\ncompat.install('cpu')\n"
         "import sglang; sglang.__version__ = '9.9.9'\n"
         "try:\n    seams.check()\nexcept seams.SeamMismatch as e:\n    print('MISMATCH', e)\n"
     )
     assert "MISMATCH" in r.stdout and "9.9.9" in r.stdout
 
 
-def _cfg(*extra) -> ServeConfig:
-    return ServeConfig(model_path="/m", host="127.0.0.1", port=1, cpu=True, metrics_dir="/tmp/x", sglang_args=tuple(extra))
+def test_bare_cuda_profile_patches_sglang_right_after_import():
+    # The cuda-bare profile's post-import patches, checked on this host (they are device-agnostic).
+    r = _run(
+        "from mg_server.sglang_ext import compat\n"
+        "compat.fix_torchvision()\n"
+        "rep = compat.install('cuda-bare')\n"
+        "import os, torch\n"
+        "from sglang.srt.layers.utils import multi_platform as mp\n"
+        "from sglang.srt.layers.layernorm import RMSNorm\n"
+        "from sglang.srt.model_executor import forward_batch_info as fbi\n"
+        "from sglang.srt.managers import overlap_utils as ou\n"
+        "from sglang.srt.mem_cache import memory_pool as mpool\n"
+        "n = RMSNorm(8)\n"
+        "print('DISPATCH', n._forward_method.__func__ is RMSNorm.forward_native)\n"
+        "print('CLAMP', fbi.clamp_position is fbi._clamp_position_native)\n"
+        "print('FUTURE', ou._resolve_future_token_ids is ou._resolve_future_token_ids_native)\n"
+        "print('STORE', mpool.can_use_store_cache(64))\n"
+        "print('FAKE', hasattr(torch.ops.sgl_kernel, 'moe_fused_gate'))\n"
+        "import flashinfer.sampling as fs; print('FI', getattr(fs, 'MG_STANDIN', False))\n"
+        "print('ENV', os.environ['SGLANG_IS_FLASHINFER_AVAILABLE'], os.environ['MG_COMPAT'])\n"
+        "print(rep.summary())\n"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    for line in ("DISPATCH True", "CLAMP True", "FUTURE True", "STORE False", "FAKE True", "FI True",
+                 "ENV false cuda-bare"):
+        assert line in r.stdout, r.stdout
 
 
-def test_argv_user_flags_override_cpu_defaults_and_hook_is_attached():
+def _cfg(*extra, profile="cpu") -> ServeConfig:
+    return ServeConfig(model_path="/m", host="127.0.0.1", port=1, profile=profile, metrics_dir="/tmp/x",
+                       sglang_args=tuple(extra))
+
+
+def test_argv_user_flags_override_engine_defaults_and_hook_is_attached():
     from mg_server.sglang_ext.launch import sglang_argv
 
     argv = sglang_argv(_cfg("--max-total-tokens", "1024"))
-    assert argv.index("--max-total-tokens", argv.index("--disable-overlap-schedule")) > 0
+    assert argv.index("--max-total-tokens", argv.index("--disable-cuda-graph")) > 0
     assert argv[-3] == "--enable-custom-logit-processor"
     spec = json.loads(argv[-1])
-    assert spec[0]["target_modules"] == ["logits_processor"]
     assert spec[0]["hook_factory"] == "mg_server.sglang_ext.hook:make_hook"
+
+
+def test_argv_per_host_profile():
+    from mg_server.sglang_ext.launch import sglang_argv
+
+    bare = sglang_argv(_cfg(profile="cuda-bare"))
+    assert "triton" in bare and "--disable-piecewise-cuda-graph" in bare
+    full = sglang_argv(_cfg(profile="cuda"))
+    # a normal GPU install keeps every SGLang default: CUDA graphs and the overlap scheduler on
+    for flag in ("--disable-cuda-graph", "--disable-overlap-schedule"):
+        assert flag not in full and flag not in bare
+    assert "--disable-overlap-schedule" not in sglang_argv(_cfg())  # the CPU runs the overlap scheduler too
+    assert "--attention-backend" not in full and "--device" not in full
 
 
 @pytest.mark.parametrize("flag", ["--forward-hooks", "--enable-custom-logit-processor"])
@@ -74,3 +116,25 @@ def test_argv_refuses_owned_flags(flag):
 
     with pytest.raises(ValueError, match="set by mg-server"):
         sglang_argv(_cfg(flag, "[]"))
+
+
+def _args(**over):
+    base = dict(speculative_algorithm=None, tp_size=1, pp_size=1, dp_size=1, enable_dp_attention=False,
+                kv_cache_dtype="auto", dtype="auto", enable_hierarchical_cache=False)
+    return SimpleNamespace(**{**base, **over})
+
+
+@pytest.mark.parametrize("over,needle", [
+    (dict(speculative_algorithm="EAGLE"), "speculative"),
+    (dict(tp_size=2), "parallelism"),
+    (dict(kv_cache_dtype="fp8_e4m3"), "kv-cache-dtype"),
+    (dict(dtype="float16"), "--dtype"),
+    (dict(enable_hierarchical_cache=True), "hierarchical"),
+])
+def test_unsupported_configurations_are_refused_unless_mg_is_off(over, needle):
+    from mg_server.sglang_ext.launch import refuse_unsupported
+
+    refuse_unsupported(_args(), "margin")  # the defaults pass
+    with pytest.raises(ValueError, match=needle):
+        refuse_unsupported(_args(**over), "margin")
+    refuse_unsupported(_args(**over), "off")

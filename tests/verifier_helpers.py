@@ -10,7 +10,7 @@ import torch
 
 def import_transformers():
     """transformers, importable on a CPU host whose torchvision wheel cannot load its extension."""
-    from mg_server.sglang_ext.cpu_compat import fix_torchvision
+    from mg_server.sglang_ext.compat import fix_torchvision
 
     fix_torchvision()
     import transformers

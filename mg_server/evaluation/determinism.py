@@ -7,8 +7,13 @@ later by calibration. The checks:
   other lengths, `X-Deterministic: 0` and no header);
 - composition: one batched /generate holding deterministic and plain rows, sent twice (rows
   flagged, then unflagged): the plain rows must come out identical, i.e. mg's token forcing and
-  K/V repair touch only the rows they protect.
-Each deterministic answer is compared token for token with the verifier-alone reference.
+  K/V repair touch only the rows they protect;
+- prefix: prompts that share a long prefix, sent concurrently after a plain request has put the
+  prefix into SGLang's radix cache (deterministic rows start from shared cache slots, which mg
+  must never repair), with plain requests of the same prefix alongside.
+Each deterministic answer is compared token for token with the verifier-alone reference, and the
+tokens of every deterministic answer are summed, so a caller can check that mg saw every step
+(`mg_deterministic_steps_total - mg_lookahead_steps_total == det_tokens`).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import requests
 from mg_server.config import DETERMINISTIC_PARAM
 
 MG_COUNTERS = ("mg_deterministic_steps_total", "mg_verify_total", "mg_repair_total",
-               "mg_audit_mismatch_total", "mg_verify_errors_total")
+               "mg_audit_mismatch_total", "mg_verify_errors_total", "mg_lookahead_steps_total")
 
 
 @dataclass(frozen=True)
@@ -33,7 +38,7 @@ class DeterminismConfig:
     group: int = 4  # deterministic requests per mixed group
     others_per_group: int = 4
     timeout_s: float = 900.0
-    phases: tuple[str, ...] = ("alone", "mixed", "composition")
+    phases: tuple[str, ...] = ("alone", "mixed", "composition")  # also "prefix"
 
 
 @dataclass
@@ -43,12 +48,14 @@ class Outcome:
     match: bool
     first_diff: int  # -1 when equal
     verdict: str = ""
+    n_tokens: int = 0  # tokens of the answer
 
 
 @dataclass
 class Report:
     outcomes: list[Outcome] = field(default_factory=list)
     composition_equal: bool | None = None
+    det_tokens: int = 0  # tokens of every deterministic answer received (steps mg had to see)
     counters: dict = field(default_factory=dict)  # mg counter deltas over the run
     seconds: float = 0.0
 
@@ -75,6 +82,19 @@ def scrape(url: str) -> dict[str, float]:
     return out
 
 
+def settled(url: str, timeout_s: float = 15.0) -> dict[str, float]:
+    """mg's counters once they stop moving: requests sent without the header (batched bodies)
+    get no verdict wait, so their end may still reach the controller after the response."""
+    last, deadline = scrape(url), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = scrape(url)
+        if now == last:
+            break
+        last = now
+    return last
+
+
 def generate(url: str, input_ids: list[int], max_new: int, header: str | None, timeout_s: float) -> tuple[list[int], str]:
     """Greedy /generate of a token prompt; returns (output token ids, verdict header)."""
     body = {"input_ids": input_ids,
@@ -89,14 +109,16 @@ def _compare(label: str, i: int, got: list[int], want: list[int], verdict: str) 
     diff = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), -1)
     if diff < 0 and len(got) != len(want):
         diff = min(len(got), len(want))
-    return Outcome(label, i, diff < 0, diff, verdict)
+    return Outcome(label, i, diff < 0, diff, verdict, len(got))
 
 
 def run(cfg: DeterminismConfig, det_prompts: list[list[int]], refs: list[list[int]],
-        other_prompts: list[list[int]], noop_processor: str, progress=print) -> Report:
-    """det_prompts[i]'s answer must equal refs[i] (max_new tokens) in every setting."""
+        other_prompts: list[list[int]], noop_processor: str, progress=print,
+        prefix_prompts: list[list[int]] = (), prefix_refs: list[list[int]] = ()) -> Report:
+    """det_prompts[i]'s answer must equal refs[i] (max_new tokens) in every setting; the same for
+    prefix_prompts / prefix_refs in the "prefix" phase."""
     rep = Report()
-    before, t0 = scrape(cfg.url), time.monotonic()
+    before, t0 = settled(cfg.url), time.monotonic()
 
     if "alone" in cfg.phases:
         _alone(cfg, det_prompts, refs, rep)
@@ -107,7 +129,11 @@ def run(cfg: DeterminismConfig, det_prompts: list[list[int]], refs: list[list[in
     if "composition" in cfg.phases:
         rep.composition_equal = _composition(cfg, det_prompts[:2], other_prompts[:4], refs[:2], noop_processor, rep)
         progress(f"composition: plain rows unchanged = {rep.composition_equal}")
-    after = scrape(cfg.url)
+    if "prefix" in cfg.phases and prefix_prompts:
+        _prefix(cfg, list(prefix_prompts), list(prefix_refs), rep)
+        progress(f"prefix: {sum(o.match for o in rep.outcomes if o.label == 'prefix')}/{len(prefix_prompts)} equal")
+    rep.det_tokens = sum(o.n_tokens for o in rep.outcomes)
+    after = settled(cfg.url)
     rep.counters = {k: after[k] - before[k] for k in after}
     rep.seconds = time.monotonic() - t0
     return rep
@@ -131,6 +157,21 @@ def _mixed(cfg, det_prompts, refs, other_prompts, rep: Report) -> None:
                 got, verdict = fut.result()
                 if kind == "det":
                     rep.outcomes.append(_compare("mixed", i, got, refs[i], verdict))
+
+
+def _prefix(cfg, prompts, refs, rep: Report) -> None:
+    """Shared-prefix prompts after a plain request has cached the prefix; plain ones alongside."""
+    shared = min(len(p) for p in prompts)
+    for p in prompts[1:]:
+        shared = next((k for k in range(shared) if p[k] != prompts[0][k]), shared)
+    generate(cfg.url, prompts[0][:shared], 2, None, cfg.timeout_s)  # the prefix enters the radix cache
+    jobs = [(i, p, "1") for i, p in enumerate(prompts)] + [(-1, p, None) for p in prompts[: len(prompts) // 2]]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futs = [pool.submit(generate, cfg.url, p, cfg.max_new, h, cfg.timeout_s) for _, p, h in jobs]
+        for (i, _, h), fut in zip(jobs, futs):
+            got, verdict = fut.result()
+            if h == "1":
+                rep.outcomes.append(_compare("prefix", i, got, refs[i], verdict))
 
 
 def _composition(cfg, dets, others, refs, noop_processor, rep: Report) -> bool:
@@ -186,9 +227,11 @@ def build_workload(model_path: str, n_prompts: int, max_new: int, n_other: int =
 
 def noop_processor() -> str:
     """The serialized no-op logit processor (as the front sends it), for hand-made bodies."""
-    from mg_server.sglang_ext.cpu_compat import install
+    import torch
 
-    install()  # the processor's module imports SGLang
+    from mg_server.sglang_ext.compat import detect_profile, install
+
+    install(detect_profile(cpu=not torch.cuda.is_available()))  # the processor's module imports SGLang
     from mg_server.sglang_ext.processor import serialized
 
     return serialized()

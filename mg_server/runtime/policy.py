@@ -40,10 +40,13 @@ def load_profile(model_name: str, profile_dir: Path = PROFILE_DIR) -> dict | Non
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def resolve_tau(model_path: str, tau: float | None) -> tuple[float, str]:
-    """(tau, where it came from): an explicit value wins, then the model's profile."""
+def resolve_tau(model_path: str, tau: float | None, mode: str = "margin") -> tuple[float, str]:
+    """(tau, where it came from): an explicit value wins, then the model's profile. Only mode
+    margin reads tau; the others get 0 when no value is given."""
     if tau is not None:
         return tau, "flag"
+    if mode != "margin":
+        return 0.0, f"unused in mode {mode}"
     profile = load_profile(Path(model_path).name)
     if profile is None:
         raise ValueError(

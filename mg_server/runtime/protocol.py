@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class ErrorCode:
@@ -70,6 +70,8 @@ class HelloReply(Message):
     max_seq_len: int
     max_requests: int
     shm: ShmSpec
+    pool_tokens: int = 0  # shadow K/V pool capacity (tokens, all requests)
+    memory_bytes: int = 0  # device memory the worker holds after loading (CUDA; 0 on CPU)
 
 
 class VerifyItem(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -174,6 +176,9 @@ class ControllerInfo(Message):
     kernel_config_id: str = ""
     model_id: str = ""
     shm: ShmSpec | None = None  # the verifier's K/V slot buffer (None in mode "off")
+    verifier_device: str = ""
+    verifier_pool_tokens: int = 0
+    verifier_memory_bytes: int = 0
 
 
 class StepRow(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -181,7 +186,8 @@ class StepRow(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     rid: str
     pos: int  # position of the input token of this step; the logits choose t_{pos+1}
-    new_tokens: list[int]  # t_k .. t_pos: the tokens the controller has not been sent yet
+    prompt: list[int] = []  # t_0 .. t_pos on the request's first step only; later t_pos is the
+    #                         token decided at the previous step, which the controller holds
     margin: float  # fast path's top1 - top2 logit at pos (fp32)
     fast_token: int  # fast path's argmax at pos
 
@@ -192,8 +198,8 @@ class Step(Message):
 
 class StepDecision(msgspec.Struct, kw_only=True, omit_defaults=True):
     rid: str
-    verified: bool = False  # the verifier computed this step: emit `token`
-    token: int = -1
+    token: int = -1  # the token t_{pos+1} to emit (the fast one, or the verifier's)
+    verified: bool = False  # the verifier computed this step
     repair: bool = False  # verifier disagreed with the fast path: write its K/V column
     slot: int = -1  # slot of the K/V column of position pos in the verifier's buffer
     gen: int = -1
@@ -205,10 +211,12 @@ class StepReply(Message):
 
 
 class Finish(Message):
-    """A protected request ended: `new_tokens` completes its token list (final audit)."""
+    """A protected request ended. `output` is every token SGLang emitted for it; the controller
+    checks it against the tokens it decided (under the overlap scheduler it may have decided
+    one step more than SGLang kept: the look-ahead forward after the last token)."""
 
     rid: str
-    new_tokens: list[int]
+    output: list[int]
     aborted: bool = False
 
 

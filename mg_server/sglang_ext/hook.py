@@ -1,29 +1,38 @@
-"""mg's forward hook on SGLang's `logits_processor` module (runs in SGLang's scheduler process).
+"""mg's per-step seam in SGLang's scheduler process: a forward pre-hook on the runner's Sampler.
 
-SGLang calls it after every forward that produces next-token logits, prefill and decode alike,
-with LogitsProcessor.forward's positional args `(input_ids, hidden_states, lm_head,
-forward_batch, ...)` and its `LogitsProcessorOutput`. For the rows of requests that asked for
-determinism it computes the top-1/top-2 margin of the pre-sampling logits and, when a controller
-is attached, sends the step to it; for verified rows it then (1) forces the row's logits so
-greedy sampling emits the verifier's token and (2) on disagreement writes the verifier's K/V
-column of the current position into SGLang's pool, all layers, in place.
+Why the sampler and not a module of the model: on the GPU, decode runs as a replayed CUDA graph
+that holds the whole model, `logits_processor` included, so a module hook inside the model runs
+only while the graph is captured. SGLang's `Sampler` runs after every forward that samples
+(graph replay, eager decode, prefill, piecewise graphs) and outside any graph, and it receives
+the pre-sampling logits, the batch's sampling info (`custom_params`: mg's flag and SGLang's
+`Req`) and each row's position from the forward batch (decode: the input token's position;
+prefill: the last position of the row's chunk).
 
-Positions: a row's input token at this forward is t_pos with pos = len(prompt) + len(output) - 1;
-the logits choose t_{pos+1}. The slot of position pos was allocated for this very forward
-(SGLang always computes the last position, even on a full prefix-cache hit), so the request owns
-it: it is not shared through the radix cache, and the hook checks that before writing.
+How mg gets there: SGLang loads mg through `--forward-hooks`. The factory runs inside
+`ModelRunner.initialize` (scheduler process, after the K/V pool and the CUDA graphs exist), takes
+that model runner from its caller's frame (the one reference SGLang's hook API gives a factory)
+and registers the pre-hook on `runner.sampler`; it returns no module hook.
+
+Positions come from the forward batch, never from `req.output_ids`: under the overlap scheduler
+the forward being sampled is one step ahead of the request's output list (the previous step's
+token is still on the GPU). mg does not need that list: every token of a protected request is
+chosen here (the row's logits are forced to mg's decision, fast or verified), so this module
+keeps each request's token list itself: t_0 .. t_{n-1} = prompt, then the tokens it decided.
+A row is a step iff its position is n - 1; a smaller position is a non-final prefill chunk
+(SGLang drops that token); a larger one means mg missed a step, and the request fails.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
+from dataclasses import dataclass
 from http import HTTPStatus
 
 import torch
-from sglang.srt.managers.schedule_batch import FINISH_ABORT
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from torch import Tensor
 
 from mg_server import metrics
 from mg_server.config import DETERMINISTIC_PARAM, HookConfig
@@ -32,46 +41,38 @@ from mg_server.runtime import protocol as P
 log = logging.getLogger(__name__)
 
 
-def protected_rows(forward_batch: ForwardBatch) -> list[tuple[int, object]]:
-    """(row, Req) of this batch's requests that carry mg_deterministic and sample a token now.
-
-    A request in the middle of a chunked prefill gets logits for its chunk but SGLang drops
-    that token (`req.is_chunked > 0`), so it is not a step.
-    """
-    info = forward_batch.sampling_info
-    params = info.custom_params if info is not None else None
-    if not params:
-        return []
-    rows = []
-    for i, p in enumerate(params):
-        if not p or not p.get(DETERMINISTIC_PARAM):
-            continue
-        req = p.get("__req__")  # SGLang adds the Req object to a request's custom_params
-        if req is not None and getattr(req, "is_chunked", 0) > 0:
-            continue
-        rows.append((i, req))
-    return rows
+def protected_rows(sampling_info) -> list[tuple[int, object]]:
+    """(row, Req) of the batch's requests that carry mg's flag (cheap: CPU lists only)."""
+    if sampling_info is None or not sampling_info.has_custom_logit_processor:
+        return []  # plain batches: mg's flag travels with a custom logit processor, so none here
+    params = sampling_info.custom_params or ()
+    return [(i, p["__req__"]) for i, p in enumerate(params) if p and p.get(DETERMINISTIC_PARAM)]
 
 
-def top2(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def top2(logits: Tensor) -> tuple[Tensor, Tensor]:
     """logits: [rows, vocab] -> (margin [rows] fp32 = top1 - top2, argmax [rows] int64)."""
     top = logits.float().topk(2, dim=-1)  # ties: topk order; only the margin (0) matters then
     return top.values[:, 0] - top.values[:, 1], top.indices[:, 0]
 
 
-def force_token(logits: torch.Tensor, row: int, token: int) -> None:
-    """Make greedy sampling pick `token` in `row` (in place)."""
-    logits[row].fill_(float("-inf"))
-    logits[row, token] = 0.0
+def force_tokens(logits: Tensor, rows: list[int], tokens: list[int]) -> None:
+    """Make any sampler pick tokens[k] in rows[k] (in place): greedy argmax, and a one-hot
+    softmax for the sampling path a mixed batch takes."""
+    dev = logits.device
+    sel = torch.tensor(rows, dtype=torch.int64, device=dev)
+    logits.index_fill_(0, sel, float("-inf"))
+    logits[sel, torch.tensor(tokens, dtype=torch.int64, device=dev)] = 0.0
 
 
-def write_kv_column(forward_batch: ForwardBatch, row: int, pos: int, column: torch.Tensor) -> None:
-    """column: [layers, 2, kv_heads, head_dim] (K after RoPE, V) -> the row's slot of position pos."""
-    pool = forward_batch.token_to_kv_pool
-    req_idx = forward_batch.req_pool_indices[row]
-    loc = forward_batch.req_to_token_pool.req_to_token[req_idx, pos].reshape(1)  # [1] int
-    if not bool((forward_batch.out_cache_loc == loc).any()):
-        raise RuntimeError(f"slot {int(loc)} of position {pos} was not written by this forward; not repairing it")
+def write_kv_column(token_to_kv_pool, req_to_token: Tensor, req_pool_idx: int, pos: int, column: Tensor) -> None:
+    """column: [layers, 2, kv_heads, head_dim] (K after RoPE, V) -> the request's slot of position pos.
+
+    The slot was allocated for the forward being sampled (SGLang always computes a request's
+    last position, even on a full prefix-cache hit), so the request owns it: it is not a radix
+    cache slot shared with another request.
+    """
+    pool = token_to_kv_pool
+    loc = req_to_token[req_pool_idx, pos].reshape(1)  # [1] int, device of the pool
     n_layers = len(pool.k_buffer)
     if column.shape[0] != n_layers or column.shape[2:] != pool.k_buffer[0].shape[1:]:
         raise RuntimeError(f"verifier K/V column {tuple(column.shape)} does not fit the pool "
@@ -81,8 +82,30 @@ def write_kv_column(forward_batch: ForwardBatch, row: int, pos: int, column: tor
         pool.set_kv_buffer(None, loc, column[layer, 0][None], column[layer, 1][None], layer_id_override=layer)
 
 
+def find_model_runner():
+    """The ModelRunner whose `initialize` is registering forward hooks right now (see module doc)."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "register_forward_hooks":
+        frame = frame.f_back
+    if frame is not None and frame.f_back is not None:
+        runner = frame.f_back.f_locals.get("self")
+        if isinstance(runner, ModelRunner) and runner.model is frame.f_locals.get("model"):
+            return runner
+    raise RuntimeError("mg: SGLang's hook factory was not called from ModelRunner.initialize; this "
+                       "SGLang attaches forward hooks differently from the supported version")
+
+
+@dataclass
+class Tracked:
+    req: object  # SGLang's Req (identity: a reused rid is another request)
+    tokens: list[int]  # t_0 .. t_{n-1}: the prompt, then every token mg decided
+    failed: bool = False  # aborted by mg: later forwards (the abort lands a step later) are ignored
+
+
 class ControllerLink:
-    """The hook's connection to the controller, plus the finish watcher thread."""
+    """The seam's connection to the controller, plus the finish watcher thread."""
 
     def __init__(self, config: HookConfig):
         from mg_server.runtime.controller.client import ControllerClient
@@ -92,16 +115,9 @@ class ControllerLink:
         self.client = ControllerClient(config.controller_ipc, timeout_s=config.step_timeout_s, client_name="hook")
         self.info = self.client.hello()
         self.slots = SlotBuffer.attach(self.info.shm) if self.info.shm is not None else None
-        self.sent: dict[str, int] = {}  # rid -> tokens already sent to the controller
-        self.active: dict[str, object] = {}  # rid -> Req, until its Finish is sent
+        self.tracked: dict[str, Tracked] = {}  # rid -> state, until its Finish is sent
         self.lock = threading.Lock()
         threading.Thread(target=self._watch_finished, name="mg-finish-watch", daemon=True).start()
-
-    def new_tokens(self, req, pos: int) -> list[int]:
-        start = self.sent.get(req.rid, 0)
-        prompt, out = req.origin_input_ids, req.output_ids
-        new = (prompt[start:] if start < len(prompt) else []) + out[max(0, start - len(prompt)):]
-        return list(new[: pos + 1 - start])
 
     def _watch_finished(self) -> None:
         """A request's last token is never the input of a forward; report ends from here."""
@@ -112,80 +128,141 @@ class ControllerLink:
         while True:
             time.sleep(0.005)
             with self.lock:
-                done = [(rid, req, self.sent.pop(rid, 0)) for rid, req in self.active.items() if req.finished()]
-                for rid, _, _ in done:
-                    del self.active[rid]
-            for rid, req, start in done:
-                tokens = list(req.origin_input_ids) + list(req.output_ids)
+                done = [(rid, t.req) for rid, t in self.tracked.items() if t.req.finished()]
+                for rid, _ in done:
+                    del self.tracked[rid]
+            for rid, req in done:
                 aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
                 try:
-                    client.finish(rid, tokens[start:], aborted)
+                    client.finish(rid, list(req.output_ids), aborted)
                 except Exception as e:  # noqa: BLE001 - the verdict then stays "running" and says so
                     log.error("mg: could not report the end of %s: %s", rid, e)
 
 
-class MarginHook:
-    def __init__(self, config: HookConfig):
+class StepSeam:
+    """The forward pre-hook on SGLang's Sampler (see module doc)."""
+
+    def __init__(self, config: HookConfig, runner):
         self.config = config
+        self.runner = runner
         self.steps, self.margin, self.control = metrics.hook_metrics(config.margin_buckets)
         self.link = ControllerLink(config) if config.controller_ipc else None
 
-    def __call__(self, module, args, output):
-        forward_batch = args[3] if len(args) > 3 else None
-        if not isinstance(forward_batch, ForwardBatch):
-            return None
-        rows = protected_rows(forward_batch)
+    def __call__(self, module, args):
+        # Sampler.forward(logits_output, sampling_info, return_logprob, top_logprobs_nums,
+        #                 token_ids_logprobs, positions); checked by seams.check().
+        rows = protected_rows(args[1])
         if not rows:
             return None
         t0 = time.perf_counter()
-        logits = output.next_token_logits  # [bs, vocab], pre-sampling
-        margins, fast = top2(logits[[i for i, _ in rows]])
-        margins_l, fast_l = margins.tolist(), fast.tolist()
-        self.steps.inc(len(rows))
-        for m in margins_l:
-            self.margin.observe(m)
-        verified = self._control(forward_batch, logits, rows, margins_l, fast_l) if self.link else False
-        if not verified:
+        logits = args[0].next_token_logits  # [bs, vocab] on the model's device, pre-sampling
+        idx = torch.tensor([i for i, _ in rows], dtype=torch.int64, device=logits.device)
+        margin, fast = top2(logits.index_select(0, idx))  # [rows] fp32, [rows] int64
+        pos = args[5].to(logits.device).index_select(0, idx)  # [rows] positions from the forward batch
+        # One device-to-host copy for all three; fp64 holds every token id and position exactly.
+        packed = torch.stack([margin.double(), fast.double(), pos.double()], dim=1).tolist()
+        steps = [(i, req, int(p), m, int(f)) for (i, req), (m, f, p) in zip(rows, packed)]
+        if self.link is None:
+            # Mode off: count and never touch the logits. Without mg's own token list, a row is a
+            # step once its position reaches the prompt's last.
+            self._count([s for s in steps if s[2] >= len(s[1].origin_input_ids) - 1])
+            return None
+        if not self._control(logits, steps):
             self.control.observe(time.perf_counter() - t0)
-        return None  # logits were edited in place where needed
+        return None  # the logits were edited in place
 
-    def _control(self, forward_batch, logits, rows, margins, fast) -> bool:
-        """Ask the controller; apply its decisions. True if any row was verified."""
+    def _count(self, steps) -> None:
+        self.steps.inc(len(steps))
+        for s in steps:
+            self.margin.observe(s[3])
+
+    def _classify(self, steps):
+        """Split rows into steps for the controller and failures (caller holds the lock)."""
+        live, fails = [], []
+        for i, req, pos, margin, fast in steps:
+            t = self.link.tracked.get(req.rid)
+            if t is not None and t.req is not req:
+                fails.append((req, f"request id {req.rid!r} is already in use"))
+                continue
+            if t is not None and t.failed:
+                continue
+            n = len(t.tokens) if t is not None else len(req.origin_input_ids)
+            if pos < n - 1:
+                continue  # a non-final prefill chunk: SGLang discards this row's token
+            if pos > n - 1:
+                fails.append((req, f"mg missed a step: position {pos}, but it holds {n} tokens"))
+                continue
+            live.append((i, req, pos, margin, fast, t is None))
+        return live, fails
+
+    def _control(self, logits: Tensor, steps) -> bool:
+        """Ask the controller about every step row, force each decided token, repair where the
+        verifier disagreed. True if any row was verified."""
         link = self.link
-        step_rows, positions = [], []
         with link.lock:
-            for (i, req), margin, tok in zip(rows, margins, fast):
-                pos = len(req.origin_input_ids) + len(req.output_ids) - 1
-                step_rows.append(P.StepRow(rid=req.rid, pos=pos, new_tokens=link.new_tokens(req, pos),
-                                           margin=margin, fast_token=tok))
-                link.sent[req.rid] = pos + 1
-                link.active[req.rid] = req
-                positions.append(pos)
-        try:
-            decisions = link.client.step(step_rows)
-        except Exception as e:  # noqa: BLE001 - controller unreachable: fail these requests loudly
-            decisions = [P.StepDecision(rid=r.rid, error=f"mg controller unavailable: {e}") for r in step_rows]
-        any_verified = False
-        for (i, req), pos, d in zip(rows, positions, decisions):
-            any_verified |= d.verified
-            if d.error:
-                req.to_finish = FINISH_ABORT(f"deterministic decoding failed: {d.error}",
-                                             HTTPStatus.SERVICE_UNAVAILABLE, "ServiceUnavailable")
-                continue
-            if not d.verified:
-                continue
-            force_token(logits, i, d.token)
-            if d.repair:
-                try:
-                    write_kv_column(forward_batch, i, pos, link.slots.read(d.slot, d.gen))
-                except Exception as e:  # noqa: BLE001
-                    req.to_finish = FINISH_ABORT(f"deterministic K/V repair failed: {e}",
-                                                 HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+            live, fails = self._classify(steps)
+        self._count(live)
+        decisions: list[P.StepDecision] = []
+        if live:
+            rows = [P.StepRow(rid=req.rid, pos=pos, prompt=list(req.origin_input_ids) if first else [],
+                              margin=margin, fast_token=fast) for _, req, pos, margin, fast, first in live]
+            try:
+                decisions = link.client.step(rows)
+            except Exception as e:  # noqa: BLE001 - controller unreachable: fail these requests loudly
+                decisions = [P.StepDecision(rid=r.rid, error=f"mg controller unavailable: {e}") for r in rows]
+        force_rows, force_toks, any_verified = [], [], False
+        with link.lock:
+            for (i, req, pos, *_), d in zip(live, decisions):
+                t = link.tracked.setdefault(req.rid, Tracked(req, list(req.origin_input_ids)))
+                if d.error:
+                    fails.append((req, d.error))
+                    continue
+                t.tokens.append(d.token)
+                force_rows.append(i)
+                force_toks.append(d.token)
+                any_verified |= d.verified
+                if d.repair:
+                    try:
+                        write_kv_column(self.runner.token_to_kv_pool, self.runner.req_to_token_pool.req_to_token,
+                                        req.req_pool_idx, pos, link.slots.read(d.slot, d.gen))
+                    except Exception as e:  # noqa: BLE001
+                        fails.append((req, f"deterministic K/V repair failed: {e}"))
+            for req, _ in fails:
+                t = link.tracked.get(req.rid)
+                if t is not None and t.req is req:
+                    t.failed = True
+        if force_rows:
+            force_tokens(logits, force_rows, force_toks)
+        for req, why in fails:
+            self._fail(req, why)
         return any_verified
 
+    @staticmethod
+    def _fail(req, why: str) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-def make_hook(config: dict) -> MarginHook:
-    """Factory named in SGLang's --forward-hooks spec."""
-    hook = MarginHook(HookConfig.from_json_dict(config))
-    log.info("mg forward hook ready (controller: %s)", config.get("controller_ipc") or "none")
-    return hook
+        log.error("mg: deterministic request %s failed: %s", req.rid, why)
+        if req.to_finish is None:  # the first reason is the one the client gets
+            req.to_finish = FINISH_ABORT(f"deterministic decoding failed: {why}", HTTPStatus.SERVICE_UNAVAILABLE,
+                                         "ServiceUnavailable")
+
+
+def check_runner(runner) -> None:
+    """Refuse, at start-up, model runners whose K/V layout mg cannot repair."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = runner.token_to_kv_pool
+    if not isinstance(pool, MHATokenToKVPool):
+        raise RuntimeError(f"mg supports SGLang's MHATokenToKVPool K/V layout; this model uses "
+                           f"{type(pool).__name__} (serve it with --mg-mode off)")
+
+
+def make_hook(config: dict):
+    """Factory named in SGLang's --forward-hooks spec: attaches the seam, registers no module hook."""
+    runner = find_model_runner()
+    check_runner(runner)
+    seam = StepSeam(HookConfig.from_json_dict(config), runner)
+    runner.sampler.register_forward_pre_hook(seam)
+    log.info("mg: step seam attached to %s.sampler (controller: %s); no module hook is needed",
+             type(runner).__name__, config.get("controller_ipc") or "none")
+    return None

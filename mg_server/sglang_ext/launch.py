@@ -21,20 +21,35 @@ from mg_server.config import FrontConfig, HookConfig, ServeConfig
 log = logging.getLogger(__name__)
 
 # SGLang on a CPU host (ENVIRONMENT.md): the torch_native attention and pytorch sampling
-# backends are the CPU paths; CUDA graphs and the overlap scheduler are CUDA-only. The KV pool
-# is capped: sized from host RAM by default, it took 13 GB of a 24 GB machine for SmolLM2.
+# backends are the CPU paths; CUDA graphs are CUDA-only. The KV pool is capped: sized from host
+# RAM by default, it took 13 GB of a 24 GB machine for SmolLM2. The overlap scheduler stays on,
+# as on a GPU: it was no slower here (decode 59.6 / 85.3 ms per step at batch 1 / 8 with it,
+# 69.0 / 100.7 without, two servers sharing 2 cores), and it makes CPU runs take the scheduling
+# path GPUs take (a request's output list one step behind the forward being sampled, a
+# look-ahead forward after its last token).
 CPU_ENGINE_ARGS = (
     "--device", "cpu",
     "--attention-backend", "torch_native",
     "--sampling-backend", "pytorch",
     "--disable-cuda-graph",
-    "--disable-overlap-schedule",
     "--max-total-tokens", "65536",
 )
+# A CUDA host without sgl_kernel/flashinfer (compat profile "cuda-bare"): SGLang's triton
+# attention and pytorch sampling need neither; no grammar backend (xgrammar is not installed);
+# the piecewise CUDA graphs of prefill need torch.compile paths that call sgl_kernel.
+BARE_CUDA_ENGINE_ARGS = (
+    "--attention-backend", "triton",
+    "--sampling-backend", "pytorch",
+    "--grammar-backend", "none",
+    "--disable-piecewise-cuda-graph",
+)
+ENGINE_ARGS = {"cpu": CPU_ENGINE_ARGS, "cuda-bare": BARE_CUDA_ENGINE_ARGS, "cuda": ()}
 OWNED_FLAGS = ("--forward-hooks", "--enable-custom-logit-processor")
 
 
 def hook_spec(config: HookConfig) -> list[dict]:
+    # SGLang calls the factory inside ModelRunner.initialize; it attaches mg to the sampler and
+    # registers no module hook (see hook.py), so the target pattern only has to match a module.
     return [{
         "name": "mg",
         "target_modules": ["logits_processor"],
@@ -49,12 +64,33 @@ def sglang_argv(cfg: ServeConfig, hook: HookConfig | None = None) -> list[str]:
         if any(a == flag or a.startswith(flag + "=") for a in cfg.sglang_args):
             raise ValueError(f"{flag} is set by mg-server itself and cannot be passed through")
     argv = ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(cfg.port)]
-    if cfg.cpu:
-        argv += CPU_ENGINE_ARGS
+    argv += ENGINE_ARGS[cfg.profile]
     argv += list(cfg.sglang_args)
     hook = hook or HookConfig(metrics_dir=cfg.metrics_dir)
     argv += ["--enable-custom-logit-processor", "--forward-hooks", json.dumps(hook_spec(hook))]
     return argv
+
+
+def refuse_unsupported(server_args, mode: str) -> None:
+    """Configurations in which mg could not see or repair every step: refused at start-up."""
+    if mode == "off":
+        return
+    a = server_args
+    problems = []
+    if a.speculative_algorithm:
+        problems.append(f"--speculative-algorithm {a.speculative_algorithm}: speculative decoding emits "
+                        "tokens that mg's per-step seam does not decide")
+    if a.tp_size > 1 or a.pp_size > 1 or a.dp_size > 1 or a.enable_dp_attention:
+        problems.append("tensor/pipeline/data parallelism: mg's seam runs in a single scheduler process")
+    if a.kv_cache_dtype not in ("auto", "bfloat16"):
+        problems.append(f"--kv-cache-dtype {a.kv_cache_dtype}: the verifier's K/V columns are bfloat16")
+    if a.dtype not in ("auto", "bfloat16"):
+        problems.append(f"--dtype {a.dtype}: the verifier runs the model in bfloat16")
+    if a.enable_hierarchical_cache:
+        problems.append("--enable-hierarchical-cache: offloaded K/V would bypass mg's column repairs")
+    if problems:
+        raise ValueError("unsupported with --mg-mode " + mode + " (serve with --mg-mode off, or drop the flag):\n  - "
+                         + "\n  - ".join(problems))
 
 
 def _fresh_metrics_dir(path: str) -> None:
@@ -76,10 +112,11 @@ def start_runtime(cfg: ServeConfig):
     from mg_server.runtime.policy import resolve_tau
     from mg_server.runtime.verifier.server import VerifierConfig
 
-    tau, source = resolve_tau(cfg.model_path, cfg.mg_tau)
+    tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode)
     verifier = VerifierConfig(
         model_path=cfg.model_path, ipc_path=str(Path(cfg.run_dir) / "verifier.sock"),
         device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
+        memory_gb=cfg.verifier_memory_gb or 0.0,
     )
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
                             metrics_dir=cfg.metrics_dir, verifier=verifier)
@@ -93,6 +130,10 @@ def start_runtime(cfg: ServeConfig):
         proc.kill()  # a live non-daemon child would keep this process from exiting
         raise
     log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s", cfg.mg_mode, tau, source, info.kernel_config_id)
+    log.info("mg verifier: device %s, K/V pool %d tokens, %s", info.verifier_device, info.verifier_pool_tokens,
+             f"{info.verifier_memory_bytes / (1 << 30):.2f} GB of device memory held"
+             + (f" (budget {cfg.verifier_memory_gb:g} GB)" if cfg.verifier_memory_gb else "")
+             if info.verifier_memory_bytes else "host memory")
     atexit.register(_stop_runtime, proc, ccfg.ipc_path)
     threading.Thread(target=_watch_runtime, args=(proc,), name="mg-runtime-watch", daemon=True).start()
     return ccfg.ipc_path, info
@@ -120,24 +161,26 @@ def _watch_runtime(proc) -> None:
 
 
 def serve(cfg: ServeConfig) -> None:
-    if cfg.cpu:
-        from mg_server.sglang_ext import cpu_compat
+    from mg_server.sglang_ext import compat
 
-        log.info("CPU compatibility: %s", cpu_compat.install().summary())
+    log.info("SGLang compatibility: %s", compat.install(cfg.profile).summary())
     _fresh_metrics_dir(cfg.metrics_dir)
 
     from mg_server.sglang_ext import seams
 
     version = seams.check()
-    controller_ipc, info = start_runtime(cfg)
     from sglang.srt.entrypoints.http_server import app, launch_server
     from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="mg-server serve (SGLang flags)")
+    ServerArgs.add_cli_args(parser)
+    # Parsed once before mg's processes start, to refuse what mg cannot serve (hook: no controller yet).
+    refuse_unsupported(ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg))), cfg.mg_mode)
+    controller_ipc, info = start_runtime(cfg)
 
     from mg_server.front.middleware import DeterministicMiddleware
     from mg_server.sglang_ext.processor import serialized
 
-    parser = argparse.ArgumentParser(prog="mg-server serve (SGLang flags)")
-    ServerArgs.add_cli_args(parser)
     hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc)
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(

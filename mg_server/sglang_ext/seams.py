@@ -1,8 +1,9 @@
 """The SGLang version and the internal signatures mg relies on, checked at start-up.
 
-mg never edits SGLang; it attaches through `--forward-hooks`, `custom_params` and the KV pool
-API. Those are internals, so the server refuses to start when the installed SGLang differs from
-the one these seams were written against, naming what changed.
+mg never edits SGLang; it attaches through `--forward-hooks` (whose factory puts mg's step seam
+on the model runner's Sampler, see hook.py), `custom_params` and the KV pool API. Those are
+internals, so the server refuses to start when the installed SGLang differs from the one these
+seams were written against, naming what changed.
 """
 
 from __future__ import annotations
@@ -31,17 +32,21 @@ def check() -> str:
         problems.append(f"SGLang {version} is installed; mg_server supports {SUPPORTED_SGLANG}")
 
     from sglang.srt.entrypoints import http_server
-    from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.layers.sampler import Sampler
+    from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.model_executor import hook_manager
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
     from sglang.srt.server_args import ServerArgs
 
     expect = [
-        # The forward hook receives LogitsProcessor.forward's positional args; the 4th is the batch.
-        ("LogitsProcessor.forward args", _params(LogitsProcessor.forward)[:5],
-         ["self", "input_ids", "hidden_states", "lm_head", "logits_metadata"]),
+        # The seam is a forward pre-hook on the Sampler: it reads these positional args.
+        ("Sampler.forward args", _params(Sampler.forward),
+         ["self", "logits_output", "sampling_info", "return_logprob", "top_logprobs_nums",
+          "token_ids_logprobs", "positions"]),
         ("register_forward_hooks args", _params(hook_manager.register_forward_hooks), ["model", "hook_specs"]),
         ("launch_server first arg", _params(http_server.launch_server)[:1], ["server_args"]),
         ("MHATokenToKVPool.set_kv_buffer args", _params(MHATokenToKVPool.set_kv_buffer)[:5],
@@ -50,15 +55,32 @@ def check() -> str:
     for what, got, want in expect:
         if got != want:
             problems.append(f"{what}: expected {want}, found {got}")
-    fields = {f.name for f in dataclasses.fields(ForwardBatch)}
-    for name in ("forward_mode", "req_pool_indices", "seq_lens", "out_cache_loc", "sampling_info",
-                 "req_to_token_pool", "token_to_kv_pool", "rids"):
-        if name not in fields:
-            problems.append(f"ForwardBatch has no field {name!r}")
+    # Source facts the seam relies on: the hook factory runs inside ModelRunner.initialize (its
+    # frame gives mg the runner), and the attributes it reads are set where expected.
+    sources = [
+        ("ModelRunner.initialize", ModelRunner.initialize,
+         ("register_forward_hooks(self.model", "self.sampler", "self.req_to_token_pool")),
+        ("ModelRunner", ModelRunner, ("self.token_to_kv_pool",)),
+        ("Req.__init__", Req.__init__, ("self.origin_input_ids", "self.output_ids", "self.req_pool_idx",
+                                        '"__req__": self')),
+        ("Sampler.forward", Sampler.forward, ("self._preprocess_logits(logits, sampling_info)",)),
+    ]
+    for what, obj, needles in sources:
+        try:
+            text = inspect.getsource(obj)
+        except (OSError, TypeError):
+            problems.append(f"{what}: source not available to check")
+            continue
+        problems += [f"{what} no longer contains {n!r}" for n in needles if n not in text]
     if "next_token_logits" not in {f.name for f in dataclasses.fields(LogitsProcessorOutput)}:
         problems.append("LogitsProcessorOutput has no field 'next_token_logits'")
+    info_fields = {f.name for f in dataclasses.fields(SamplingBatchInfo)}
+    for name in ("custom_params", "has_custom_logit_processor"):
+        if name not in info_fields:
+            problems.append(f"SamplingBatchInfo has no field {name!r}")
     server_fields = {f.name for f in dataclasses.fields(ServerArgs)}
-    for name in ("forward_hooks", "enable_custom_logit_processor"):
+    for name in ("forward_hooks", "enable_custom_logit_processor", "speculative_algorithm", "tp_size", "pp_size",
+                 "dp_size", "enable_dp_attention", "kv_cache_dtype", "dtype", "enable_hierarchical_cache"):
         if name not in server_fields:
             problems.append(f"ServerArgs has no field {name!r}")
     if not callable(getattr(CustomLogitProcessor, "to_str", None)):

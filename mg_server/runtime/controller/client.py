@@ -22,8 +22,8 @@ class ControllerClient(RpcClient):
     def step(self, rows: list[P.StepRow], timeout_s: float | None = None) -> list[P.StepDecision]:
         return self.call(P.Step(rows=rows), timeout_s).decisions
 
-    def finish(self, rid: str, new_tokens: list[int], aborted: bool, timeout_s: float | None = None) -> None:
-        self.call(P.Finish(rid=rid, new_tokens=new_tokens, aborted=aborted), timeout_s)
+    def finish(self, rid: str, output: list[int], aborted: bool, timeout_s: float | None = None) -> None:
+        self.call(P.Finish(rid=rid, output=output, aborted=aborted), timeout_s)
 
     def verdict(self, rid: str, timeout_s: float | None = None) -> P.VerdictReply:
         return self.call(P.Verdict(rid=rid), timeout_s)

@@ -40,17 +40,20 @@ class ControllerConfig:
 
 @dataclass
 class ReqState:
-    tokens: list[int] = field(default_factory=list)  # t_0 .. as reported by the hook
+    tokens: list[int] = field(default_factory=list)  # t_0 .. t_{n-1}: the prompt, then every decided token
     prompt_len: int = 0  # the first step's tokens are the prompt (not audited)
     verifier_len: int = 0  # the verifier has been sent t_0 .. t_{verifier_len-1}
-    steps: int = 0
-    verified_steps: int = 0
-    repairs: int = 0
+    verified: list[int] = field(default_factory=list)  # positions computed by the verifier
+    repairs: list[int] = field(default_factory=list)  # verified positions where it disagreed
     mismatches: list[int] = field(default_factory=list)  # positions q whose t_{q+1} was a missed flip
     error: str = ""
     finished_at: float = 0.0  # monotonic time of Finish; 0 while running
     aborted: bool = False
     audit_pending: bool = False  # finished, tail audit not run yet
+
+    @property
+    def steps(self) -> int:
+        return len(self.tokens) - self.prompt_len
 
     def state(self, mode: str) -> str:
         if self.error:
@@ -116,6 +119,9 @@ class Controller:
                 kernel_config_id=self.vinfo.kernel_config_id if self.vinfo else "",
                 model_id=self.vinfo.model_id if self.vinfo else "",
                 shm=self.vinfo.shm if self.vinfo else None,
+                verifier_device=self.vinfo.device if self.vinfo else "",
+                verifier_pool_tokens=self.vinfo.pool_tokens if self.vinfo else 0,
+                verifier_memory_bytes=self.vinfo.memory_bytes if self.vinfo else 0,
             )
         if isinstance(msg, P.Shutdown):
             self.running = False
@@ -126,27 +132,38 @@ class Controller:
         decisions: list[P.StepDecision] = []
         to_verify: list[tuple[int, P.StepRow, ReqState]] = []
         for row in rows:
-            st = self.reqs.setdefault(row.rid, ReqState())
-            start = row.pos + 1 - len(row.new_tokens)
-            if start != len(st.tokens) or st.error:
-                st.error = st.error or f"position mismatch: controller has {len(st.tokens)} tokens, step starts at {start}"
-                decisions.append(P.StepDecision(rid=row.rid, error=st.error))
-                continue
-            if not st.tokens:
-                st.prompt_len = len(row.new_tokens)
-            st.tokens.extend(row.new_tokens)
-            st.steps += 1
-            decisions.append(P.StepDecision(rid=row.rid))
-            if self.cfg.mode != "off" and not self.verifier_up():
+            st = self._state_for(row)
+            d = P.StepDecision(rid=row.rid)
+            decisions.append(d)
+            if not st.error and row.pos != len(st.tokens) - 1:
+                st.error = f"position mismatch: controller holds {len(st.tokens)} tokens, step at position {row.pos}"
+            if not st.error and self.cfg.mode != "off" and not self.verifier_up():
                 st.error = "deterministic verifier is not running"
-                decisions[-1].error = st.error
+            if st.error:
+                d.error = st.error
             elif self.policy.should_verify(row.margin):
                 to_verify.append((len(decisions) - 1, row, st))
             else:
                 self.m.steps.labels(decision="fast").inc()
+                d.token = row.fast_token
+                st.tokens.append(d.token)
         if to_verify:
             self._verify(to_verify, decisions)
         return decisions
+
+    def _state_for(self, row: P.StepRow) -> ReqState:
+        """The request's state; its first step (the one carrying the prompt) creates it."""
+        st = self.reqs.get(row.rid)
+        if not row.prompt:
+            if st is None:
+                st = self.reqs[row.rid] = ReqState(error="step of a request the controller never saw start")
+            return st
+        if st is not None and not st.finished_at:
+            st.error = st.error or f"request id {row.rid!r} started twice"
+            return st
+        self.pending.pop(row.rid, None)  # a finished request of the same id: its verdict is replaced
+        st = self.reqs[row.rid] = ReqState(tokens=list(row.prompt), prompt_len=len(row.prompt))
+        return st
 
     def _verify(self, batch, decisions: list[P.StepDecision]) -> None:
         from mg_server.runtime.verifier.client import VerifierError
@@ -168,12 +185,14 @@ class Controller:
             self.m.verify.inc()
             self._audit(row.rid, st, res)
             st.verifier_len = row.pos + 1
-            st.verified_steps += 1
+            st.verified.append(row.pos)
             d.verified, d.token, d.slot, d.gen = True, res.token, res.slot, res.gen
             d.repair = res.token != row.fast_token
             if d.repair:
-                st.repairs += 1
+                st.repairs.append(row.pos)
                 self.m.repair.inc()
+                self.m.flip_margin.observe(row.margin)
+            st.tokens.append(d.token)
 
     def _item(self, rid: str, st: ReqState, pos: int) -> P.VerifyItem:
         """Verify position pos after teaching the verifier every token it has not seen yet."""
@@ -192,11 +211,33 @@ class Controller:
             self._missed_flip(rid, st, res.first_mismatch, "fast-path token differs from the verifier's")
 
     def _finish(self, msg: P.Finish) -> None:
-        st = self.reqs.setdefault(msg.rid, ReqState())
-        if not st.error and len(msg.new_tokens) and st.tokens:
-            st.tokens.extend(msg.new_tokens)
+        st = self.reqs.get(msg.rid)
+        if st is None:
+            st = self.reqs[msg.rid] = ReqState(error="request finished without a step the controller saw")
+        if not st.error and st.tokens:
+            self._reconcile(msg.rid, st, msg.output)
         st.finished_at, st.aborted, st.audit_pending = time.monotonic(), msg.aborted, True
         self.pending[msg.rid] = None
+
+    def _reconcile(self, rid: str, st: ReqState, output: list[int]) -> None:
+        """Check SGLang's emitted tokens against the decided ones; drop look-ahead steps."""
+        decided = st.tokens[st.prompt_len:]
+        if len(decided) < len(output):
+            st.error = f"mg decided {len(decided)} tokens but SGLang emitted {len(output)}: a step was not seen"
+            return
+        if decided[:len(output)] != output:
+            q = next(k for k, (a, b) in enumerate(zip(decided, output)) if a != b)
+            st.error = f"emitted token {q} differs from the one mg decided"
+            return
+        extra = len(decided) - len(output)
+        if extra:  # the overlap scheduler's look-ahead forward(s) after the last token
+            n = len(st.tokens) - extra
+            del st.tokens[n:]
+            st.verified = [q for q in st.verified if q <= n - 2]
+            st.repairs = [q for q in st.repairs if q <= n - 2]
+            st.mismatches = [q for q in st.mismatches if q <= n - 2]
+            self.m.lookahead.inc(extra)
+            log.debug("request %s: %d look-ahead step(s) dropped", rid, extra)
 
     def _complete(self, rid: str) -> None:
         """The deferred part of Finish: audit the tail, free the verifier's shadow cache."""
@@ -241,7 +282,7 @@ class Controller:
         if st is None:
             return P.VerdictReply(rid=rid, state="unknown")
         return P.VerdictReply(rid=rid, state=st.state(self.cfg.mode), steps=st.steps,
-                              verified_steps=st.verified_steps, repairs=st.repairs,
+                              verified_steps=len(st.verified), repairs=len(st.repairs),
                               mismatch_positions=list(st.mismatches), error=st.error)
 
     def _expire(self) -> None:

@@ -36,6 +36,7 @@ class VerifierConfig:
     evict_idle_s: float = 600.0  # when full, drop requests idle this long (clients that vanished)
     max_batch_items: int = 64  # items coalesced into one step
     num_threads: int = 0  # torch CPU threads (0: leave torch's default); results do not depend on it
+    memory_gb: float = 0.0  # CUDA memory budget (weights + K/V pool + workspace); 0: pool_tokens as given
     shm_name: str = ""  # shared-memory name; "" derives one from ipc_path
     poll_ms: int = 50  # receive poll period
 
@@ -83,16 +84,32 @@ class VerifierServer:
                 torch.set_num_threads(cfg.num_threads)
             dtype = getattr(torch, cfg.dtype)
             self.engine = load_engine(cfg.model_path, cfg.dtype, cfg.device, cfg.max_seq_len, cfg.max_requests,
-                                      cfg.pool_tokens, cfg.evict_idle_s)
+                                      cfg.pool_tokens, cfg.evict_idle_s, cfg.memory_gb)
             model = self.engine.model
             s = model.spec
             self.shm = SlotBuffer.create(cfg.shm_base, cfg.n_slots, s.n_layers, s.n_kv_heads, s.head_dim,
                                          dtype, model.device)
             self.model_id = model_identity(cfg.model_path, dtype)
             self.kernel_config_id = ops.config_id(model.device)  # the backend that serves the device
+            if model.device.type == "cuda":
+                self._warm_up()
+            # What the worker holds now (weights, K/V pool, slots): CUDA only, 0 on CPU.
+            self.memory_bytes = torch.cuda.memory_allocated(model.device) if model.device.type == "cuda" else 0
         except Exception as e:  # noqa: BLE001 - reported to every client, see module doc
             self.load_error = f"verifier failed to load {cfg.model_path!r}: {type(e).__name__}: {e}"
             traceback.print_exc()
+
+    def _warm_up(self) -> None:
+        """Compile the Triton kernels now (a prefill and a decode step of a throw-away request):
+        compiled on a first request instead, they would take that request past its deadline."""
+        t0 = time.perf_counter()
+        rid = "mg-warm-up"
+        for item in (P.VerifyItem(rid=rid, pos=16, tokens=[1] * 17), P.VerifyItem(rid=rid, pos=17, tokens=[1])):
+            (res,) = self.engine.step([item])
+            if isinstance(res, P.ErrorReply):
+                raise RuntimeError(f"warm-up forward failed: [{res.code}] {res.message}")
+        self.engine.release(rid)
+        print(f"[mg-verifier] kernels warmed up in {time.perf_counter() - t0:.1f}s", flush=True)
 
     # ---- handlers -----------------------------------------------------------------------
     def _hello(self, m: P.Hello) -> P.Message:
@@ -112,7 +129,7 @@ class VerifierServer:
             kernel_config_id=self.kernel_config_id, family=s.family, n_layers=s.n_layers,
             n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, vocab=s.vocab, dtype=self.cfg.dtype,
             device=str(eng.model.device), max_seq_len=eng.max_seq_len, max_requests=eng.max_requests,
-            shm=self.shm.spec)
+            shm=self.shm.spec, pool_tokens=eng.pool.n_tokens, memory_bytes=self.memory_bytes)
 
     def _verify(self, batch: list[tuple[bytes, P.Verify]]) -> None:
         items, owners = [], []

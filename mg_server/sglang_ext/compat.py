@@ -1,0 +1,322 @@
+"""Make SGLang 0.5.10.post1 importable and runnable where its compiled packages are missing.
+
+Host profiles (`detect_profile`):
+- `cuda`: a normal SGLang GPU install (sgl_kernel and flashinfer import): nothing to do.
+- `cuda-bare`: CUDA, but sgl_kernel or flashinfer missing (e.g. a GPU host with only torch and
+  triton). SGLang then runs on its torch-native ops, triton attention and pytorch sampling.
+- `cpu`: no CUDA; SGLang's CPU engine with torch_native attention.
+
+The launcher applies the profile in its own process and records it in `MG_COMPAT`; SGLang spawns
+its children (scheduler, detokenizer) with multiprocessing's *spawn* method, which re-imports
+mg-server's main module there, and that import re-applies the profile (`install_if_requested`)
+before the child imports SGLang. Each fix checks first whether it is still needed and says so,
+so a newer SGLang/torch does not get patched silently.
+
+Fixes (profile that needs each):
+1. (cpu: sgl_kernel; cuda-bare: sgl_kernel, flashinfer) imported unconditionally by some SGLang
+   modules. An import finder serves them and every submodule as a stand-in whose attributes
+   raise when called: the torch-native paths never call them, and an accidental call fails
+   loudly instead of computing something else.
+2. (cpu) torchvision's registry wheels are CUDA builds whose C extension cannot load on CPU torch;
+   the pure-Python package then fails at import registering fake kernels for
+   `torchvision::nms`/`qnms`. Defining those two schemas first lets it import.
+3. (cpu) SGLang's other processes busy-poll, so a scheduler with more than one OpenMP thread
+   competes with them for 2 cores (measured: 60 ms -> 1.5-3.4 s per decode step):
+   `OMP_NUM_THREADS=1` in the children.
+4. (cuda-bare) `layers/moe/topk.py` calls `torch.library.register_fake("sgl_kernel::
+   moe_fused_gate")` at import, which needs the op's schema: defined here first.
+5. (cuda-bare) Right after SGLang imports them: `MultiPlatformOp.dispatch_forward` returns
+   `forward_native` (its CUDA methods call sgl_kernel); `clamp_position` and
+   `_resolve_future_token_ids` use SGLang's own torch versions instead of nvcc-JIT kernels; the
+   JIT K/V store is reported unusable (SGLang then writes the pool with torch indexing).
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import os
+import sys
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from mg_server import env
+
+log = logging.getLogger(__name__)
+
+PROFILES = ("cpu", "cuda-bare", "cuda")
+STANDIN_PACKAGES = ("sgl_kernel", "flashinfer")
+
+_TORCHVISION_SHIM_OPS = (
+    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+)
+# Schema of the op whose fake kernel SGLang registers at import (fix 4).
+_SGL_KERNEL_SCHEMAS = (
+    "moe_fused_gate(Tensor input_tensor, Tensor bias, int num_expert_group, int topk_group, int topk, "
+    "int num_fused_shared_experts=0, float routed_scaling_factor=0, "
+    "bool apply_routed_scaling_factor_on_output=False) -> (Tensor, Tensor)",
+)
+_libraries: list = []  # keeps torch.library.Library objects alive (they unregister when collected)
+
+
+@dataclass
+class CompatReport:
+    profile: str = ""
+    applied: list[str] = field(default_factory=list)
+    not_needed: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return f"profile={self.profile} applied={self.applied or '-'} not_needed={self.not_needed or '-'}"
+
+
+def _real_module_loads(name: str) -> bool:
+    """True if `name` is installed and imports without error (outside our stand-in)."""
+    if importlib.util.find_spec(name) is None:
+        return False
+    try:
+        module = __import__(name)
+    except Exception:  # noqa: BLE001 - any failure means "does not load here"
+        sys.modules.pop(name, None)
+        return False
+    return not getattr(module, "MG_STANDIN", False)
+
+
+def detect_profile(cpu: bool) -> str:
+    """The profile of this host: `cpu`, or `cuda` / `cuda-bare` by whether the kernels import."""
+    if cpu:
+        return "cpu"
+    return "cuda" if all(_real_module_loads(p) for p in STANDIN_PACKAGES) else "cuda-bare"
+
+
+# ---- fix 1: import stand-ins ---------------------------------------------------------------
+class _Placeholder:
+    """Any attribute of a stand-in: more placeholders on attribute access (module-level code
+    such as `scalar_types.uint4b8` only stores them), an error when called."""
+
+    def __init__(self, qualname: str):
+        self._qualname = qualname
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder(f"{self._qualname}.{name}")
+
+    def __call__(self, *_args, **_kwargs):
+        raise RuntimeError(
+            f"{self._qualname} was called, but {self._qualname.split('.')[0]} is mg_server's import "
+            "stand-in (the package is missing or does not load on this host); this code path needs "
+            "SGLang's compiled kernels."
+        )
+
+    def __repr__(self) -> str:
+        return f"<mg stand-in {self._qualname}>"
+
+
+class _StandIn(types.ModuleType):
+    MG_STANDIN = True
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder(f"{self.__name__}.{name}")
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, packages: tuple[str, ...]):
+        self.packages = packages
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".", 1)[0] in self.packages:
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StandIn(spec.name)
+        module.__path__ = []  # a package, so any submodule import comes back here
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+def _install_standins(report: CompatReport, packages: tuple[str, ...]) -> None:
+    if any(isinstance(f, _StandInFinder) for f in sys.meta_path):
+        return
+    missing = tuple(p for p in packages if not _real_module_loads(p))
+    for p in packages:
+        if p not in missing:
+            report.not_needed.append(f"{p} stand-in (the real package imports)")
+    if missing:
+        sys.meta_path.insert(0, _StandInFinder(missing))
+        report.applied.append(f"stand-ins for {', '.join(missing)}")
+
+
+# ---- fix 2: torchvision ---------------------------------------------------------------------
+def fix_torchvision(report: CompatReport | None = None) -> None:
+    """Make `import torchvision` work when its C extension cannot load (fix 2 above).
+
+    Needed by every process that imports transformers' model classes or SGLang on a CPU host,
+    so also called by model preparation and the test setup. A no-op where the extension loads
+    or torchvision is already imported.
+    """
+    import torch
+
+    report = report if report is not None else CompatReport()
+    if "torchvision" in sys.modules or any(getattr(lib, "ns", "") == "torchvision" for lib in _libraries):
+        return
+    if importlib.util.find_spec("torchvision") is None:
+        report.not_needed.append("torchvision ops (torchvision not installed)")
+        return
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    tv_dir = Path(importlib.util.find_spec("torchvision").origin).parent
+    for suffix in EXTENSION_SUFFIXES:
+        ext = tv_dir / f"_C{suffix}"
+        if ext.exists():
+            try:
+                torch.ops.load_library(str(ext))
+                report.not_needed.append("torchvision ops (its C extension loads)")
+                return
+            except (OSError, RuntimeError):
+                break
+    _define_raising_ops("torchvision", _TORCHVISION_SHIM_OPS, "DEF")
+    report.applied.append("torchvision nms/qnms schemas")
+
+
+def _define_raising_ops(namespace: str, schemas: tuple[str, ...], kind: str) -> None:
+    import torch
+
+    lib = torch.library.Library(namespace, kind)  # noqa: TOR901 - kept alive in _libraries
+    for schema in schemas:
+        lib.define(schema)
+        op_name = schema.split("(", 1)[0]
+
+        def _raise(*_args, _op=op_name, **_kwargs):
+            raise RuntimeError(f"{namespace}::{_op} is unavailable on this host")
+
+        lib.impl(op_name, _raise, "CompositeExplicitAutograd")
+    _libraries.append(lib)
+
+
+# ---- fix 4 and 5: bare CUDA hosts ------------------------------------------------------------
+def _define_sgl_kernel_schemas(report: CompatReport) -> None:
+    import torch
+
+    if hasattr(torch.ops.sgl_kernel, "moe_fused_gate"):
+        report.not_needed.append("sgl_kernel op schemas (already defined)")
+        return
+    _define_raising_ops("sgl_kernel", _SGL_KERNEL_SCHEMAS, "FRAGMENT")
+    report.applied.append("sgl_kernel::moe_fused_gate schema")
+
+
+def _patch_dispatch(module) -> None:
+    module.MultiPlatformOp.dispatch_forward = lambda self: self.forward_native
+
+
+def _patch_clamp_position(module) -> None:
+    module.clamp_position = module._clamp_position_native
+
+
+def _patch_resolve_future(module) -> None:
+    module._resolve_future_token_ids = module._resolve_future_token_ids_native
+
+
+def _patch_store_cache(module) -> None:
+    module.can_use_store_cache = lambda _row_bytes: False
+
+
+# module -> (the attributes the patch relies on, the patch)
+_BARE_CUDA_PATCHES: dict[str, tuple[tuple[str, ...], Callable]] = {
+    "sglang.srt.layers.utils.multi_platform": (("MultiPlatformOp",), _patch_dispatch),
+    "sglang.srt.model_executor.forward_batch_info": (("clamp_position", "_clamp_position_native"),
+                                                     _patch_clamp_position),
+    "sglang.srt.managers.overlap_utils": (("_resolve_future_token_ids", "_resolve_future_token_ids_native"),
+                                          _patch_resolve_future),
+    "sglang.srt.mem_cache.memory_pool": (("can_use_store_cache",), _patch_store_cache),
+}
+
+
+def _apply_patch(name: str, module) -> None:
+    needs, patch = _BARE_CUDA_PATCHES[name]
+    missing = [a for a in needs if not hasattr(module, a)]
+    if missing:
+        raise RuntimeError(f"mg compat: {name} has no {missing}; this SGLang differs from the supported one")
+    patch(module)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a patch right after a named module is executed (before anyone uses it)."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = names
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.names:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        inner = spec.loader
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, s):
+                return inner.create_module(s)
+
+            def exec_module(self, module):
+                inner.exec_module(module)
+                _apply_patch(fullname, module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+def _install_bare_cuda_patches(report: CompatReport) -> None:
+    if any(isinstance(f, _AfterImport) for f in sys.meta_path):
+        return
+    for name in _BARE_CUDA_PATCHES:
+        if name in sys.modules:  # already imported in this process: patch in place
+            _apply_patch(name, sys.modules[name])
+    sys.meta_path.insert(0, _AfterImport(tuple(_BARE_CUDA_PATCHES)))
+    # SGLang's start-up check of the sgl_kernel version and its flashinfer probe.
+    os.environ["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"] = "1"
+    os.environ["SGLANG_IS_FLASHINFER_AVAILABLE"] = "false"
+    report.applied.append("torch-native dispatch, clamp_position, future-token resolve, torch K/V store")
+
+
+# ---- entry points ---------------------------------------------------------------------------
+def install(profile: str) -> CompatReport:
+    """Apply every fix the profile needs in this process; spawned children re-apply it."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown compat profile {profile!r}")
+    report = CompatReport(profile=profile)
+    if profile == "cpu":
+        if os.environ.get("OMP_NUM_THREADS") != "1":
+            os.environ["OMP_NUM_THREADS"] = "1"
+            report.applied.append("OMP_NUM_THREADS=1")
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+        # flashinfer only matters on CUDA; a stand-in here would make "is it importable" probes lie.
+        _install_standins(report, ("sgl_kernel",))
+        fix_torchvision(report)
+    elif profile == "cuda-bare":
+        _install_standins(report, STANDIN_PACKAGES)
+        _define_sgl_kernel_schemas(report)
+        _install_bare_cuda_patches(report)
+    os.environ[env.COMPAT_VAR] = profile
+    return report
+
+
+def install_if_requested() -> None:
+    """Called at import of mg-server's entry modules, which SGLang's spawned children re-import."""
+    profile = env.compat_profile()
+    if profile and profile != "cuda":
+        install(profile)

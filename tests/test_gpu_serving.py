@@ -1,0 +1,54 @@
+"""mg-server on CUDA with SGLang's GPU defaults (CUDA graphs, overlap scheduler): every step of a
+deterministic request is seen and the answers equal the verifier-alone reference. A small
+random-weight model of the SmolLM2 shape (benchmarks/gpu_e2e.py writes it); the tokenizer comes
+from $MG_GPU_TOKENIZER or the prepared embedded model. Skipped without CUDA."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from server_util import ServerProcess
+
+pytestmark = [pytest.mark.gpu, pytest.mark.server]
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import gpu_e2e
+
+    tok = os.environ.get("MG_GPU_TOKENIZER")
+    if tok is None:
+        from mg_server.model.prepare import prepare_model
+
+        tok = str(prepare_model(progress=False))
+    return gpu_e2e.write_model("smol", tmp_path_factory.mktemp("m") / "smol", Path(tok))
+
+
+def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path):
+    from mg_server.evaluation.determinism import DeterminismConfig, noop_processor, run
+    from mg_server.runtime.verifier.reference import greedy_reference, load_engine
+
+    prompts = json.loads((REPO / "benchmarks" / "data" / "gpu_prompts.json").read_text())
+    det, other = prompts["det"][:6], prompts["other"][:4]
+    engine = load_engine(str(model), device="cuda", max_seq_len=1024, pool_tokens=8192)
+    refs = [r.tokens for r in greedy_reference(engine, det, 32)]
+    del engine
+    srv = ServerProcess(["--model", str(model), "--device", "cuda", "--mg-mode", "always"], tmp_path / "server.log")
+    try:
+        srv.wait_ready(timeout=600)
+        log = srv.log_path.read_text()
+        assert "disable_cuda_graph=False" in log and "disable_overlap_schedule=False" in log
+        rep = run(DeterminismConfig(url=srv.url, max_new=32, phases=("alone", "mixed")), det, refs, other,
+                  noop_processor())
+    finally:
+        srv.stop()
+    assert not rep.mismatches, rep.mismatches
+    assert all(o.verdict == "verified" for o in rep.outcomes)
+    c = rep.counters
+    assert c["mg_deterministic_steps_total"] - c["mg_lookahead_steps_total"] == rep.det_tokens > 0
+    assert c["steps_verify"] == c["mg_deterministic_steps_total"]
