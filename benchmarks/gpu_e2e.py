@@ -224,9 +224,9 @@ def gpu_memory_mib() -> list[int]:
         return []
 
 
-def generate_batch(url: str, prompts: list[list[int]], max_new: int, det: bool = False) -> tuple[list[list[int]], float]:
+def generate_batch(url: str, prompts: list[list[int]], max_new: int, n_det: int = 0) -> tuple[list[list[int]], float]:
     """One batched /generate (all rows enter the scheduler together); (outputs, seconds).
-    det: every row deterministic (what the X-Deterministic header does, per row)."""
+    The first n_det rows are deterministic (what the X-Deterministic header does, per row)."""
     import requests
 
     from mg_server.config import DETERMINISTIC_PARAM
@@ -234,9 +234,10 @@ def generate_batch(url: str, prompts: list[list[int]], max_new: int, det: bool =
 
     params = {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 0}
     body = {"input_ids": prompts, "sampling_params": params}
-    if det:
-        body["sampling_params"] = [{**params, "custom_params": {DETERMINISTIC_PARAM: True}} for _ in prompts]
-        body["custom_logit_processor"] = [noop_processor()] * len(prompts)
+    if n_det:
+        flags = [i < n_det for i in range(len(prompts))]
+        body["sampling_params"] = [{**params, "custom_params": {DETERMINISTIC_PARAM: f}} for f in flags]
+        body["custom_logit_processor"] = [noop_processor() if f else None for f in flags]
     t0 = time.perf_counter()
     r = requests.post(url + "/generate", json=body, timeout=600)
     r.raise_for_status()
@@ -253,19 +254,21 @@ def plain_outputs(url: str, prompts: list[list[int]], max_new: int) -> dict:
     return {"alone": alone, "batched": generate_batch(url, prompts, max_new)[0]}
 
 
-def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, reps: int, det: bool = False) -> dict:
+def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, reps: int, det_frac: float = 0.0) -> dict:
     """Decode ms/step per server and batch size: (time of `new` tokens - time of 2) / (new - 2),
-    the servers measured alternately, in A B B A order (drift cancels)."""
+    the servers measured alternately, in A B B A order (drift cancels). det_frac of each batch's
+    rows are deterministic (all rows of a batch decode in lockstep: one ms/step for both kinds)."""
     res = {s.name: {} for s in servers}
     for bs in batches:
         rows = [prompts[i % len(prompts)] for i in range(bs)]
+        n_det = round(det_frac * bs)
         samples = {s.name: [] for s in servers}
         for s in servers:
-            generate_batch(s.url, rows, 4, det)  # warm this batch size
+            generate_batch(s.url, rows, 4, n_det)  # warm this batch size
         for rep in range(reps):
             for s in (servers if rep % 2 == 0 else servers[::-1]):
-                short = generate_batch(s.url, rows, 2, det)[1]
-                full = generate_batch(s.url, rows, new, det)[1]
+                short = generate_batch(s.url, rows, 2, n_det)[1]
+                full = generate_batch(s.url, rows, new, n_det)[1]
                 samples[s.name].append((full - short) / (new - 2) * 1e3)
         for name, xs in samples.items():
             res[name][bs] = {"median": statistics.median(xs), "all": xs}
@@ -288,6 +291,13 @@ def check(srv, cfg_tokens: int, prompts: dict, refs: dict, phases: tuple[str, ..
         f"{rep.det_tokens} tokens, verify {c['steps_verify']:.0f}, repair {c['mg_repair_total']:.0f}, "
         f"audit mismatches {c['mg_audit_mismatch_total']:.0f} [{time.monotonic() - t0:.0f}s]")
     return out
+
+
+def _trigger_rate(url: str) -> float:
+    from mg_server.evaluation.determinism import scrape
+
+    c = scrape(url)
+    return c["steps_verify"] / max(1.0, c["steps_verify"] + c["steps_fast"])
 
 
 def flip_margins(url: str) -> dict:
@@ -328,6 +338,9 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             s["determinism"] = check(srv, args.tokens, prompts, refs, phases)
             s["gpu_mib"] = gpu_memory_mib()
             res["flip_margin_buckets"] = flip_margins(srv.url)
+            if args.perf:  # every row deterministic, every step verified
+                s["decode_det_ms"] = decode_ms([srv], prompts["other"], args.batches, args.decode_tokens // 2, 2,
+                                               det_frac=1.0)[srv.name]
         finally:
             srv.stop()
         tau = tau or tau_from_flips(res["flip_margin_buckets"], floor=0.05)
@@ -340,19 +353,29 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
     try:
         pair.append(start(mdir, name, "margin", out, ["--mg-tau", str(tau), *mem], args.device))
         pair.append(start(mdir, name, "off", out, mem, args.device))
+        if args.sglang_det:  # SGLang's own global deterministic mode, mg off, measured alongside
+            det_srv = start(mdir, name, "off", out, ["--enable-deterministic-inference", *mem], args.device)
+            det_srv.name = f"{name}/sglang-det"
+            pair.append(det_srv)
         for srv in pair:
             mode = srv.name.split("/")[1]
             res["servers"][mode] = {"settings": server_settings(srv.log_path.read_text()),
                                     "plain": plain_outputs(srv.url, plain_set, args.tokens)}
+        res["servers"].get("sglang-det", {}).pop("plain", None)  # other kernels: not comparable bit for bit
         res["gpu_mib_pair"] = gpu_memory_mib()
         res["decode_plain_ms"] = decode_ms(pair, prompts["other"], args.batches, args.decode_tokens, args.reps)
-        for srv in pair:
+        for srv in pair[:2]:
             mode = srv.name.split("/")[1]
             res["servers"][mode]["determinism"] = check(srv, args.tokens, prompts, refs,
                                                         phases if mode == "margin" else ("alone", "mixed"))
-        # Deterministic rows on the margin server (informational: what mg costs per token today).
-        res["decode_det_ms_margin"] = decode_ms(pair[:1], prompts["other"], [1, 8], args.decode_tokens // 2, 1,
-                                                det=True)[pair[0].name]
+        if args.perf:  # deterministic rows on the margin server: all of the batch, and a quarter
+            m = pair[0]
+            res["servers"]["margin"]["decode_det_ms"] = decode_ms([m], prompts["other"], args.batches,
+                                                                  args.decode_tokens // 2, 2, det_frac=1.0)[m.name]
+            res["servers"]["margin"]["decode_mixed25_ms"] = decode_ms(
+                [m], prompts["other"], [b for b in args.batches if b >= 4], args.decode_tokens // 2, 2,
+                det_frac=0.25)[m.name]
+            res["servers"]["margin"]["trigger_rate"] = _trigger_rate(m.url)
     finally:
         for srv in pair:
             srv.stop()
@@ -389,7 +412,33 @@ def summarize(results: list[dict]) -> str:
                 a, b = off[bs]["median"], mar[bs]["median"]
                 lines.append(f"| {bs} | {a:.2f} | {b:.2f} | {100 * (b - a) / a:+.1f} % |")
             lines.append("")
+        lines += _perf_table(r)
     return "\n".join(lines)
+
+
+def _perf_table(r: dict) -> list[str]:
+    """ms/step (overhead vs plain SGLang, mg off, same run) of deterministic traffic."""
+    dec, srv = r.get("decode_plain_ms") or {}, r["servers"]
+    mar = srv.get("margin", {})
+    if "decode_det_ms" not in mar:
+        return []
+    off = dec[f"{r['model']}/off"]
+    cols = [("SGLang --enable-deterministic-inference", dec.get(f"{r['model']}/sglang-det")),
+            ("mg always, all rows det.", srv.get("always", {}).get("decode_det_ms")),
+            (f"mg margin (tau {r['tau']:g}, {100 * mar.get('trigger_rate', 0):.0f} % verified), all rows det.",
+             mar["decode_det_ms"]),
+            ("mg margin, 25 % of rows det.", mar.get("decode_mixed25_ms"))]
+    cols = [(n, c) for n, c in cols if c]
+    lines = ["| batch | plain SGLang (mg off) | " + " | ".join(n for n, _ in cols) + " |",
+             "|---" * (len(cols) + 2) + "|"]
+    for bs, base in off.items():
+        cells = []
+        for _, c in cols:
+            v = c.get(bs)
+            cells.append(f"{v['median']:.2f} ({100 * (v['median'] - base['median']) / base['median']:+.0f} %)"
+                         if v else "–")
+        lines.append(f"| {bs} | {base['median']:.2f} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def main() -> int:
@@ -408,6 +457,9 @@ def main() -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cpu: a local smoke run of this script")
     ap.add_argument("--limit", type=int, default=0, help="use only the first N prompts of each set (smoke runs)")
     ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--perf", action="store_true", help="also time deterministic rows (all, and 25 %% of a batch)")
+    ap.add_argument("--sglang-det", action="store_true",
+                    help="also time a server with SGLang's --enable-deterministic-inference (mg off)")
     ap.add_argument("--make-prompts", action="store_true", help="write benchmarks/data/gpu_prompts.json and exit")
     ap.add_argument("--refs", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", type=Path, help=argparse.SUPPRESS)

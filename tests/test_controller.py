@@ -199,3 +199,12 @@ def test_off_mode_never_calls_the_verifier(make_ctl):
     assert ctl.vclient.items == []
     assert ctl._verdict("g").state == "unverified"
     assert ctl._verdict("nope").state == "unknown"
+
+
+def test_a_one_way_report_updates_state_and_gets_no_reply(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    assert ctl.handle(P.Step(rows=[P.StepRow(rid="r", pos=1, prompt=[3, 4], margin=9.0, fast_token=6)],
+                             reply=False)) is None
+    assert ctl.reqs["r"].tokens == [3, 4, 6]
+    (d,) = ctl.handle(P.Step(rows=[P.StepRow(rid="r", pos=2, margin=0.1, fast_token=1)])).decisions
+    assert d.verified and ctl.reqs["r"].tokens[:3] == [3, 4, 6]

@@ -10,6 +10,7 @@ import torch
 
 from mg_server.config import DETERMINISTIC_PARAM, HookConfig
 from mg_server.runtime import protocol as P
+from mg_server.runtime.policy import Policy
 
 
 @pytest.fixture(scope="module")
@@ -46,14 +47,18 @@ class FakeReq:
 
 
 class ScriptedClient:
-    """Answers each Step with the decisions `decide(row)` returns; records the rows."""
+    """Answers each Step with the decisions `decide(row)` returns; records the rows (and the
+    one-way reports of fast commits separately)."""
 
     def __init__(self, decide):
-        self.decide, self.rows = decide, []
+        self.decide, self.rows, self.reported = decide, [], []
 
     def step(self, rows):
         self.rows += rows
         return [self.decide(r) for r in rows]
+
+    def report(self, rows):
+        self.reported += rows
 
 
 class Columns:
@@ -65,10 +70,11 @@ class Columns:
         return self.col.clone()
 
 
-def make_seam(hook_mod, runner, decide, tmp_path, monkeypatch):
+def make_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy=Policy("always", 0.0)):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     seam = hook_mod.StepSeam(HookConfig(metrics_dir=str(tmp_path)), runner)
-    seam.link = SimpleNamespace(client=ScriptedClient(decide), slots=Columns(), tracked={}, lock=threading.Lock())
+    seam.link = SimpleNamespace(client=ScriptedClient(decide), slots=Columns(), tracked={}, lock=threading.Lock(),
+                                rpc_lock=threading.Lock(), policy=policy)
     return seam
 
 
@@ -129,6 +135,22 @@ def test_verified_disagreement_forces_the_verifier_token_and_repairs_the_column(
         changed = (pool.k_buffer[layer] != before[layer]).any(dim=(1, 2)).nonzero().flatten()
         assert changed.tolist() == [slot]  # nothing else touched
     assert req.to_finish is None
+
+
+def test_margin_mode_commits_high_margins_locally_and_waits_only_for_low_ones(hook_mod, runner, tmp_path,
+                                                                          monkeypatch):
+    seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch, policy=Policy("margin", 0.5))
+    req = FakeReq("m", [1, 2])
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7], logits[0, 3] = 5.0, 1.0  # margin 4 >= tau: no round trip
+    seam(None, sampler_args([(req, True)], logits, [1]))
+    assert seam.link.client.rows == [] and [r.fast_token for r in seam.link.client.reported] == [7]
+    assert int(logits[0].argmax()) == 7 and torch.isinf(logits[0]).sum() == VOCAB - 1
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 9], logits[0, 4] = 1.1, 1.0  # margin 0.1 < tau: the controller decides
+    seam(None, sampler_args([(req, True)], logits, [2]))
+    assert [r.pos for r in seam.link.client.rows] == [2] and len(seam.link.client.reported) == 1
+    assert seam.link.tracked["m"].tokens == [1, 2, 7, 9]
 
 
 def test_a_skipped_position_fails_the_request(hook_mod, runner, tmp_path, monkeypatch):

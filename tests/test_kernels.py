@@ -227,6 +227,12 @@ def test_attention_chunking_decode_paged(device, dtype, hq, hkv, d):
     pc = [K.attention_paged(q[a:b], kb, vb, slots, a) for a, b in ((0, 333), (333, 600))]
     assert torch.equal(torch.cat(pc), full)
     assert torch.equal(K.attention_paged(q[599:], kb, vb, slots[:600], 599), full[599:])
+    # the row-wise kernel of the verifier's CUDA graphs: any rows, from a slot table, bit-equal
+    table = torch.zeros(2, 640, dtype=torch.int64, device=device)
+    table[1, :S] = slots
+    rows = torch.tensor([0, 1, 255, 256, 257, 300, 511, 512, 599, 3], device=device)
+    got = K.attention_rows(q[rows], kb, vb, table, torch.ones_like(rows), rows, 640)
+    assert torch.equal(got, full[rows]), "row-wise attention differs from prefill"
     if device == "cpu":
         with threads(1):
             assert torch.equal(K.attention(q, k, v, 0), full)

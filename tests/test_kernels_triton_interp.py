@@ -53,6 +53,15 @@ SCRIPT = textwrap.dedent("""
     slots = torch.randperm(700)[:S]
     kb = torch.full((700, hkv, d), float("nan")); vb = kb.clone(); kb[slots] = k; vb[slots] = v
     close(K.attention_paged(q, kb, vb, slots, 0), full, 1e-6)
+    # row-wise attention (CUDA-graph path): rows of two requests at scattered positions
+    kb = torch.cat([kb, torch.randn(S, hkv, d)]); vb = torch.cat([vb, torch.randn(S, hkv, d)])
+    table = torch.zeros(3, 320, dtype=torch.int64); table[1, :S] = slots
+    table[2, :S] = torch.randperm(S) + 700  # a second request in other slots
+    rows, trow = torch.tensor([0, 5, 255, 256, 299, 7, 270]), torch.tensor([1, 1, 1, 1, 1, 2, 2])
+    got = K.attention_rows(q[rows], kb, vb, table, trow, rows, 320)
+    want = torch.cat([K.attention_paged(q[p:p + 1], kb, vb, table[t], int(p)) for p, t in zip(rows, trow)])
+    close(got, want, 1e-6)
+    close(got[:5], full[rows[:5]], 1e-6)
     print("OK")
 """)
 

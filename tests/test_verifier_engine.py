@@ -50,6 +50,19 @@ def setup(request, tmp_path_factory):
     return d, engine, ref, seq, others
 
 
+def test_cuda_graphs_equal_the_eager_forward(setup):
+    """On CUDA the engine replays captured graphs for forwards of <= 128 rows (the reference run
+    here); an engine without graphs runs every forward op by op: the bits must not differ."""
+    _, engine, ref, seq, others = setup
+    if engine.graphs is None:
+        pytest.skip("CUDA graphs exist on CUDA devices only")
+    assert engine.graph_forwards > 0
+    eager = VerifierEngine(engine.model, max_requests=16, pool_tokens=4096, max_seq_len=256, cuda_graphs=False)
+    got, _ = drive(eager, "e", seq, schedule(N_PROMPT, len(seq), 3), others[:3])
+    assert_same(ref, got)
+    assert eager.graph_forwards == 0
+
+
 def test_prompt_chunkings(setup):
     _, engine, ref, seq, _ = setup
     for chunks in ([1] * N_PROMPT, [4, 9, 8], [N_PROMPT - 1, 1]):

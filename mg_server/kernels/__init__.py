@@ -29,6 +29,9 @@ Public API (shapes: M rows, K in-features, N out-features, T query tokens, S key
     attention_paged(q, k_buffer, v_buffer, kv_indices, q_start, scale=None)
         k_buffer/v_buffer [slots,Hkv,D] (SGLang pool, one layer), kv_indices [>=q_start+T]
         int32/int64 slot of each position.
+    attention_rows(q, k_buffer, v_buffer, kv_table, table_row, positions, max_len, scale=None)
+        one query token per row r, at positions[r], over kv_table[table_row[r]]; every varying
+        size is read from device memory (CUDA-graph friendly); per row equal to attention_paged.
     KERNEL_CONFIG, kernel_config_id(device=None)
 """
 from __future__ import annotations
@@ -44,7 +47,7 @@ from .cpu import PreparedWeight
 
 __all__ = ["matmul", "prepare_weight", "PreparedWeight", "rms_norm", "add_rms_norm",
            "log_softmax", "top2", "argmax", "silu_mul", "attention", "attention_paged",
-           "KERNEL_CONFIG", "kernel_config_id"]
+           "attention_rows", "KERNEL_CONFIG", "kernel_config_id"]
 
 # Debug only: MG_KERNELS_BACKEND=triton sends CPU tensors to the Triton kernels (use with
 # TRITON_INTERPRET=1); it is never needed in production.
@@ -111,3 +114,13 @@ def attention_paged(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, kv_indices: T
                     q_start: int, scale: float | None = None) -> Tensor:
     return (_att() if _gpu(q) else _cpu).attention_paged(q, k_buffer, v_buffer, kv_indices,
                                                          q_start, scale)
+
+
+def attention_rows(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, kv_table: Tensor, table_row: Tensor,
+                   positions: Tensor, max_len: int, scale: float | None = None) -> Tensor:
+    if _gpu(q):
+        return _att().attention_rows(q, k_buffer, v_buffer, kv_table, table_row, positions, max_len, scale)
+    # CPU: no graphs to serve, so each row is simply attention_paged of its own prefix.
+    rows = [_cpu.attention_paged(q[i:i + 1], k_buffer, v_buffer, kv_table[int(table_row[i])], int(positions[i]),
+                                 scale) for i in range(q.shape[0])]
+    return torch.cat(rows) if rows else torch.empty_like(q)

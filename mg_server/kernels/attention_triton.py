@@ -163,3 +163,116 @@ def attention_paged(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, kv_indices: T
                     q_start: int, scale: float | None = None) -> Tensor:
     assert kv_indices.shape[0] >= q_start + q.shape[0]
     return _attention(q, k_buffer, v_buffer, kv_indices.contiguous(), int(q_start), scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Row-wise paged attention for CUDA graphs: every size that varies from step to step (a row's
+# position, its request's slot table) is read from device memory, so one captured launch
+# serves any position. Each program holds one token's G query heads (one row-block of
+# BLOCK_M); a row's splits, sub-blocks, masks and merge order are those of `_attention`, so its
+# bits equal that row's bits there (a row's result does not depend on which tile row holds it
+# or which other rows share the tile, the invariance the prefill/decode tests check).
+@triton.jit
+def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, trow_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
+                            sm_scale, sqt, sqh, sks, skh, svs, svh, stab,
+                            NS, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                            KV_SPLIT: tl.constexpr, PREC: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tok = tl.program_id(0)
+    kvh = tl.program_id(1)
+    j = tl.program_id(2)
+    pos = tl.load(pos_ptr + tok)  # absolute position of this token
+    split0 = j * KV_SPLIT
+    if split0 <= pos:  # the row sees this split
+        r = tl.arange(0, BLOCK_M)
+        r_ok = r < G
+        head = kvh * G + r
+        dd = tl.arange(0, D)
+        tab = tab_ptr + tl.load(trow_ptr + tok).to(tl.int64) * stab  # this request's slot table
+        q = tl.load(q_ptr + tok.to(tl.int64) * sqt + head[:, None] * sqh + dd[None, :],
+                    mask=r_ok[:, None], other=0.0)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+        qk_scale = sm_scale * 1.4426950408889634
+        split_end = tl.minimum(split0 + KV_SPLIT, pos + 1)
+        for n0 in range(split0, split_end, BLOCK_N):  # why: the same aligned, ascending sub-blocks
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < split_end
+            slot = tl.load(tab + n, mask=n_ok, other=0).to(tl.int64)
+            k = tl.load(k_ptr + slot[:, None] * sks + kvh * skh + dd[None, :], mask=n_ok[:, None], other=0.0)
+            v = tl.load(v_ptr + slot[:, None] * svs + kvh * svh + dd[None, :], mask=n_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            vis = (n[None, :] <= pos) & n_ok[None, :]
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.where(vis, tl.exp2(s - m_safe[:, None]), 0.0)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+            m_i = m_new
+        out_row = (tok.to(tl.int64) * HQ + head) * NS + j
+        tl.store(m_ptr + out_row, m_i, mask=r_ok)
+        tl.store(l_ptr + out_row, l_i, mask=r_ok)
+        tl.store(o_ptr + out_row[:, None] * D + dd[None, :], acc, mask=r_ok[:, None])
+
+
+@triton.jit
+def _attn_rows_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, pos_ptr, sot, soh, NS,
+                            HQ: tl.constexpr, D: tl.constexpr, KV_SPLIT: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    dd = tl.arange(0, D)
+    base = (t.to(tl.int64) * HQ + h) * NS
+    n_splits = tl.load(pos_ptr + t) // KV_SPLIT + 1  # why: the absolute position only, as above
+    m = tl.load(m_ptr + base)
+    l = tl.load(l_ptr + base)
+    acc = tl.load(o_ptr + base * D + dd)
+    for j in range(1, n_splits):  # fixed order: split 0, 1, 2, ...
+        mj = tl.load(m_ptr + base + j)
+        lj = tl.load(l_ptr + base + j)
+        oj = tl.load(o_ptr + (base + j) * D + dd)
+        m_new = tl.maximum(m, mj)
+        a = tl.exp2(m - m_new)
+        b = tl.exp2(mj - m_new)
+        l = l * a + lj * b
+        acc = acc * a + oj * b
+        m = m_new
+    tl.store(out_ptr + t.to(tl.int64) * sot + h * soh + dd, (acc / l).to(out_ptr.dtype.element_ty))
+
+
+def attention_rows(q: Tensor,  # [R, Hq, D] bf16/fp32 cuda: one query token per row
+                   k_buffer: Tensor,  # [slots, Hkv, D] q.dtype (one layer of the pool)
+                   v_buffer: Tensor,  # [slots, Hkv, D] q.dtype
+                   kv_table: Tensor,  # [tables, L] int32/int64: slot of each position, per request
+                   table_row: Tensor,  # [R] int: the kv_table row of each query row
+                   positions: Tensor,  # [R] int: absolute position of each query row (< L)
+                   max_len: int,  # upper bound of position + 1 (sizes the partial buffers)
+                   scale: float | None = None) -> Tensor:  # [R, Hq, D] q.dtype
+    R, hq, d = q.shape
+    hkv = k_buffer.shape[1]
+    g = hq // hkv
+    cfg = KERNEL_CONFIG["attention"]
+    assert hq == g * hkv and g <= cfg["BLOCK_M"] and d == triton.next_power_of_2(d)
+    assert k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1 and kv_table.stride(1) == 1
+    q = q if q.stride(2) == 1 else q.contiguous()
+    ksplit = cfg["KV_SPLIT"]
+    ns = triton.cdiv(max_len, ksplit)  # why: a fixed grid; splits past a row's position exit at once
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    out = torch.empty((R, hq, d), device=q.device, dtype=q.dtype)
+    m_buf = torch.empty((R, hq, ns), device=q.device, dtype=torch.float32)
+    l_buf = torch.empty_like(m_buf)
+    o_buf = torch.empty((R, hq, ns, d), device=q.device, dtype=torch.float32)
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    if R:
+        _attn_rows_split_kernel[(R, hkv, ns)](
+            q, k_buffer, v_buffer, kv_table, table_row, positions, m_buf, l_buf, o_buf, scale,
+            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+            v_buffer.stride(1), kv_table.stride(0), ns, HQ=hq, G=g, D=d, KV_SPLIT=ksplit, PREC=prec,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        _attn_rows_merge_kernel[(R, hq)](m_buf, l_buf, o_buf, out, positions, out.stride(0), out.stride(1),
+                                         ns, HQ=hq, D=d, KV_SPLIT=ksplit, num_warps=cfg["MERGE_num_warps"])
+    return out

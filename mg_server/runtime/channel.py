@@ -55,6 +55,11 @@ class RpcClient:
                 raise self.error_cls.of(reply.error)
             return reply
 
+    def send(self, msg: P.Message) -> None:
+        """One-way: the server sends nothing back for this message (e.g. Step with reply=False)."""
+        msg.msg_id = next(self._ids)
+        self.sock.send(P.encode(msg))
+
     def close(self) -> None:
         self.sock.close(0)
         self.ctx.term()

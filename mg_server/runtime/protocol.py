@@ -194,6 +194,7 @@ class StepRow(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 class Step(Message):
     rows: list[StepRow]
+    reply: bool = True  # False: every row was fast-committed by the seam; nothing is sent back
 
 
 class StepDecision(msgspec.Struct, kw_only=True, omit_defaults=True):

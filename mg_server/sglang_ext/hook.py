@@ -105,26 +105,31 @@ class Tracked:
 
 
 class ControllerLink:
-    """The seam's connection to the controller, plus the finish watcher thread."""
+    """The seam's connection to the controller, plus the finish watcher thread.
+
+    One socket for steps, one-way step reports and finishes, used under `rpc_lock`: zmq keeps
+    one socket's messages in order, so a Finish never overtakes the report of the request's
+    last steps (two sockets would be read in either order).
+    """
 
     def __init__(self, config: HookConfig):
         from mg_server.runtime.controller.client import ControllerClient
+        from mg_server.runtime.policy import Policy
         from mg_server.runtime.shm import SlotBuffer
 
         self.config = config
         self.client = ControllerClient(config.controller_ipc, timeout_s=config.step_timeout_s, client_name="hook")
         self.info = self.client.hello()
+        self.policy = Policy(self.info.mode, self.info.tau)  # the controller's own policy (pure)
         self.slots = SlotBuffer.attach(self.info.shm) if self.info.shm is not None else None
         self.tracked: dict[str, Tracked] = {}  # rid -> state, until its Finish is sent
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards `tracked`
+        self.rpc_lock = threading.Lock()  # guards `client`
         threading.Thread(target=self._watch_finished, name="mg-finish-watch", daemon=True).start()
 
     def _watch_finished(self) -> None:
         """A request's last token is never the input of a forward; report ends from here."""
-        from mg_server.runtime.controller.client import ControllerClient
-
-        client = ControllerClient(self.config.controller_ipc, timeout_s=self.config.step_timeout_s,
-                                  client_name="hook-finish")
+        client = self.client
         while True:
             time.sleep(0.005)
             with self.lock:
@@ -134,7 +139,8 @@ class ControllerLink:
             for rid, req in done:
                 aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
                 try:
-                    client.finish(rid, list(req.output_ids), aborted)
+                    with self.rpc_lock:
+                        client.finish(rid, list(req.output_ids), aborted)
                 except Exception as e:  # noqa: BLE001 - the verdict then stays "running" and says so
                     log.error("mg: could not report the end of %s: %s", rid, e)
 
@@ -196,8 +202,13 @@ class StepSeam:
         return live, fails
 
     def _control(self, logits: Tensor, steps) -> bool:
-        """Ask the controller about every step row, force each decided token, repair where the
-        verifier disagreed. True if any row was verified."""
+        """Decide every step row, force each decided token, repair where the verifier disagreed.
+        True if any row was verified.
+
+        The policy is a pure function of (margin, tau), so when no row needs the verifier the
+        seam commits the fast tokens itself and reports them one way; the controller applies the
+        same policy to the report. Only a forward with a low-margin row waits for the controller.
+        """
         link = self.link
         with link.lock:
             live, fails = self._classify(steps)
@@ -207,7 +218,13 @@ class StepSeam:
             rows = [P.StepRow(rid=req.rid, pos=pos, prompt=list(req.origin_input_ids) if first else [],
                               margin=margin, fast_token=fast) for _, req, pos, margin, fast, first in live]
             try:
-                decisions = link.client.step(rows)
+                if any(link.policy.should_verify(r.margin) for r in rows):
+                    with link.rpc_lock:
+                        decisions = link.client.step(rows)
+                else:
+                    with link.rpc_lock:
+                        link.client.report(rows)
+                    decisions = [P.StepDecision(rid=r.rid, token=r.fast_token) for r in rows]
             except Exception as e:  # noqa: BLE001 - controller unreachable: fail these requests loudly
                 decisions = [P.StepDecision(rid=r.rid, error=f"mg controller unavailable: {e}") for r in rows]
         force_rows, force_toks, any_verified = [], [], False

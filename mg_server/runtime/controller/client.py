@@ -22,6 +22,10 @@ class ControllerClient(RpcClient):
     def step(self, rows: list[P.StepRow], timeout_s: float | None = None) -> list[P.StepDecision]:
         return self.call(P.Step(rows=rows), timeout_s).decisions
 
+    def report(self, rows: list[P.StepRow]) -> None:
+        """Fast commits the seam decided itself (no reply; the controller applies the same policy)."""
+        self.send(P.Step(rows=rows, reply=False))
+
     def finish(self, rid: str, output: list[int], aborted: bool, timeout_s: float | None = None) -> None:
         self.call(P.Finish(rid=rid, output=output, aborted=aborted), timeout_s)
 

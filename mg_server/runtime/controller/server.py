@@ -104,9 +104,10 @@ class Controller:
         return self.vclient is not None and self.verifier_proc is not None and self.verifier_proc.is_alive()
 
     # ---- messages -----------------------------------------------------------------------
-    def handle(self, msg: P.Message) -> P.Message:
+    def handle(self, msg: P.Message) -> P.Message | None:
         if isinstance(msg, P.Step):
-            return P.StepReply(decisions=self._step(msg.rows))
+            decisions = self._step(msg.rows)  # errors stay in the requests' states (verdicts)
+            return P.StepReply(decisions=decisions) if msg.reply else None
         if isinstance(msg, P.Finish):
             self._finish(msg)
             return P.Ack()
@@ -311,6 +312,8 @@ class Controller:
                 except Exception as e:  # noqa: BLE001 - the controller survives a bad request
                     log.exception("controller error")
                     reply = P.Error(error=P.ErrorReply(code=P.ErrorCode.INTERNAL, message=repr(e)))
+                if reply is None:  # a one-way report
+                    continue
                 reply.msg_id = msg.msg_id
             self.sock.send_multipart([ident, P.encode(reply)])
 

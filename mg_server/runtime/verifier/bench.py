@@ -108,6 +108,15 @@ def bench_model(name: str, device: str, ctx: int, iters: int, profile: bool = Fa
         res = engine.step(batch)
         assert all(r.token == res[0].token and r.margin == res[0].margin for r in res), "batch variance!"
         out[f"verify_gap{g}_x8_ms"] = _timed(lambda: engine.step(batch), dev, iters)
+    if engine.graphs is not None:  # the same steps op by op, for comparison (same run)
+        eager = VerifierEngine(model, max_requests=2, pool_tokens=2 * (ctx + 128), max_seq_len=ctx + 128,
+                               cuda_graphs=False)
+        eager.step([VerifyItem(rid="r", pos=ctx - 1, tokens=prompt[:ctx])])
+        for g in (0, 16):
+            items = [VerifyItem(rid="r", pos=ctx + g, tokens=prompt[ctx: ctx + g + 1], rewind=True)]
+            out[f"verify_gap{g}_eager_ms"] = _timed(lambda: eager.step(items), dev, iters)
+            assert eager.step(items)[0].margin == engine.step(items)[0].margin, "graph != eager"
+        del eager
     if profile:
         from torch.profiler import ProfilerActivity, profile as tprofile
 

@@ -25,6 +25,7 @@ from mg_server.runtime.verifier.model import KVPool, Segment, VerifierModel
 @dataclass
 class SeqState:
     rid: str
+    table_row: int  # this request's row of the engine's device-side slot table
     slots: list[int] = field(default_factory=list)  # pool slot of positions 0..len-1
     last_pred: int = -1  # the verifier's token for position len (from its last forward)
     prompt_len: int = 0  # t_q with q < prompt_len are prompt tokens: not audited
@@ -58,15 +59,28 @@ class StepOutput:
 
 class VerifierEngine:
     def __init__(self, model: VerifierModel, max_requests: int, pool_tokens: int, max_seq_len: int,
-                 evict_idle_s: float = float("inf")):
+                 evict_idle_s: float = float("inf"), cuda_graphs: bool = True):
         self.model = model
         self.evict_idle_s = evict_idle_s  # when full, requests idle this long are dropped (LRU first)
         self.max_requests = max_requests
         self.max_seq_len = min(max_seq_len, model.max_positions)
         self.pool = KVPool(model.spec, pool_tokens, model.dtype, model.device)
-        self._free: list[int] = list(range(pool_tokens - 1, -1, -1))  # stack of free slots
+        scratch = pool_tokens - 1  # the padding rows of a CUDA graph read and write only this slot
+        self._free: list[int] = list(range(scratch - 1, -1, -1))  # stack of free slots
+        # Slot of every position of every request, on the device: attention reads a request's
+        # K/V through its row (the last row is the padding rows' table: [scratch, ...]).
+        self.kv_table = torch.full((max_requests + 1, self.max_seq_len), scratch, dtype=torch.int64,
+                                   device=model.device)  # [requests + 1, max_seq_len] int64
+        self._free_rows: list[int] = list(range(max_requests - 1, -1, -1))
         self.seqs: dict[str, SeqState] = {}
         self.forwards = 0
+        self.graph_forwards = 0
+        self.graphs = None
+        if cuda_graphs and model.device.type == "cuda":
+            from mg_server.runtime.verifier.graphs import RowGraphs
+
+            self.graphs = RowGraphs(model, self.pool, self.kv_table, self.max_seq_len, scratch, max_requests)
+            self.graphs.capture()
 
     # ---- request table -------------------------------------------------------------------
     def release(self, rid: str) -> bool:
@@ -74,6 +88,7 @@ class VerifierEngine:
         if st is None:
             return False
         self._free.extend(reversed(st.slots))
+        self._free_rows.append(st.table_row)
         return True
 
     def _truncate(self, st: SeqState, length: int) -> None:
@@ -94,7 +109,7 @@ class VerifierEngine:
 
     @property
     def pool_used(self) -> int:
-        return self.pool.n_tokens - len(self._free)
+        return self.pool.n_tokens - 1 - len(self._free)  # the scratch slot is never a request's
 
     def _check(self, it: VerifyItem, busy: set[str]) -> ErrorReply | None:
         """Validate an item against the request table; on success, prepare its state."""
@@ -128,7 +143,8 @@ class VerifierEngine:
             return ErrorReply(code=ErrorCode.NO_CAPACITY, rid=it.rid,
                               message=f"K/V pool has {len(self._free)} free tokens, need {need}")
         if st is None:
-            self.seqs[it.rid] = SeqState(it.rid, prompt_len=it.prompt_len or n, last_used=time.monotonic())
+            self.seqs[it.rid] = SeqState(it.rid, self._free_rows.pop(), prompt_len=it.prompt_len or n,
+                                         last_used=time.monotonic())
         elif start < st.length:  # rewind
             self._truncate(st, start)
         return None
@@ -165,7 +181,7 @@ class VerifierEngine:
     def _forward(self, items: list[VerifyItem]) -> list[StepOutput]:
         t0 = time.perf_counter()
         dev = self.model.device
-        tokens, positions, out_slots, segs, metas = [], [], [], [], []
+        tokens, positions, out_slots, table_rows, segs, metas = [], [], [], [], [], []
         for it in items:
             st = self.seqs[it.rid]
             st.last_used = time.monotonic()
@@ -174,16 +190,24 @@ class VerifierEngine:
             prev_pred = st.last_pred
             st.slots.extend(new)
             segs.append(Segment(row_start=len(tokens), n_rows=len(it.tokens), q_start=start,
-                                kv_indices=torch.tensor(st.slots, dtype=torch.int64, device=dev)))
+                                kv_indices=self.kv_table[st.table_row, : it.pos + 1]))
             metas.append((st, start, prev_pred))
             tokens.extend(it.tokens)
             positions.extend(range(start, it.pos + 1))
             out_slots.extend(new)
+            table_rows.extend([st.table_row] * len(new))
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
-        logits = self.model.forward(t(tokens), t(positions), t(out_slots), segs, self.pool)  # [R, V] fp32
-        vals, idx = ops.top2(logits)  # [R, 2] fp32, [R, 2] int64 (ties -> lower id)
-        preds = idx[:, 0].tolist()
-        margins = (vals[:, 0] - vals[:, 1]).tolist()  # fp32 difference, then exact as Python float
+        self.kv_table[t(table_rows), t(positions)] = t(out_slots)  # the new positions' slots
+        if self.graphs is not None and len(tokens) <= self.graphs.max_rows:
+            logits, vals, idx = self.graphs.run(tokens, positions, out_slots, table_rows)  # [R, V] fp32 ...
+            self.graph_forwards += 1
+        else:
+            logits = self.model.forward(t(tokens), t(positions), t(out_slots), segs, self.pool)  # [R, V] fp32
+            vals, idx = ops.top2(logits)  # [R, 2] fp32, [R, 2] int64 (ties -> lower id)
+        # One device-to-host copy; the margin is the fp32 difference, exact as a Python float.
+        top = torch.stack([(vals[:, 0] - vals[:, 1]).double(), idx[:, 0].double()], dim=1).tolist()
+        margins = [row[0] for row in top]
+        preds = [int(row[1]) for row in top]
         self.forwards += 1
         ms = (time.perf_counter() - t0) * 1e3
         results = []

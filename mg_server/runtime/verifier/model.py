@@ -227,7 +227,31 @@ class VerifierModel:
 
         tokens/positions/out_slots [R] int64 (device); each row's K/V is written to its slot
         before attention, so prefill, chunked prefill and decode read the same K/V layout.
+        Attention is per request (its own causal K/V history), rows of all requests concatenated.
         """
+        def attend(li: int, q: Tensor) -> Tensor:  # q [R, Hq, D] -> [R, Hq, D]
+            parts = [ops.attention_paged(q[g.row_start: g.row_start + g.n_rows], pool.k[li], pool.v[li],
+                                         g.kv_indices, g.q_start, self.scale) for g in segments]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        return self._run(tokens, positions, out_slots, pool, attend)
+
+    @torch.inference_mode()
+    def forward_rows(self, tokens: Tensor, positions: Tensor, out_slots: Tensor, table_row: Tensor,
+                     kv_table: Tensor, pool: KVPool, max_len: int) -> Tensor:
+        """`forward` with every per-step size read from device tensors, so a CUDA graph of it
+        serves any positions: row r attends to kv_table[table_row[r], :positions[r] + 1].
+
+        tokens/positions/out_slots/table_row [R] int64 (device); kv_table [tables, L] int64.
+        Bit-equal per row to `forward` (the row-wise attention kernel keeps each row's reduction).
+        """
+        def attend(li: int, q: Tensor) -> Tensor:
+            return ops.attention_rows(q, pool.k[li], pool.v[li], kv_table, table_row, positions, max_len,
+                                      self.scale)
+
+        return self._run(tokens, positions, out_slots, pool, attend)
+
+    def _run(self, tokens: Tensor, positions: Tensor, out_slots: Tensor, pool: KVPool, attend) -> Tensor:
         s = self.spec
         r = tokens.shape[0]
         hq, hkv, d = s.n_heads, s.n_kv_heads, s.head_dim
@@ -247,10 +271,7 @@ class VerifierModel:
             q, k = qk[:, :hq].contiguous(), qk[:, hq:]
             pool.k[li, out_slots] = k  # K after RoPE, [R, Hkv, D]
             pool.v[li, out_slots] = v
-            # Attention is per request (its own causal K/V history), rows of all requests concatenated.
-            parts = [ops.attention_paged(q[g.row_start: g.row_start + g.n_rows], pool.k[li], pool.v[li],
-                                         g.kv_indices, g.q_start, self.scale) for g in segments]
-            attn = parts[0] if len(parts) == 1 else torch.cat(parts)  # [R, Hq, D] dtype
+            attn = attend(li, q)  # [R, Hq, D] dtype
             o = ops.matmul(attn.reshape(r, hq * d), lay.wo)  # [R, H] dtype
             h, residual = ops.add_rms_norm(o, residual, lay.ln2, s.eps)
             gu = ops.matmul(h, lay.w_gate_up)  # [R, 2I] dtype

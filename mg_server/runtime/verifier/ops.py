@@ -11,6 +11,7 @@ import torch
 from mg_server.kernels import (  # noqa: F401 - re-exported
     add_rms_norm,
     attention_paged,
+    attention_rows,
     kernel_config_id,
     matmul,
     prepare_weight,

@@ -70,10 +70,11 @@ def pool_tokens_for_budget(model, memory_gb: float, max_seq_len: int, cap: int =
 
 def load_engine(model_path: str, dtype: str = "bfloat16", device: str = "cpu", max_seq_len: int = 4096,
                 max_requests: int = 64, pool_tokens: int = 32768, evict_idle_s: float = float("inf"),
-                memory_gb: float = 0.0):
+                memory_gb: float = 0.0, cuda_graphs: bool = True):
     """A verifier engine: the worker process builds its own with this too.
 
     memory_gb > 0 (CUDA only): size the K/V pool from that budget instead of `pool_tokens`.
+    cuda_graphs (CUDA only): replay captured graphs for forwards of up to 128 rows.
     """
     import torch
 
@@ -85,4 +86,4 @@ def load_engine(model_path: str, dtype: str = "bfloat16", device: str = "cpu", m
         if model.device.type != "cuda":
             raise ValueError("a verifier memory budget applies to CUDA devices only")
         pool_tokens = pool_tokens_for_budget(model, memory_gb, max_seq_len)
-    return VerifierEngine(model, max_requests, pool_tokens, max_seq_len, evict_idle_s)
+    return VerifierEngine(model, max_requests, pool_tokens, max_seq_len, evict_idle_s, cuda_graphs)
