@@ -30,6 +30,39 @@ _LOG2E = 1.4426950408889634
 _PARTIAL_BUDGET = 1 << 29  # bytes of fp32 partials per launch; only bounds memory, not bits
 
 
+@triton.jit
+def _split_reduce(q, k_ptr, v_ptr, idx_ptr, pos, kvh, split0, split_end, qk_scale, sks, skh, svs, svh,
+                  D: tl.constexpr, PAGED: tl.constexpr, PREC: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(m, l, acc) of one split for a tile of query rows q [BLOCK_M, D] at positions pos
+    [BLOCK_M]: keys split0 .. split_end-1 in BLOCK_N steps, online softmax from scratch."""
+    dd = tl.arange(0, D)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    for n0 in range(split0, split_end, BLOCK_N):  # why: fixed, aligned, ascending sub-blocks
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < split_end
+        if PAGED:
+            slot = tl.load(idx_ptr + n, mask=n_ok, other=0).to(tl.int64)
+        else:
+            slot = n.to(tl.int64)
+        k = tl.load(k_ptr + slot[:, None] * sks + kvh * skh + dd[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + slot[:, None] * svs + kvh * svh + dd[None, :], mask=n_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        vis = (n[None, :] <= pos[:, None]) & n_ok[None, :]
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.where(vis, tl.exp2(s - m_safe[:, None]), 0.0)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
 @triton.jit(do_not_specialize=["T", "q_start", "s_eff"])
 def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, m_ptr, l_ptr, o_ptr,
                        T, q_start, s_eff, sm_scale,
@@ -51,47 +84,20 @@ def _attn_split_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, m_ptr, l_ptr, o_ptr,
         dd = tl.arange(0, D)
         q = tl.load(q_ptr + tok[:, None].to(tl.int64) * sqt + head[:, None] * sqh + dd[None, :],
                     mask=r_ok[:, None], other=0.0)
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, D), tl.float32)
-        qk_scale = sm_scale * 1.4426950408889634
         split_end = tl.minimum(split0 + KV_SPLIT, s_eff)
-        for n0 in range(split0, split_end, BLOCK_N):  # why: fixed, aligned, ascending sub-blocks
-            n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = n < split_end
-            if PAGED:
-                slot = tl.load(idx_ptr + n, mask=n_ok, other=0).to(tl.int64)
-            else:
-                slot = n.to(tl.int64)
-            k = tl.load(k_ptr + slot[:, None] * sks + kvh * skh + dd[None, :],
-                        mask=n_ok[:, None], other=0.0)
-            v = tl.load(v_ptr + slot[:, None] * svs + kvh * svh + dd[None, :],
-                        mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            vis = (n[None, :] <= pos[:, None]) & n_ok[None, :]
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.where(vis, tl.exp2(s - m_safe[:, None]), 0.0)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-            m_i = m_new
+        m_i, l_i, acc = _split_reduce(q, k_ptr, v_ptr, idx_ptr, pos, kvh, split0, split_end,
+                                      sm_scale * 1.4426950408889634, sks, skh, svs, svh,
+                                      D, PAGED, PREC, BLOCK_M, BLOCK_N)
         out_row = (tok.to(tl.int64) * HQ + head) * NS + j
         tl.store(m_ptr + out_row, m_i, mask=r_ok)
         tl.store(l_ptr + out_row, l_i, mask=r_ok)
         tl.store(o_ptr + out_row[:, None] * D + dd[None, :], acc, mask=r_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["q_start"])
-def _attn_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, q_start, sot, soh, NS,
-                       HQ: tl.constexpr, D: tl.constexpr, KV_SPLIT: tl.constexpr):
-    t = tl.program_id(0)
-    h = tl.program_id(1)
+@triton.jit
+def _merge_row(m_ptr, l_ptr, o_ptr, out_ptr, base, n_splits, D: tl.constexpr):
+    """Merge splits 0 .. n_splits-1 of one (token, head) row in increasing order and store it."""
     dd = tl.arange(0, D)
-    base = (t.to(tl.int64) * HQ + h) * NS
-    n_splits = (q_start + t) // KV_SPLIT + 1  # why: depends on the absolute position only
     m = tl.load(m_ptr + base)
     l = tl.load(l_ptr + base)
     acc = tl.load(o_ptr + base * D + dd)
@@ -105,8 +111,17 @@ def _attn_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, q_start, sot, soh, NS,
         l = l * a + lj * b
         acc = acc * a + oj * b
         m = m_new
-    tl.store(out_ptr + t.to(tl.int64) * sot + h * soh + dd,
-             (acc / l).to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + dd, (acc / l).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["q_start"])
+def _attn_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, q_start, sot, soh, NS,
+                       HQ: tl.constexpr, D: tl.constexpr, KV_SPLIT: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    n_splits = (q_start + t) // KV_SPLIT + 1  # why: depends on the absolute position only
+    _merge_row(m_ptr, l_ptr, o_ptr, out_ptr + t.to(tl.int64) * sot + h * soh, (t.to(tl.int64) * HQ + h) * NS,
+               n_splits, D)
 
 
 def _attention(q: Tensor,  # [T, Hq, D] bf16/fp32 cuda, D a power of two
@@ -191,28 +206,9 @@ def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, trow_ptr, pos_ptr, m_p
         tab = tab_ptr + tl.load(trow_ptr + tok).to(tl.int64) * stab  # this request's slot table
         q = tl.load(q_ptr + tok.to(tl.int64) * sqt + head[:, None] * sqh + dd[None, :],
                     mask=r_ok[:, None], other=0.0)
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, D), tl.float32)
-        qk_scale = sm_scale * 1.4426950408889634
-        split_end = tl.minimum(split0 + KV_SPLIT, pos + 1)
-        for n0 in range(split0, split_end, BLOCK_N):  # why: the same aligned, ascending sub-blocks
-            n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = n < split_end
-            slot = tl.load(tab + n, mask=n_ok, other=0).to(tl.int64)
-            k = tl.load(k_ptr + slot[:, None] * sks + kvh * skh + dd[None, :], mask=n_ok[:, None], other=0.0)
-            v = tl.load(v_ptr + slot[:, None] * svs + kvh * svh + dd[None, :], mask=n_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            vis = (n[None, :] <= pos) & n_ok[None, :]
-            s = tl.where(vis, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.where(vis, tl.exp2(s - m_safe[:, None]), 0.0)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PREC)
-            m_i = m_new
+        m_i, l_i, acc = _split_reduce(q, k_ptr, v_ptr, tab, tl.zeros((BLOCK_M,), tl.int64) + pos, kvh, split0,
+                                      tl.minimum(split0 + KV_SPLIT, pos + 1), sm_scale * 1.4426950408889634,
+                                      sks, skh, svs, svh, D, True, PREC, BLOCK_M, BLOCK_N)
         out_row = (tok.to(tl.int64) * HQ + head) * NS + j
         tl.store(m_ptr + out_row, m_i, mask=r_ok)
         tl.store(l_ptr + out_row, l_i, mask=r_ok)
@@ -224,23 +220,9 @@ def _attn_rows_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, pos_ptr, sot, soh, NS,
                             HQ: tl.constexpr, D: tl.constexpr, KV_SPLIT: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    dd = tl.arange(0, D)
-    base = (t.to(tl.int64) * HQ + h) * NS
     n_splits = tl.load(pos_ptr + t) // KV_SPLIT + 1  # why: the absolute position only, as above
-    m = tl.load(m_ptr + base)
-    l = tl.load(l_ptr + base)
-    acc = tl.load(o_ptr + base * D + dd)
-    for j in range(1, n_splits):  # fixed order: split 0, 1, 2, ...
-        mj = tl.load(m_ptr + base + j)
-        lj = tl.load(l_ptr + base + j)
-        oj = tl.load(o_ptr + (base + j) * D + dd)
-        m_new = tl.maximum(m, mj)
-        a = tl.exp2(m - m_new)
-        b = tl.exp2(mj - m_new)
-        l = l * a + lj * b
-        acc = acc * a + oj * b
-        m = m_new
-    tl.store(out_ptr + t.to(tl.int64) * sot + h * soh + dd, (acc / l).to(out_ptr.dtype.element_ty))
+    _merge_row(m_ptr, l_ptr, o_ptr, out_ptr + t.to(tl.int64) * sot + h * soh, (t.to(tl.int64) * HQ + h) * NS,
+               n_splits, D)
 
 
 def attention_rows(q: Tensor,  # [R, Hq, D] bf16/fp32 cuda: one query token per row
