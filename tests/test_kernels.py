@@ -107,6 +107,23 @@ def test_matmul_invariant_and_accurate(device, dtype, m, n, k, bias):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336)])
+def test_matmul_splitk_invariant_gpu(n, k):
+    """The split-K kernel (off in the table, see config.py) keeps rows independent of M."""
+    sk = K.KERNEL_CONFIG["matmul_splitk"]
+    old = sk["max_n_tiles"]
+    sk["max_n_tiles"] = 32
+    try:
+        x = rand(300, k, dtype=torch.bfloat16, device="cuda")
+        w = rand(n, k, dtype=torch.bfloat16, device="cuda", seed=1, scale=0.02)
+        b = rand(n, dtype=torch.bfloat16, device="cuda", seed=2)
+        full = check_rows(lambda a: K.matmul(a, w, b), x)
+        assert rel_err(full, x.double() @ w.double().t() + b.double()) < TOL[torch.bfloat16]
+    finally:
+        sk["max_n_tiles"] = old
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tma", [False, True])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (6144, 4096), (4096, 14336)])
 def test_matmul_invariant_8b_shapes_gpu(n, k, tma):

@@ -169,6 +169,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--variants", action="store_true")
+    ap.add_argument("--splitk", action="store_true",
+                    help="GPU: time the 8B split-K shapes at other split sizes and without split-K")
     ap.add_argument("--quick", action="store_true", help="CPU: fewer shapes")
     ap.add_argument("--threads", type=int, default=0, help="CPU: torch.set_num_threads")
     a = ap.parse_args(argv)
@@ -201,6 +203,15 @@ def main(argv=None):
                 except Exception as e:  # pragma: no cover
                     res["variants"].append(dict(config=var, error=repr(e)))
             KERNEL_CONFIG["matmul"]["bfloat16"] = base
+        if a.splitk:  # timing only: another split size is another reduction order
+            base = dict(KERNEL_CONFIG["matmul_splitk"])
+            shapes = {k: SHAPES[k] for k in ("8b.qkv", "8b.o", "8b.down")}
+            res["splitk"] = []
+            for ks, tiles in ((512, 32), (1024, 32), (2048, 32), (512, 0)):  # max_n_tiles 0: no split-K
+                KERNEL_CONFIG["matmul_splitk"].update(K_SPLIT=ks, max_n_tiles=tiles)
+                res["splitk"].append(dict(K_SPLIT=ks if tiles else None,
+                                          rows=bench_matmul(dev, [1, 8, 32, 64, 256, 1024], shapes, 10)))
+            KERNEL_CONFIG["matmul_splitk"].update(base)
     else:
         shapes = {k: v for k, v in SHAPES.items() if k.startswith("135m")}
         if not a.quick:

@@ -17,7 +17,7 @@ import json
 import torch
 
 KERNEL_CONFIG: dict = {
-    "version": 1,
+    "version": 2,  # 2: the split-K table entry
     # ---- GPU (Triton) -------------------------------------------------------------------
     # Persistent matmul: ONE tile config per dtype, no split-K, no autotune.
     # why: the K loop (BLOCK_K steps, in order) is the reduction order of every output element;
@@ -36,6 +36,17 @@ KERNEL_CONFIG: dict = {
         "float32": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8,
                     "num_warps": 4, "num_stages": 3},
     },
+    # Split-K for 16-bit weights with few column tiles (cdiv(N, BLOCK_N) <= max_n_tiles) and
+    # K >= 2 * K_SPLIT: a property of the weight shape only, never of M. With few column tiles a
+    # small-M matmul keeps a fraction of the SMs busy (8B o/down at M=1: 16 tiles on 132 SMs).
+    # why invariant: split s reduces K [s*K_SPLIT, (s+1)*K_SPLIT) in BLOCK_K steps, ascending;
+    # the merge adds the fp32 partials in split order 0, 1, 2, ... for every element.
+    # OFF (max_n_tiles 0), measured on an H100 (`python -m mg_server.kernels.bench --splitk`):
+    # K_SPLIT 512 took 8B qkv/o/down at M <= 64 from 0.29-0.59x to 0.67-0.86x cuBLAS, but the
+    # verifier's 8B decode step only from 14.69 to 14.07 ms, while M = 1024 fell to 0.18-0.23x
+    # and a 512-token verifier prefill rose from 70 to 83 ms; the choice cannot depend on M.
+    "matmul_splitk": {"K_SPLIT": 512, "max_n_tiles": 0, "num_warps": 4, "num_stages": 4,
+                      "MERGE_BLOCK": 1024, "workspace_bytes": 1 << 26},
     # Row-wise reductions (RMSNorm, log-softmax, top2): one program per row, the row is walked
     # in CHUNK-sized pieces in index order; per-lane partials are combined by one tl.sum/tl.max.
     # why: the chunk walk and the final tree depend on N (feature width) only, never on M.

@@ -116,6 +116,81 @@ def _matmul_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K,
         y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
 
 
+@triton.jit(do_not_specialize=["M"])
+def _matmul_splitk_kernel(x_ptr, w_ptr, p_ptr, M, N, K, sxm, sxk, swn, swk,
+                          K_SPLIT: tl.constexpr, PREC: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Partial product of one (row tile, column tile, K split) -> p[split, M, N] fp32."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(0) // num_pid_n
+    pid_n = tl.program_id(0) % num_pid_n
+    split = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    k_lo = split * K_SPLIT
+    a_ptrs = x_ptr + rm[:, None] * sxm + (k_lo + rk)[None, :] * sxk
+    b_ptrs = w_ptr + rn[None, :] * swn + (k_lo + rk)[:, None] * swk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_hi = tl.minimum(k_lo + K_SPLIT, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # why: this split's part of K, BLOCK_K steps, ascending
+        k_ok = (k0 + rk) < k_hi
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+        a_ptrs += BLOCK_K * sxk
+        b_ptrs += BLOCK_K * swk
+    p_ptrs = p_ptr + (split * M + rm[:, None]).to(tl.int64) * N + rn[None, :]
+    tl.store(p_ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["n"])
+def _splitk_merge_kernel(p_ptr, b_ptr, y_ptr, n, S, HAS_BIAS: tl.constexpr, N_COLS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """y = p[0] + p[1] + ... + p[S-1] (+ bias), added in split order, element by element."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
+    for s in range(1, S):  # why: fixed order, the same for every element and every M
+        acc += tl.load(p_ptr + s * n + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N_COLS, mask=ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def use_splitk(n: int, k: int, dtype: torch.dtype) -> bool:
+    """Split-K or not: a function of the weight shape (N, K) and dtype only (see config)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    sk, cfg = KERNEL_CONFIG["matmul_splitk"], KERNEL_CONFIG["matmul"][_TL_DTYPE[dtype]]
+    return triton.cdiv(n, cfg["BLOCK_N"]) <= sk["max_n_tiles"] and k >= 2 * sk["K_SPLIT"]
+
+
+def _matmul_splitk(x2: Tensor, w: Tensor, bias: Tensor | None, y: Tensor) -> None:
+    """y [M, N] = x2 [M, K] @ w [N, K].T (+ bias) by K splits; rows in chunks bounded by the
+    workspace (rows are independent, so chunking never changes bits)."""
+    M, K = x2.shape
+    N = w.shape[0]
+    cfg, sk = KERNEL_CONFIG["matmul"][_TL_DTYPE[x2.dtype]], KERNEL_CONFIG["matmul_splitk"]
+    splits = triton.cdiv(K, sk["K_SPLIT"])
+    bm = cfg["BLOCK_M"]
+    chunk = max(bm, sk["workspace_bytes"] // (splits * N * 4) // bm * bm)
+    for r0 in range(0, M, chunk):
+        xc, yc = x2[r0:r0 + chunk], y[r0:r0 + chunk]
+        m = xc.shape[0]
+        part = torch.empty((splits, m, N), device=x2.device, dtype=torch.float32)  # [S, m, N] fp32
+        grid = (triton.cdiv(m, bm) * triton.cdiv(N, cfg["BLOCK_N"]), splits)
+        _matmul_splitk_kernel[grid](xc, w, part, m, N, K, xc.stride(0), xc.stride(1), w.stride(0), w.stride(1),
+                                    K_SPLIT=sk["K_SPLIT"], PREC="tf32", BLOCK_M=bm, BLOCK_N=cfg["BLOCK_N"],
+                                    BLOCK_K=cfg["BLOCK_K"], num_warps=sk["num_warps"], num_stages=sk["num_stages"])
+        n = m * N
+        _splitk_merge_kernel[(triton.cdiv(n, sk["MERGE_BLOCK"]),)](
+            part, bias if bias is not None else part, yc, n, splits, HAS_BIAS=bias is not None, N_COLS=N,
+            BLOCK=sk["MERGE_BLOCK"], num_warps=4)
+
+
 def _tma_ok(n: int, k: int, dtype: torch.dtype) -> bool:
     """TMA needs 16-byte aligned row strides: a property of the weight shape only, never M."""
     esz = torch.empty((), dtype=dtype).element_size()
@@ -135,6 +210,9 @@ def matmul(x: Tensor,  # [M, K] bf16/fp16/fp32, cuda
     cfg = KERNEL_CONFIG["matmul"][_TL_DTYPE[x.dtype]]
     y = torch.empty((M, N), device=x.device, dtype=x.dtype)
     if M == 0:
+        return y.view(*lead, N)
+    if use_splitk(N, K, x.dtype):
+        _matmul_splitk(x2, w if w.stride(1) == 1 else w.contiguous(), bias, y)
         return y.view(*lead, N)
     sms = num_sms(_dev_index(x))
     tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
