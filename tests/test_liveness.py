@@ -22,20 +22,22 @@ def test_a_call_gives_up_on_a_dead_peer_long_before_its_timeout(tmp_path):
     ipc = str(tmp_path / "silent.sock")
     ctx = zmq.Context()
     server = ctx.socket(zmq.ROUTER)  # receives, never answers: a peer that hangs or died mid-call
+    server.setsockopt(zmq.LINGER, 0)
     server.bind("ipc://" + ipc)
-    dead_at = time.monotonic() + 0.5
-    client = RpcClient(ipc, timeout_s=30, peer_check=lambda: "gone" if time.monotonic() > dead_at else "")
-    t0 = time.monotonic()
-    with pytest.raises(RpcError) as e:
-        client.call(P.Stats())
-    assert e.value.code == P.ErrorCode.PEER_DOWN and "gone" in str(e.value)
-    assert time.monotonic() - t0 < 2.0
-    with RpcClient(ipc, timeout_s=0.3) as plain, pytest.raises(RpcError) as e:
-        plain.call(P.Stats())  # without a check, the timeout is what ends the wait
-    assert e.value.code == P.ErrorCode.TIMEOUT
-    client.close()
-    server.close(0)
-    ctx.term()
+    try:
+        dead_at = time.monotonic() + 0.5
+        with RpcClient(ipc, timeout_s=30, peer_check=lambda: "gone" if time.monotonic() > dead_at else "") as client:
+            t0 = time.monotonic()
+            with pytest.raises(RpcError) as e:
+                client.call(P.Stats())
+        assert e.value.code == P.ErrorCode.PEER_DOWN and "gone" in str(e.value)
+        assert time.monotonic() - t0 < 2.0
+        with RpcClient(ipc, timeout_s=0.3) as plain, pytest.raises(RpcError) as e:
+            plain.call(P.Stats())  # without a check, the timeout is what ends the wait
+        assert e.value.code == P.ErrorCode.TIMEOUT
+    finally:
+        server.close(0)
+        ctx.term()
 
 
 def _beat_forever(path: str, parent_pid: int, marker: str) -> None:

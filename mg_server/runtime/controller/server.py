@@ -20,12 +20,11 @@ exits.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing as mp
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import zmq
 
@@ -82,7 +81,7 @@ class Controller:
         from mg_server.runtime.verifier.client import VerifierClient
         from mg_server.runtime.verifier.server import start_verifier
 
-        vcfg = dataclasses.replace(self.cfg.verifier, parent_pid=os.getpid())
+        vcfg = self.cfg.verifier
         if self.lifeline is not None:
             self.lifeline.status = "verifier starting"
         self.verifier_proc = start_verifier(vcfg)
@@ -372,7 +371,7 @@ def run_controller(cfg: ControllerConfig) -> None:
 
 def start_controller(cfg: ControllerConfig) -> mp.Process:
     """Spawn the controller (not a daemon: it spawns the verifier worker itself)."""
-    cfg = dataclasses.replace(cfg, parent_pid=os.getpid())
+    cfg = replace(cfg, parent_pid=os.getpid())
     proc = mp.get_context("spawn").Process(target=run_controller, args=(cfg,), name="mg-controller")
     proc.start()
     return proc

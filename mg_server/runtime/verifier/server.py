@@ -16,7 +16,7 @@ import multiprocessing as mp
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import zmq
@@ -253,7 +253,6 @@ class VerifierServer:
         self.sock.close(0)
         self.ctx.term()
 
-
     def remove_shared_memory(self) -> None:
         """From the lifeline thread of an orphaned worker: the names go, the mappings stay
         valid until the process exits (the main thread may be writing a slot)."""
@@ -278,7 +277,9 @@ def run_verifier(cfg: VerifierConfig) -> None:
 
 
 def start_verifier(cfg: VerifierConfig) -> mp.Process:
-    """Spawn a worker process (spawn start method: no forked torch/zmq state)."""
+    """Spawn a worker process (spawn start method: no forked torch/zmq state) that stops once
+    this process is gone."""
+    cfg = replace(cfg, parent_pid=os.getpid())
     proc = mp.get_context("spawn").Process(target=run_verifier, args=(cfg,), name="mg-verifier", daemon=True)
     proc.start()
     return proc
