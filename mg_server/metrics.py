@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import multiprocess
 
 from mg_server.config import MARGIN_BUCKETS
@@ -54,6 +54,8 @@ class ControllerMetrics:
             "mg_flip_margin", "Fast-path top1-top2 margin of verified steps whose token the verifier changed",
             buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0),
         )
+        self.verifier_up = Gauge("mg_verifier_up", "1 while the deterministic verifier process runs and beats, else 0",
+                                 multiprocess_mode="mostrecent")
         self.verify_errors = Counter("mg_verify_errors", "Verify calls that failed (timeout, verifier down, rejected)")
         self.verify_seconds = Histogram(
             "mg_verify_seconds", "Latency of one verify call (all rows of a forward), seconds",

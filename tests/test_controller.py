@@ -69,6 +69,8 @@ class FakeVerifier:
 
 
 class Alive:
+    exitcode = None
+
     def __init__(self):
         self.alive = True
 
@@ -94,7 +96,7 @@ def make_ctl(tmp_path, monkeypatch):
         c.close()
 
 
-def run_request(ctl, rid, prompt, n_steps, margins, flip_at=None, lookahead=0):
+def run_request(ctl, rid, prompt, n_steps, margins, flip_at=None, lookahead=0, aborted=""):
     """Drive a request like mg's seam does (the seam emits every decided token); returns the
     emitted tokens. `lookahead` extra steps are decided after the last token, as the overlap
     scheduler's look-ahead forward does, and not emitted."""
@@ -109,7 +111,7 @@ def run_request(ctl, rid, prompt, n_steps, margins, flip_at=None, lookahead=0):
         assert d.token == (d.token if d.verified else fast)
         tokens.append(d.token)
     emitted = tokens[: len(tokens) - lookahead]
-    ctl._finish(P.Finish(rid=rid, output=emitted[len(prompt):]))
+    ctl._finish(P.Finish(rid=rid, output=emitted[len(prompt):], aborted=bool(aborted), reason=aborted))
     assert ctl.reqs[rid].state(ctl.cfg.mode) == "running"  # tail audit deferred ...
     return emitted  # ... until the verdict is asked for (or the controller is idle)
 
@@ -208,3 +210,54 @@ def test_a_one_way_report_updates_state_and_gets_no_reply(make_ctl):
     assert ctl.reqs["r"].tokens == [3, 4, 6]
     (d,) = ctl.handle(P.Step(rows=[P.StepRow(rid="r", pos=2, margin=0.1, fast_token=1)])).decisions
     assert d.verified and ctl.reqs["r"].tokens[:3] == [3, 4, 6]
+
+
+def test_an_aborted_answer_is_never_verified(make_ctl):
+    # tau 0: every step fast-committed, the third one a flip; the request is then aborted
+    # (/abort_request): its tokens were never all checked, and it is cut short
+    ctl = make_ctl("margin", 0.0)
+    run_request(ctl, "ab", [2, 5], 4, [1.0] * 4, flip_at=2, aborted="Abort in waiting queue")
+    v = ctl._verdict("ab")
+    assert v.state == "aborted" and "Abort" in v.error
+    assert ctl.vclient.items == []  # a cut answer gets no tail audit
+    # a fully verified answer that is aborted is still not `verified`
+    ctl = make_ctl("always", 0.5)
+    run_request(ctl, "ab2", [2, 5], 3, [1.0] * 3, aborted="cut")
+    assert ctl._verdict("ab2").state == "aborted"
+
+
+def test_an_empty_answer_is_not_a_mismatch(make_ctl):
+    # max_new_tokens 0 in a batch the sampler runs: mg sees the prefill step, SGLang emits nothing
+    ctl = make_ctl("margin", 0.5)
+    (d,) = ctl._step([P.StepRow(rid="z", pos=2, prompt=[9, 9, 9], margin=9.0, fast_token=4)])
+    assert d.token == 4
+    ctl._finish(P.Finish(rid="z", output=[]))
+    v = ctl._verdict("z")
+    assert v.state == "verified" and v.steps == 0
+    assert ctl.vclient.items == []  # nothing audited: the prompt's own tokens are not an answer
+
+
+def test_a_verifier_that_dies_mid_call_fails_the_rows_and_reports_down(make_ctl):
+    from mg_server.runtime.verifier.client import VerifierError
+
+    ctl = make_ctl("always", 0.5)
+
+    def dies(items, timeout_s=None):
+        ctl.verifier_proc.alive = False
+        raise VerifierError(P.ErrorCode.PEER_DOWN, "the verifier process exited (code -9)")
+
+    ctl.vclient.verify_many = dies
+    (d,) = ctl._step([P.StepRow(rid="k", pos=0, prompt=[1], margin=9.0, fast_token=0)])
+    assert "peer_down" in d.error and "[peer_down] [peer_down]" not in d.error
+    assert ctl._verdict("k").state == "failed"
+    assert not ctl.verifier_up() and "exited" in ctl.down_reason
+    (d,) = ctl._step([P.StepRow(rid="l", pos=0, prompt=[1], margin=9.0, fast_token=0)])
+    assert "not running" in d.error
+
+
+def test_a_controller_whose_verifier_did_not_start_says_why_and_stops(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    ctl.start_error = P.ErrorReply(code=P.ErrorCode.LOAD_FAILED, message="the deterministic verifier did not start: x")
+    reply = ctl.handle(P.ControllerHello(protocol_version=P.PROTOCOL_VERSION))
+    assert isinstance(reply, P.Error) and reply.error.code == P.ErrorCode.LOAD_FAILED
+    assert not ctl.running

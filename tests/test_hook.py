@@ -38,9 +38,13 @@ def runner():
 
 
 class FakeReq:
-    def __init__(self, rid, prompt, pool_idx=0):
+    def __init__(self, rid, prompt, pool_idx=0, **sampling):
         self.rid, self.origin_input_ids, self.req_pool_idx = rid, list(prompt), pool_idx
         self.output_ids, self.to_finish, self.finished_reason = [], None, None
+        self.grammar, self.return_logprob, self.lora_id = None, False, None
+        self.sampling_params = SimpleNamespace(**{**dict(frequency_penalty=0.0, presence_penalty=0.0,
+                                                         repetition_penalty=1.0, min_new_tokens=0,
+                                                         logit_bias=None), **sampling})
 
     def finished(self):
         return False
@@ -181,6 +185,27 @@ def test_controller_errors_and_unreachable_controller_fail_the_row(hook_mod, run
     req2 = FakeReq("e", [1])
     seam(None, sampler_args([(req2, True)], torch.randn(1, VOCAB), [0]))
     assert "controller unavailable" in req2.to_finish.message
+
+
+@pytest.mark.parametrize("why,req_kw", [
+    ("grammar", dict(grammar=object())),
+    ("penalties", dict(frequency_penalty=0.5)),
+    ("penalties", dict(repetition_penalty=1.2)),
+    ("min_new_tokens", dict(min_new_tokens=4)),
+    ("logit_bias", dict(logit_bias={"3": 9.0})),
+    ("logprobs", dict(return_logprob=True)),
+])
+def test_what_the_verifier_does_not_model_fails_at_the_first_step(hook_mod, runner, tmp_path, monkeypatch, why,
+                                                                     req_kw):
+    # however mg's flag got there (the front refuses these with a 400): never a verdict on other tokens
+    seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch)
+    req = FakeReq("u", [1, 2], **{k: v for k, v in req_kw.items() if k not in ("grammar", "return_logprob")})
+    req.grammar, req.return_logprob = req_kw.get("grammar"), req_kw.get("return_logprob", False)
+    logits = torch.randn(1, VOCAB)
+    before = logits.clone()
+    seam(None, sampler_args([(req, True)], logits, [1]))
+    assert seam.link.client.rows == [] and torch.equal(logits, before)
+    assert why in req.to_finish.message
 
 
 def test_off_mode_counts_but_never_edits(hook_mod, runner, tmp_path, monkeypatch):

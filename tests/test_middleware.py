@@ -1,16 +1,19 @@
 """The X-Deterministic middleware, driven through a real ASGI app (no SGLang)."""
 
 import json
+import time
+from pathlib import Path
 
 import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from mg_server.config import DETERMINISTIC_PARAM, FrontConfig
-from mg_server.front.middleware import DeterministicMiddleware, parse_flag, BadRequest
+from mg_server.front.middleware import DeterministicMiddleware
+from mg_server.front.policy import BadRequest, parse_flag
 
 NOOP = '{"callable": "00"}'
 
@@ -23,13 +26,24 @@ async def raw(request: Request):
     return JSONResponse({"raw": (await request.body()).decode()})
 
 
+async def ok(request: Request):
+    return JSONResponse({"ok": True})
+
+
+def make_app(config: FrontConfig, extra_routes=()) -> TestClient:
+    app = Starlette(routes=list(extra_routes) + [Route(p, echo, methods=["POST"]) for p in
+                            ("/v1/chat/completions", "/v1/completions", "/other")]
+                    + [Route("/generate", raw, methods=["POST", "PUT"])]
+                    + [Route(p, ok, methods=["GET", "POST", "PUT"]) for p in
+                       ("/health", "/v1/models", "/v1/responses", "/v1/messages", "/invocations", "/api/generate",
+                        "/abort_request", "/v1/some_future_endpoint")])
+    app.add_middleware(DeterministicMiddleware, config=config)
+    return TestClient(app)
+
+
 @pytest.fixture()
 def client(tmp_path):
-    app = Starlette(routes=[Route(p, echo, methods=["POST"]) for p in
-                            ("/v1/chat/completions", "/v1/completions", "/other")]
-                 + [Route("/generate", raw, methods=["POST"])])
-    app.add_middleware(DeterministicMiddleware, config=FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path)))
-    return TestClient(app)
+    return make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path)))
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -110,3 +124,164 @@ def test_parse_flag():
 def test_metrics_endpoint_renders_multiprocess_dir(client):
     r = client.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+
+
+# ---- endpoints: deny by default --------------------------------------------------------------
+
+@pytest.mark.parametrize("method,path", [("POST", "/v1/responses"), ("POST", "/v1/messages"), ("POST", "/invocations"),
+                                         ("POST", "/api/generate"), ("POST", "/abort_request"),
+                                         ("POST", "/v1/some_future_endpoint"), ("GET", "/v1/responses")])
+@pytest.mark.parametrize("value", ["1", "0"])
+def test_the_header_on_an_endpoint_mg_does_not_handle_is_400(client, method, path, value):
+    r = client.request(method, path, json={"model": "m", "input": "hi", "temperature": 0.9},
+                       headers={"X-Deterministic": value})
+    assert r.status_code == 400, r.text
+    msg = r.json()["message"]
+    assert path in msg and "/v1/chat/completions" in msg and "/generate" in msg
+    assert client.request(method, path, json={"input": "hi"}).status_code == 200  # without it: untouched
+
+
+def test_the_header_passes_on_read_only_endpoints_and_put_generate_is_served(client):
+    for path in ("/health", "/v1/models"):
+        r = client.get(path, headers={"X-Deterministic": "1"})
+        assert r.status_code == 200 and r.headers["x-deterministic"] == "1"
+    r = client.put("/generate", json={"text": "x", "sampling_params": {"temperature": 0.9}}, headers={"X-Deterministic": "1"})
+    assert r.status_code == 400 and "temperature" in r.json()["message"]  # the same checks as POST
+    r = client.put("/generate", json={"text": "x"}, headers={"X-Deterministic": "1"})
+    sent = json.loads(r.json()["raw"])
+    assert sent["sampling_params"]["custom_params"] == {DETERMINISTIC_PARAM: True}
+    assert r.headers["x-mg-verdict"] == "unverified"  # mode off here: a verdict, never silence
+
+
+# ---- parameters the verifier does not model ---------------------------------------------------
+
+SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+    ("/v1/chat/completions", {"presence_penalty": -1}, "presence_penalty"),
+    ("/v1/chat/completions", {"repetition_penalty": 1.3}, "repetition_penalty"),
+    ("/v1/chat/completions", {"logit_bias": {"42": 100}}, "logit_bias"),
+    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),
+    ("/v1/chat/completions", {"min_tokens": 5}, "min_tokens"),
+    ("/v1/chat/completions", {"regex": "[0-9]+"}, "regex"),
+    ("/v1/chat/completions", {"ebnf": "root ::= 'a'"}, "ebnf"),
+    ("/v1/chat/completions", {"response_format": SCHEMA}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/chat/completions", {"tools": [TOOL], "tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"tools": [{**TOOL, "function": {**TOOL["function"], "strict": True}}]},
+     "tools[0].function.strict"),
+    ("/v1/chat/completions", {"lora_path": "adapter"}, "lora_path"),
+    ("/v1/chat/completions", {"n": 2}, "n"),
+    ("/v1/completions", {"logprobs": 0}, "logprobs"),
+    ("/v1/completions", {"json_schema": "{}"}, "json_schema"),
+    ("/v1/completions", {"best_of": 2}, "best_of"),
+    ("/generate", {"return_logprob": True}, "return_logprob"),
+    ("/generate", {"sampling_params": {"frequency_penalty": 0.2}}, "sampling_params.frequency_penalty"),
+    ("/generate", {"sampling_params": {"min_new_tokens": 3}}, "sampling_params.min_new_tokens"),
+    ("/generate", {"sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
+    ("/generate", {"sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{}, {"n": 2}]}, "sampling_params[1].n"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": [{}, {"logit_bias": {"1": 5}}]},
+     "sampling_params[1].logit_bias"),
+    ("/generate", {"input_embeds": [[0.0]]}, "input_embeds"),
+])
+def test_parameters_the_verifier_does_not_model_are_400_naming_them(client, path, extra, param):
+    base = {"/v1/chat/completions": CHAT, "/v1/completions": {"prompt": "x"}, "/generate": {"text": "x"}}[path]
+    r = client.post(path, json={**base, **extra}, headers={"X-Deterministic": "1"})
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["param"] == param and param in body["message"]
+    assert client.post(path, json={**base, **extra}).status_code == 200  # plain requests: SGLang's business
+
+
+def test_neutral_values_and_greedy_invariant_options_are_accepted(client):
+    # at temperature 0 SGLang samples with top_k = 1: top_p, top_k, min_p and seed cannot change the token
+    extra = {"frequency_penalty": 0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "logprobs": False,
+             "top_logprobs": 0, "n": 1, "top_p": 0.5, "top_k": 5, "min_p": 0.2, "seed": 7,
+             "response_format": {"type": "text"}, "tools": [TOOL], "tool_choice": "auto"}
+    r = client.post("/v1/chat/completions", json={**CHAT, **extra}, headers={"X-Deterministic": "1"})
+    assert r.status_code == 200, r.text
+
+
+# ---- verdicts: an error never carries `verified` ----------------------------------------------
+
+@pytest.fixture()
+def verified_client(tmp_path, monkeypatch):
+    """A front whose controller would say `verified` for any rid it is asked about."""
+    from mg_server.front.verdict import RuntimeView
+
+    asked = []
+
+    async def verdicts(self, rids):
+        asked.extend(rids)
+        return ["verified"] * len(rids)
+
+    monkeypatch.setattr(RuntimeView, "verdicts", verdicts)
+
+    async def dup(request: Request):  # SGLang's answer to a rid another request is using
+        return JSONResponse({"object": "error", "message": "Duplicate request IDs detected"}, status_code=400)
+
+    async def stream_error(request: Request):
+        async def events():
+            yield b'data: {"error": {"message": "deterministic decoding failed"}}\n\n'
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def stream_ok(request: Request):
+        async def events():
+            yield b'data: {"choices": [{"delta": {"content": "data: {\\"error\\""}}]}\n\n'
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    routes = [Route("/v1/completions", dup, methods=["POST"]), Route("/v1/chat/completions", stream_error, methods=["POST"]),
+              Route("/generate", stream_ok, methods=["POST"])]
+    client = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path)), routes)
+    return client, asked
+
+
+def test_error_responses_are_failed_without_asking_the_controller(verified_client):
+    client, asked = verified_client
+    r = client.post("/v1/completions", json={"prompt": "x", "rid": "someone-elses"}, headers={"X-Deterministic": "1"})
+    assert r.status_code == 400
+    assert r.headers["x-deterministic-verified"] == "false" and r.headers["x-mg-verdict"] == "failed"
+    r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Deterministic": "1"})
+    assert ': mg-verdict {"rids": ' in r.text and '"states": ["failed"]' in r.text
+    assert asked == []
+    # a token that merely spells the marker is not an error event
+    r = client.post("/generate", json={"text": "x"}, headers={"X-Deterministic": "1"})
+    assert '"states": ["verified"]' in r.text and len(asked) == 1
+
+
+def test_an_empty_answer_is_verified_without_the_controller(verified_client, monkeypatch):
+    from mg_server.front.verdict import RuntimeView
+
+    async def never(self, rids):
+        raise AssertionError("asked the controller")
+
+    monkeypatch.setattr(RuntimeView, "verdicts", never)
+    client, _ = verified_client
+    r = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0}}, headers={"X-Deterministic": "1"})
+    assert '"states": ["verified"]' in r.text
+
+
+# ---- health -----------------------------------------------------------------------------------
+
+def test_health_is_503_while_mg_cannot_serve_deterministic_requests(tmp_path):
+    from mg_server.runtime.liveness import beat_path
+
+    ipc = str(tmp_path / "controller.sock")
+    client = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path), controller_ipc=ipc))
+    beat = Path(beat_path(ipc))
+    beat.write_text(f"{time.monotonic():.3f} verifier up")
+    assert client.get("/health").status_code == 200
+    beat.write_text(f"{time.monotonic():.3f} verifier down: the verifier process exited (code -9)")
+    r = client.get("/health")
+    assert r.status_code == 503 and "verifier down" in r.json()["message"]
+    beat.write_text(f"{time.monotonic() - 60:.3f} verifier up")  # a controller that stopped beating
+    r = client.get("/health", headers={"X-Deterministic": "1"})
+    assert r.status_code == 503 and "controller is not responding" in r.json()["message"]
+    assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200  # plain traffic goes on

@@ -200,7 +200,7 @@ def test_worker_with_unloadable_model_answers_errors(tmp_path):
     with VerifierClient(ipc, timeout_s=60) as c:
         with pytest.raises(VerifierError) as e:
             c.connect()
-        assert e.value.code == P.ErrorCode.MODEL_MISMATCH and "failed to load" in str(e.value)
+        assert e.value.code == P.ErrorCode.LOAD_FAILED and "failed to load" in str(e.value)
         c.shutdown()
     proc.join(20)
     assert proc.exitcode == 0

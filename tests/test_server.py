@@ -1,6 +1,9 @@
 """A real mg-server process (SGLang engine, SmolLM2-135M, CPU) answering the OpenAI API."""
 
 import re
+import threading
+import time
+import uuid
 
 import openai
 import pytest
@@ -115,3 +118,81 @@ def test_bad_header_is_400_and_server_keeps_serving(server, client):
         client.chat.completions.create(model="default", messages=PARIS, max_tokens=4, temperature=0.8, extra_headers=DET)
     ok = client.chat.completions.create(model="default", messages=PARIS, max_tokens=8, temperature=0)
     assert ok.choices[0].message.content
+
+
+def test_endpoints_mg_does_not_handle_refuse_the_header(server):
+    for method, path in (("POST", "/v1/responses"), ("POST", "/v1/messages"), ("POST", "/invocations"),
+                         ("POST", "/api/generate")):
+        r = requests.request(method, server.url + path, headers=DET, timeout=60,
+                             json={"model": "default", "input": "hi", "prompt": "hi", "temperature": 0.9,
+                                   "messages": PARIS, "max_tokens": 4})
+        assert r.status_code == 400 and "/v1/chat/completions" in r.json()["message"], (path, r.status_code, r.text)
+    # PUT /generate is SGLang's too: served like POST, with a verdict
+    r = requests.put(server.url + "/generate", headers=DET, timeout=120,
+                     json={"text": "The capital of France is", "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 200 and r.headers["x-deterministic-verified"] == "true"
+    assert requests.get(server.url + "/v1/models", headers=DET, timeout=10).status_code == 200
+
+
+def test_unmodelled_parameters_are_400_and_greedy_invariant_ones_change_nothing(server, client):
+    url = server.url + "/v1/chat/completions"
+    for extra, param in (({"frequency_penalty": 0.5}, "frequency_penalty"), ({"logprobs": True}, "logprobs"),
+                         ({"logit_bias": {"42": 10}}, "logit_bias")):
+        r = requests.post(url, headers=DET, timeout=60, json={"model": "default", "messages": PARIS, **extra})
+        assert r.status_code == 400 and r.json()["param"] == param, r.text
+    r = requests.post(server.url + "/generate", headers=DET, timeout=60,
+                      json={"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 2, "n": 2}]})
+    assert r.status_code == 400 and r.json()["param"] == "sampling_params[1].n", r.text
+    # at temperature 0, top_p / top_k / min_p cannot change the greedy token
+    base = client.chat.completions.with_raw_response.create(model="default", messages=PARIS, max_tokens=12,
+                                                            extra_headers=DET)
+    tuned = client.chat.completions.with_raw_response.create(model="default", messages=PARIS, max_tokens=12,
+                                                             top_p=0.3, extra_body={"top_k": 3, "min_p": 0.5},
+                                                             extra_headers=DET)
+    assert base.parse().choices[0].message.content == tuned.parse().choices[0].message.content
+    assert base.headers["x-deterministic-verified"] == tuned.headers["x-deterministic-verified"] == "true"
+    # an empty answer is complete and has no unchecked token (it used to read `mismatch`)
+    r = requests.post(server.url + "/generate", headers=DET, timeout=60,
+                      json={"text": "Tell me about the sea", "sampling_params": {"max_new_tokens": 0}})
+    assert r.status_code == 200 and r.json()["output_ids"] == [] and r.headers["x-deterministic-verified"] == "true"
+
+
+def test_aborted_and_duplicate_id_answers_are_never_verified(server):
+    rid = f"long-{uuid.uuid4().hex[:8]}"
+    url = server.url + "/v1/chat/completions"
+    story = {"model": "default", "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}
+    out = {}
+
+    def long_request():
+        out["r"] = requests.post(url, headers=DET, timeout=300, json={**story, "rid": rid, "max_tokens": 300})
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    time.sleep(3)
+    dup = requests.post(url, headers=DET, timeout=120, json={**story, "rid": rid, "max_tokens": 4})
+    assert dup.status_code == 400 and "Duplicate" in dup.text, dup.text
+    assert dup.headers["x-deterministic-verified"] == "false" and dup.headers["x-mg-verdict"] == "failed"
+    assert requests.post(server.url + "/abort_request", json={"rid": rid}, timeout=30).status_code == 200
+    t.join(120)
+    r = out["r"]
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "abort", r.text
+    assert r.headers["x-deterministic-verified"] == "false" and r.headers["x-mg-verdict"] == "aborted"
+
+
+def test_grammar_requests_are_400_and_never_take_the_server_down(server):
+    # Last in this module: on a CPU with SGLang's default grammar backend, the first one stopped the server.
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    cases = [("/v1/chat/completions", {"model": "default", "messages": PARIS, "max_tokens": 4, "regex": "[0-9]+"}),
+             ("/v1/chat/completions", {"model": "default", "messages": PARIS, "max_tokens": 4, "response_format": schema}),
+             ("/v1/completions", {"model": "default", "prompt": "x", "max_tokens": 4, "ebnf": 'root ::= "a"'}),
+             ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 4, "json_schema": "{}"}})]
+    for path, body in cases:
+        for headers in ({}, DET):
+            r = requests.post(server.url + path, json=body, headers=headers, timeout=60)
+            assert r.status_code == 400, (path, headers, r.status_code, r.text)
+            if headers:
+                assert r.json()["param"].split(".")[-1] in ("regex", "response_format", "ebnf", "json_schema")
+    assert requests.get(server.url + "/health", timeout=30).status_code == 200
+    ok = requests.post(server.url + "/v1/chat/completions", timeout=60,
+                       json={"model": "default", "messages": PARIS, "max_tokens": 4})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]

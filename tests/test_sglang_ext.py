@@ -110,6 +110,19 @@ def test_argv_per_host_profile():
     assert "--attention-backend" not in full and "--device" not in full
 
 
+def test_cpu_has_no_grammar_backend_and_refuses_xgrammar():
+    # xgrammar's token masks are GPU kernels: on a CPU its first grammar request stopped the server
+    from mg_server.sglang_ext.launch import refuse_on_host, sglang_argv
+
+    argv = sglang_argv(_cfg())
+    assert argv[argv.index("--grammar-backend") + 1] == "none"
+    assert "--grammar-backend" not in sglang_argv(_cfg(profile="cuda"))
+    with pytest.raises(ValueError, match="xgrammar"):
+        refuse_on_host(SimpleNamespace(grammar_backend="xgrammar"), "cpu")
+    refuse_on_host(SimpleNamespace(grammar_backend="none"), "cpu")
+    refuse_on_host(SimpleNamespace(grammar_backend="xgrammar"), "cuda")
+
+
 @pytest.mark.parametrize("flag", ["--forward-hooks", "--enable-custom-logit-processor"])
 def test_argv_refuses_owned_flags(flag):
     from mg_server.sglang_ext.launch import sglang_argv

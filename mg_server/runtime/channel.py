@@ -1,7 +1,10 @@
 """Request/reply over zmq for mg's processes: typed messages, msg ids, timeouts.
 
 A DEALER socket tags each call with a msg_id; a reply that arrives after its call timed out is
-recognised by its id and dropped, so a timeout never desynchronises later calls.
+recognised by its id and dropped, so a timeout never desynchronises later calls. A client may
+name a `peer_check` (see runtime.liveness): while a call waits, it is asked every
+`CHECK_PERIOD_S` whether the serving process is still there, so a dead or stopped peer costs a
+caller about a second instead of the whole timeout.
 """
 
 from __future__ import annotations
@@ -9,10 +12,14 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from typing import Callable
 
 import zmq
 
 from mg_server.runtime import protocol as P
+
+
+CHECK_PERIOD_S = 0.1  # how often a waiting call asks peer_check
 
 
 class RpcError(RuntimeError):
@@ -20,7 +27,7 @@ class RpcError(RuntimeError):
 
     def __init__(self, code: str, message: str, rid: str = "", expected_pos: int = -1):
         super().__init__(f"[{code}] {message}")
-        self.code, self.rid, self.expected_pos = code, rid, expected_pos
+        self.code, self.message, self.rid, self.expected_pos = code, message, rid, expected_pos
 
     @classmethod
     def of(cls, e: P.ErrorReply) -> "RpcError":
@@ -30,9 +37,11 @@ class RpcError(RuntimeError):
 class RpcClient:
     error_cls: type[RpcError] = RpcError
 
-    def __init__(self, ipc_path: str, timeout_s: float, client_name: str = ""):
+    def __init__(self, ipc_path: str, timeout_s: float, client_name: str = "",
+                 peer_check: Callable[[], str] | None = None):
         self.endpoint = "ipc://" + ipc_path
         self.timeout_s = timeout_s
+        self.peer_check = peer_check  # "" while the serving process is alive, else why it is not
         self.client_name = client_name or f"pid{os.getpid()}"
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -46,8 +55,13 @@ class RpcClient:
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.sock.poll(max(1, int(left * 1000)), zmq.POLLIN):
+            if left <= 0:
                 raise self.error_cls(P.ErrorCode.TIMEOUT, f"no reply to {type(msg).__name__} in time")
+            if not self.sock.poll(max(1, int(min(left, CHECK_PERIOD_S) * 1000)), zmq.POLLIN):
+                down = self.peer_check() if self.peer_check is not None else ""
+                if down:
+                    raise self.error_cls(P.ErrorCode.PEER_DOWN, f"no reply to {type(msg).__name__}: {down}")
+                continue
             reply = P.decode(self.sock.recv())
             if reply.msg_id != msg.msg_id:
                 continue  # the late answer of an earlier, timed-out call

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class ErrorCode:
@@ -29,7 +29,9 @@ class ErrorCode:
     TOO_LONG = "too_long"  # pos + 1 > max_seq_len
     NO_CAPACITY = "no_capacity"  # out of request entries or K/V pool tokens
     DEADLINE = "deadline"  # the request's deadline passed before the verifier started it
+    LOAD_FAILED = "load_failed"  # the verifier could not load the model (start-up fails with this)
     TIMEOUT = "timeout"  # client side: no reply in time (never sent by the server)
+    PEER_DOWN = "peer_down"  # client side: the serving process died or stopped beating (liveness)
     INTERNAL = "internal"  # unexpected exception in the worker (it keeps serving)
 
 
@@ -218,16 +220,31 @@ class Finish(Message):
 
     rid: str
     output: list[int]
-    aborted: bool = False
+    aborted: bool = False  # ended by an abort (client, /abort_request, shutdown, mg): a cut answer
+    reason: str = ""  # the abort's message, for the verdict
 
 
 class Verdict(Message):
     rid: str
 
 
+class VerdictState:
+    """The states of a request's verdict (strings on the wire). A request is `running` until its
+    Finish and tail audit; then exactly one of the others. Only `verified` says that the answer is
+    complete and every token of it was checked against the verifier."""
+
+    UNKNOWN = "unknown"  # the controller never saw the request (or forgot it)
+    RUNNING = "running"
+    VERIFIED = "verified"
+    MISMATCH = "mismatch"  # complete, but the audit found a token the verifier would not emit
+    FAILED = "failed"  # mg could not serve it deterministically (verifier down, timeout, ...)
+    ABORTED = "aborted"  # cut short before its natural end: its answer is incomplete
+    UNVERIFIED = "unverified"  # mode off: nothing checked the tokens
+
+
 class VerdictReply(Message):
     rid: str
-    state: str  # "unknown" | "running" | "verified" | "mismatch" | "failed"
+    state: str  # one of VerdictState
     steps: int = 0
     verified_steps: int = 0
     repairs: int = 0

@@ -137,6 +137,14 @@ class SlotBuffer:
             raise StaleSlot(f"slot {slot} was overwritten while being read (generation {gen})")
         return out
 
+    def unlink(self) -> None:
+        """Owner: remove the segments' names now (mappings stay valid until closed or exit)."""
+        for shm in self._shms if self._owner else ():
+            try:
+                shm.unlink()
+            except FileNotFoundError:
+                pass
+
     def close(self) -> None:
         self.data = self.gens = None  # type: ignore[assignment]  # drop views before closing
         for shm in self._shms:

@@ -82,6 +82,24 @@ def write_kv_column(token_to_kv_pool, req_to_token: Tensor, req_pool_idx: int, p
         pool.set_kv_buffer(None, loc, column[layer, 0][None], column[layer, 1][None], layer_id_override=layer)
 
 
+def unmodelled(req) -> str:
+    """Why the verifier could not compute this request's greedy tokens ("" if it can).
+
+    The front refuses these parameters with a 400 naming them; this catches any other way in
+    (a grammar SGLang adds itself, e.g. for strict tools; mg's flag set in custom_params without
+    the header), so such a request fails instead of getting a verdict about other tokens."""
+    sp = req.sampling_params
+    if req.grammar is not None:
+        return "grammar-constrained decoding is not verified (the verifier decodes unconstrained)"
+    if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1 or sp.min_new_tokens or sp.logit_bias:
+        return "penalties, logit_bias and min_new_tokens are not verified (the verifier does not apply them)"
+    if req.return_logprob:
+        return "logprobs are not served (mg forces the logits of every deterministic step)"
+    if req.lora_id:
+        return "LoRA adapters are not verified (the verifier runs the base model)"
+    return ""
+
+
 def find_model_runner():
     """The ModelRunner whose `initialize` is registering forward hooks right now (see module doc)."""
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -138,9 +156,10 @@ class ControllerLink:
                     del self.tracked[rid]
             for rid, req in done:
                 aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
+                reason = str(getattr(req.finished_reason, "message", "")) if aborted else ""
                 try:
                     with self.rpc_lock:
-                        client.finish(rid, list(req.output_ids), aborted)
+                        client.finish(rid, list(req.output_ids), aborted, reason)
                 except Exception as e:  # noqa: BLE001 - the verdict then stays "running" and says so
                     log.error("mg: could not report the end of %s: %s", rid, e)
 
@@ -195,6 +214,10 @@ class StepSeam:
             n = len(t.tokens) if t is not None else len(req.origin_input_ids)
             if pos < n - 1:
                 continue  # a non-final prefill chunk: SGLang discards this row's token
+            why = unmodelled(req) if t is None else ""
+            if why:
+                fails.append((req, why))
+                continue
             if pos > n - 1:
                 fails.append((req, f"mg missed a step: position {pos}, but it holds {n} tokens"))
                 continue

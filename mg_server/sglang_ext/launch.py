@@ -26,11 +26,14 @@ log = logging.getLogger(__name__)
 # as on a GPU: it was no slower here (decode 59.6 / 85.3 ms per step at batch 1 / 8 with it,
 # 69.0 / 100.7 without, two servers sharing 2 cores), and it makes CPU runs take the scheduling
 # path GPUs take (a request's output list one step behind the forward being sampled, a
-# look-ahead forward after its last token).
+# look-ahead forward after its last token). No grammar backend: SGLang's default, xgrammar,
+# applies its token masks with GPU kernels only, and on a CPU its first grammar request raised
+# in the scheduler and took the whole server down; with none, SGLang answers such requests 400.
 CPU_ENGINE_ARGS = (
     "--device", "cpu",
     "--attention-backend", "torch_native",
     "--sampling-backend", "pytorch",
+    "--grammar-backend", "none",
     "--disable-cuda-graph",
     "--max-total-tokens", "65536",
 )
@@ -93,6 +96,13 @@ def refuse_unsupported(server_args, mode: str) -> None:
                          + "\n  - ".join(problems))
 
 
+def refuse_on_host(server_args, profile: str) -> None:
+    """Configurations that would let one request stop the server on this host (any mg mode)."""
+    if profile == "cpu" and server_args.grammar_backend == "xgrammar":
+        raise ValueError("--grammar-backend xgrammar does not run on a CPU host (its token masks are GPU "
+                         "kernels: the first grammar request would stop the server); use --grammar-backend none")
+
+
 def _fresh_metrics_dir(path: str) -> None:
     # prometheus multiprocess files from an earlier run would be summed into this one's.
     shutil.rmtree(path, ignore_errors=True)
@@ -107,8 +117,10 @@ def start_runtime(cfg: ServeConfig):
     """
     if cfg.mg_mode == "off":
         return "", None
+    from mg_server.runtime.channel import RpcError
     from mg_server.runtime.controller.client import ControllerClient
     from mg_server.runtime.controller.server import ControllerConfig, start_controller
+    from mg_server.runtime.liveness import beat_path, stale_reason
     from mg_server.runtime.policy import resolve_tau
     from mg_server.runtime.verifier.server import VerifierConfig
 
@@ -121,13 +133,25 @@ def start_runtime(cfg: ServeConfig):
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
                             metrics_dir=cfg.metrics_dir, verifier=verifier)
     proc = start_controller(ccfg)
+
+    def controller_gone() -> str:  # a dead or stopped controller fails the start now, not after start_timeout_s
+        if not proc.is_alive():
+            return f"the mg controller exited during start-up (code {proc.exitcode})"
+        return stale_reason(beat_path(ccfg.ipc_path))
+
     try:
-        with ControllerClient(ccfg.ipc_path, timeout_s=ccfg.start_timeout_s, client_name="launcher") as client:
+        with ControllerClient(ccfg.ipc_path, timeout_s=ccfg.start_timeout_s, client_name="launcher",
+                              peer_check=controller_gone) as client:
             info = client.hello()
         if not info.verifier_up:
             raise RuntimeError("the deterministic verifier did not start")
-    except BaseException:
-        proc.kill()  # a live non-daemon child would keep this process from exiting
+    except BaseException as e:
+        # a controller that answered (its verifier failed) exits by itself, stopping the verifier
+        proc.join(10 if isinstance(e, RpcError) else 0)
+        if proc.is_alive():
+            proc.kill()  # a live non-daemon child would keep this process from exiting
+        if isinstance(e, RpcError):
+            raise RuntimeError(e.message) from None
         raise
     log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s", cfg.mg_mode, tau, source, info.kernel_config_id)
     log.info("mg verifier: device %s, K/V pool %d tokens, %s", info.verifier_device, info.verifier_pool_tokens,
@@ -175,7 +199,9 @@ def serve(cfg: ServeConfig) -> None:
     parser = argparse.ArgumentParser(prog="mg-server serve (SGLang flags)")
     ServerArgs.add_cli_args(parser)
     # Parsed once before mg's processes start, to refuse what mg cannot serve (hook: no controller yet).
-    refuse_unsupported(ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg))), cfg.mg_mode)
+    parsed = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg)))
+    refuse_on_host(parsed, cfg.profile)
+    refuse_unsupported(parsed, cfg.mg_mode)
     controller_ipc, info = start_runtime(cfg)
 
     from mg_server.front.middleware import DeterministicMiddleware

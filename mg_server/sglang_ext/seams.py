@@ -40,6 +40,7 @@ def check() -> str:
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+    from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import ServerArgs
 
     expect = [
@@ -62,7 +63,12 @@ def check() -> str:
          ("register_forward_hooks(self.model", "self.sampler", "self.req_to_token_pool")),
         ("ModelRunner", ModelRunner, ("self.token_to_kv_pool",)),
         ("Req.__init__", Req.__init__, ("self.origin_input_ids", "self.output_ids", "self.req_pool_idx",
-                                        '"__req__": self')),
+                                        '"__req__": self', "self.sampling_params", "self.grammar",
+                                        "self.return_logprob", "self.lora_id")),
+        # hook.unmodelled reads these to refuse what the verifier does not compute
+        ("SamplingParams.__init__", SamplingParams.__init__,
+         ("self.frequency_penalty", "self.presence_penalty", "self.repetition_penalty", "self.min_new_tokens",
+          "self.logit_bias")),
         ("Sampler.forward", Sampler.forward, ("self._preprocess_logits(logits, sampling_info)",)),
     ]
     for what, obj, needles in sources:
@@ -80,7 +86,8 @@ def check() -> str:
             problems.append(f"SamplingBatchInfo has no field {name!r}")
     server_fields = {f.name for f in dataclasses.fields(ServerArgs)}
     for name in ("forward_hooks", "enable_custom_logit_processor", "speculative_algorithm", "tp_size", "pp_size",
-                 "dp_size", "enable_dp_attention", "kv_cache_dtype", "dtype", "enable_hierarchical_cache"):
+                 "dp_size", "enable_dp_attention", "kv_cache_dtype", "dtype", "enable_hierarchical_cache",
+                 "grammar_backend"):
         if name not in server_fields:
             problems.append(f"ServerArgs has no field {name!r}")
     if not callable(getattr(CustomLogitProcessor, "to_str", None)):

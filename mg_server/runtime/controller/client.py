@@ -1,17 +1,25 @@
 """Client of the controller, used by mg's forward hook (scheduler process) and the HTTP front.
 
-One client per thread: zmq sockets are not thread-safe.
+One client per thread: zmq sockets are not thread-safe. A call gives up as soon as the
+controller stops beating (runtime.liveness), so a dead or stopped controller costs a caller
+seconds, not the call's timeout.
 """
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
 from mg_server.runtime import protocol as P
 from mg_server.runtime.channel import RpcClient, RpcError
+from mg_server.runtime.liveness import beat_path, stale_reason
 
 
 class ControllerClient(RpcClient):
-    def __init__(self, ipc_path: str, timeout_s: float = 60.0, client_name: str = ""):
-        super().__init__(ipc_path, timeout_s, client_name)
+    def __init__(self, ipc_path: str, timeout_s: float = 60.0, client_name: str = "",
+                 peer_check: Callable[[], str] | None = None):
+        super().__init__(ipc_path, timeout_s, client_name,
+                         peer_check or partial(stale_reason, beat_path(ipc_path)))
 
     def hello(self, timeout_s: float | None = None) -> P.ControllerInfo:
         info = self.call(P.ControllerHello(protocol_version=P.PROTOCOL_VERSION, client=self.client_name), timeout_s)
@@ -26,8 +34,9 @@ class ControllerClient(RpcClient):
         """Fast commits the seam decided itself (no reply; the controller applies the same policy)."""
         self.send(P.Step(rows=rows, reply=False))
 
-    def finish(self, rid: str, output: list[int], aborted: bool, timeout_s: float | None = None) -> None:
-        self.call(P.Finish(rid=rid, output=output, aborted=aborted), timeout_s)
+    def finish(self, rid: str, output: list[int], aborted: bool, reason: str = "",
+               timeout_s: float | None = None) -> None:
+        self.call(P.Finish(rid=rid, output=output, aborted=aborted, reason=reason), timeout_s)
 
     def verdict(self, rid: str, timeout_s: float | None = None) -> P.VerdictReply:
         return self.call(P.Verdict(rid=rid), timeout_s)

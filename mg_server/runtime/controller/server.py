@@ -7,7 +7,15 @@ For each row the policy decides fast commit or verified commit; verified rows of
 to the verifier in one message (it serves them in one batched, batch-invariant forward). Every
 verify call carries the tokens the verifier has not seen, so its catch-up also audits the steps
 that were not verified; `Finish` audits the tail. A request's verdict is `verified` only when
-every emitted token has been checked against the verifier.
+its answer is complete (it was not aborted) and every emitted token has been checked against
+the verifier.
+
+Faults: the controller beats and watches its parent from its first moment (runtime.liveness).
+A verify call gives up as soon as the verifier process exits or stops beating; the rows of that
+call fail, later deterministic steps fail at once, plain traffic goes on, and the beat's status
+(read by the front's /health) and `mg_verifier_up` say the verifier is down. If the verifier
+cannot start, the controller answers the launcher's hello with the verifier's own error and
+exits.
 """
 
 from __future__ import annotations
@@ -16,11 +24,13 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import zmq
 
 from mg_server.runtime import protocol as P
+from mg_server.runtime.controller.state import ReqState
+from mg_server.runtime.liveness import Lifeline, beat_path, stale_reason
 from mg_server.runtime.policy import Policy
 
 log = logging.getLogger("mg.controller")
@@ -33,43 +43,18 @@ class ControllerConfig:
     tau: float
     metrics_dir: str  # prometheus multiprocess folder (set in the env before metrics exist)
     verifier: "object | None" = None  # VerifierConfig of the worker to spawn (None: mode "off")
-    verify_timeout_s: float = 30.0
+    verify_timeout_s: float = 30.0  # a live, beating verifier that does not answer (wedged)
     start_timeout_s: float = 300.0  # verifier model load
     verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept
-
-
-@dataclass
-class ReqState:
-    tokens: list[int] = field(default_factory=list)  # t_0 .. t_{n-1}: the prompt, then every decided token
-    prompt_len: int = 0  # the first step's tokens are the prompt (not audited)
-    verifier_len: int = 0  # the verifier has been sent t_0 .. t_{verifier_len-1}
-    verified: list[int] = field(default_factory=list)  # positions computed by the verifier
-    repairs: list[int] = field(default_factory=list)  # verified positions where it disagreed
-    mismatches: list[int] = field(default_factory=list)  # positions q whose t_{q+1} was a missed flip
-    error: str = ""
-    finished_at: float = 0.0  # monotonic time of Finish; 0 while running
-    aborted: bool = False
-    audit_pending: bool = False  # finished, tail audit not run yet
-
-    @property
-    def steps(self) -> int:
-        return len(self.tokens) - self.prompt_len
-
-    def state(self, mode: str) -> str:
-        if self.error:
-            return "failed"
-        if not self.finished_at or self.audit_pending:
-            return "running"
-        if self.mismatches:
-            return "mismatch"
-        return "verified" if mode != "off" else "unverified"
+    parent_pid: int = 0  # mg-server's pid: the controller exits once it is gone (0: no watch)
 
 
 class Controller:
-    def __init__(self, cfg: ControllerConfig):
+    def __init__(self, cfg: ControllerConfig, lifeline: Lifeline | None = None):
         from mg_server.metrics import controller_metrics
 
         self.cfg = cfg
+        self.lifeline = lifeline  # its status line tells the front whether the verifier is up
         self.policy = Policy(cfg.mode, cfg.tau)
         self.m = controller_metrics()
         self.reqs: dict[str, ReqState] = {}
@@ -79,6 +64,10 @@ class Controller:
         self.verifier_proc = None
         self.vclient = None
         self.vinfo: P.HelloReply | None = None
+        self.start_error: P.ErrorReply | None = None  # the verifier could not start: told to the launcher
+        self.down_reason = ""  # why the verifier is down ("" while it is up), as last reported
+        self._beat_checked = 0.0  # monotonic time of the last look at the verifier's beat
+        self._verifier_beat = ""  # the verifier's beat file (runtime.liveness)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -92,19 +81,54 @@ class Controller:
         from mg_server.runtime.verifier.client import VerifierClient
         from mg_server.runtime.verifier.server import start_verifier
 
-        self.verifier_proc = start_verifier(self.cfg.verifier)
-        self.vclient = VerifierClient(self.cfg.verifier.ipc_path, timeout_s=self.cfg.verify_timeout_s,
-                                      client_name="controller")
+        vcfg = self.cfg.verifier
+        if self.lifeline is not None:
+            self.lifeline.status = "verifier starting"
+        self.verifier_proc = start_verifier(vcfg)
+        self._verifier_beat = beat_path(vcfg.ipc_path)
+        self.vclient = VerifierClient(vcfg.ipc_path, timeout_s=self.cfg.verify_timeout_s, client_name="controller",
+                                      peer_check=self._verifier_gone)
         # attach_slots=False: the controller relays (slot, gen) to the hook; on CUDA attaching
         # would open a CUDA context here for nothing.
         self.vinfo = self.vclient.connect(timeout_s=self.cfg.start_timeout_s, attach_slots=False)
         log.info("verifier ready: model %s, kernels %s", self.vinfo.model_id, self.vinfo.kernel_config_id)
+        self._publish()
+
+    def _verifier_gone(self) -> str:
+        """Why the verifier cannot answer ("" while its process runs and beats)."""
+        proc = self.verifier_proc
+        if not proc.is_alive():
+            return f"the verifier process exited (code {proc.exitcode})"
+        return stale_reason(self._verifier_beat) if self._verifier_beat else ""
 
     def verifier_up(self) -> bool:
-        return self.vclient is not None and self.verifier_proc is not None and self.verifier_proc.is_alive()
+        if self.vclient is None or self.verifier_proc is None:
+            return False
+        now = time.monotonic()
+        if self.down_reason or not self.verifier_proc.is_alive() or now - self._beat_checked > 0.25:
+            self._beat_checked = now  # its beat file is read at most 4 times a second
+            reason = self._verifier_gone()
+            if reason != self.down_reason:
+                if reason:
+                    log.error("deterministic verifier is down: %s (deterministic requests fail)", reason)
+                else:
+                    log.warning("deterministic verifier is beating again")
+                self.down_reason = reason
+                self._publish()
+        return not self.down_reason
+
+    def _publish(self) -> None:
+        """The verifier's state for /health (the beat's status line) and for mg_verifier_up."""
+        self.m.verifier_up.set(0 if self.down_reason else 1)
+        if self.lifeline is not None:
+            self.lifeline.status = f"verifier down: {self.down_reason}" if self.down_reason else "verifier up"
 
     # ---- messages -----------------------------------------------------------------------
     def handle(self, msg: P.Message) -> P.Message | None:
+        if self.start_error is not None:  # the verifier did not start: say why, then stop
+            if isinstance(msg, (P.ControllerHello, P.Shutdown)):
+                self.running = False
+            return P.Error(error=self.start_error)
         if isinstance(msg, P.Step):
             decisions = self._step(msg.rows)  # errors stay in the requests' states (verdicts)
             return P.StepReply(decisions=decisions) if msg.reply else None
@@ -174,7 +198,7 @@ class Controller:
         try:
             results = self.vclient.verify_many(items)
         except VerifierError as e:
-            results = [P.ErrorReply(code=e.code, message=str(e)) for _ in items]
+            results = [P.ErrorReply(code=e.code, message=e.message) for _ in items]
         self.m.verify_seconds.observe(time.perf_counter() - t0)
         for (i, row, st), res in zip(batch, results):
             d = decisions[i]
@@ -216,29 +240,13 @@ class Controller:
         if st is None:
             st = self.reqs[msg.rid] = ReqState(error="request finished without a step the controller saw")
         if not st.error and st.tokens:
-            self._reconcile(msg.rid, st, msg.output)
-        st.finished_at, st.aborted, st.audit_pending = time.monotonic(), msg.aborted, True
+            extra = st.reconcile(msg.output)
+            if extra:  # the overlap scheduler's look-ahead forward(s) after the last token
+                self.m.lookahead.inc(extra)
+                log.debug("request %s: %d look-ahead step(s) dropped", msg.rid, extra)
+        st.aborted = (msg.reason or "aborted") if msg.aborted else ""
+        st.finished_at, st.audit_pending = time.monotonic(), True
         self.pending[msg.rid] = None
-
-    def _reconcile(self, rid: str, st: ReqState, output: list[int]) -> None:
-        """Check SGLang's emitted tokens against the decided ones; drop look-ahead steps."""
-        decided = st.tokens[st.prompt_len:]
-        if len(decided) < len(output):
-            st.error = f"mg decided {len(decided)} tokens but SGLang emitted {len(output)}: a step was not seen"
-            return
-        if decided[:len(output)] != output:
-            q = next(k for k, (a, b) in enumerate(zip(decided, output)) if a != b)
-            st.error = f"emitted token {q} differs from the one mg decided"
-            return
-        extra = len(decided) - len(output)
-        if extra:  # the overlap scheduler's look-ahead forward(s) after the last token
-            n = len(st.tokens) - extra
-            del st.tokens[n:]
-            st.verified = [q for q in st.verified if q <= n - 2]
-            st.repairs = [q for q in st.repairs if q <= n - 2]
-            st.mismatches = [q for q in st.mismatches if q <= n - 2]
-            self.m.lookahead.inc(extra)
-            log.debug("request %s: %d look-ahead step(s) dropped", rid, extra)
 
     def _complete(self, rid: str) -> None:
         """The deferred part of Finish: audit the tail, free the verifier's shadow cache."""
@@ -247,8 +255,10 @@ class Controller:
         if st is None or not st.audit_pending:
             return
         n = len(st.tokens)
-        # t_{n-1} was chosen at position n-2; unless that step was verified, audit the tail.
-        if not st.aborted and not st.error and self.cfg.mode != "off" and st.verifier_len < n - 1:
+        # t_{n-1} was chosen at position n-2; unless that step was verified, audit the tail
+        # (if the request emitted a token at all: with max_new_tokens 0, t_{n-1} is the prompt's).
+        emitted = n > st.prompt_len
+        if emitted and not st.aborted and not st.error and self.cfg.mode != "off" and st.verifier_len < n - 1:
             self._final_audit(rid, st, n)
         st.audit_pending = False
         if self.vclient is not None and self.verifier_up():
@@ -281,10 +291,10 @@ class Controller:
             self._complete(rid)  # its response is waiting for this audit
         st = self.reqs.get(rid)
         if st is None:
-            return P.VerdictReply(rid=rid, state="unknown")
+            return P.VerdictReply(rid=rid, state=P.VerdictState.UNKNOWN)
         return P.VerdictReply(rid=rid, state=st.state(self.cfg.mode), steps=st.steps,
                               verified_steps=len(st.verified), repairs=len(st.repairs),
-                              mismatch_positions=list(st.mismatches), error=st.error)
+                              mismatch_positions=list(st.mismatches), error=st.error or st.aborted)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -292,15 +302,20 @@ class Controller:
             del self.reqs[rid]
 
     # ---- loop -----------------------------------------------------------------------------
-    def serve_forever(self) -> None:
-        parent = os.getppid()
+    def serve_forever(self, idle_exit_s: float = 0.0) -> None:
+        """Serve until Shutdown (or, if idle_exit_s, until that long without a message).
+        Orphaning is the lifeline's job: it exits the process whatever this loop is doing."""
+        last = time.monotonic()
         while self.running:
             if not self.sock.poll(0 if self.pending else 200):
                 if self.pending:  # idle: run one deferred tail audit
                     self._complete(next(iter(self.pending)))
-                elif os.getppid() != parent:  # orphaned (mg-server was killed): stop, and the verifier with us
+                else:  # idle: notice a dead verifier without traffic (health, metric)
+                    self.verifier_up()
+                if idle_exit_s and time.monotonic() - last > idle_exit_s:
                     break
                 continue
+            last = time.monotonic()
             ident, data = self.sock.recv_multipart()
             try:
                 msg = P.decode(data)
@@ -334,21 +349,32 @@ class Controller:
 
 
 def run_controller(cfg: ControllerConfig) -> None:
-    from mg_server.runtime.channel import set_process_title
+    from mg_server.runtime.channel import RpcError, set_process_title
 
     set_process_title("mg::controller")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = cfg.metrics_dir  # before the first metric exists
     logging.basicConfig(level=logging.INFO, format="[mg-controller %(asctime)s] %(message)s")
-    ctl = Controller(cfg)
+    # Orphaned (mg-server killed): exit; the verifier's own lifeline then stops it.
+    lifeline = Lifeline(beat_path(cfg.ipc_path), cfg.parent_pid, name="mg-controller-life").start()
+    ctl = Controller(cfg, lifeline)
     try:
-        ctl.start_verifier()
+        try:
+            ctl.start_verifier()
+        except Exception as e:  # noqa: BLE001 - told to the launcher, which exits with it
+            code, message = (e.code, e.message) if isinstance(e, RpcError) else (P.ErrorCode.INTERNAL, str(e))
+            log.error("the deterministic verifier did not start: %s", message)
+            ctl.start_error = P.ErrorReply(code=code, message=f"the deterministic verifier did not start: {message}")
+            ctl.serve_forever(idle_exit_s=30.0)  # until the launcher has heard it
+            raise SystemExit(1) from None
         ctl.serve_forever()
     finally:
+        lifeline.stop()
         ctl.close()
 
 
 def start_controller(cfg: ControllerConfig) -> mp.Process:
     """Spawn the controller (not a daemon: it spawns the verifier worker itself)."""
+    cfg = replace(cfg, parent_pid=os.getpid())
     proc = mp.get_context("spawn").Process(target=run_controller, args=(cfg,), name="mg-controller")
     proc.start()
     return proc

@@ -7,6 +7,7 @@ socket, msg_id per call, late replies of timed-out calls dropped) is `runtime.ch
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -22,8 +23,9 @@ class VerifierError(RpcError):
 class VerifierClient(RpcClient):
     error_cls = VerifierError
 
-    def __init__(self, ipc_path: str, timeout_s: float = 30.0, client_name: str = ""):
-        super().__init__(ipc_path, timeout_s, client_name)
+    def __init__(self, ipc_path: str, timeout_s: float = 30.0, client_name: str = "",
+                 peer_check: Callable[[], str] | None = None):
+        super().__init__(ipc_path, timeout_s, client_name, peer_check)
         self.info: P.HelloReply | None = None
         self.slots: SlotBuffer | None = None
 

@@ -2,7 +2,9 @@
 
 Entry point: `run_verifier(cfg)` (in the child) or `start_verifier(cfg)` (spawns it). The worker
 binds before loading the model, so a client's hello simply waits in the queue; if loading fails,
-the worker stays up and answers every message with a typed error instead of vanishing.
+the worker stays up and answers every message with a typed error (`load_failed`, naming the
+cause) instead of vanishing. From its first moment it beats and watches the process that
+started it (runtime.liveness): if that one dies, the worker removes its shared memory and exits.
 Messages are served in arrival order; consecutive Verify messages are coalesced into one batched
 step (batch-invariant kernels make that safe); control messages flush pending verifies first.
 """
@@ -14,7 +16,7 @@ import multiprocessing as mp
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import zmq
@@ -39,6 +41,7 @@ class VerifierConfig:
     memory_gb: float = 0.0  # CUDA memory budget (weights + K/V pool + workspace); 0: pool_tokens as given
     shm_name: str = ""  # shared-memory name; "" derives one from ipc_path
     poll_ms: int = 50  # receive poll period
+    parent_pid: int = 0  # the process that started the worker: it exits once that one is gone (0: no watch)
 
     def __post_init__(self):
         # Results of one step occupy distinct slots until the client copies them out.
@@ -206,7 +209,7 @@ class VerifierServer:
                 self._send(ident, _err(P.ErrorCode.BAD_REQUEST, f"undecodable message: {e}"))
                 continue
             if self.load_error and not isinstance(m, P.Shutdown):
-                self._send(ident, _err(P.ErrorCode.MODEL_MISMATCH, self.load_error, m.msg_id))
+                self._send(ident, _err(P.ErrorCode.LOAD_FAILED, self.load_error, m.msg_id))
                 continue
             if isinstance(m, P.Verify):
                 if not 0 < len(m.items) <= self.cfg.n_slots:  # each result needs its own live slot
@@ -229,12 +232,9 @@ class VerifierServer:
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        parent = os.getppid()
         try:
             while self.running:
                 if not poller.poll(self.cfg.poll_ms):
-                    if os.getppid() != parent:  # orphaned (the controller was killed): stop
-                        break
                     continue
                 frames = []
                 while len(frames) < self.cfg.max_batch_items:  # drain what is queued: one batch
@@ -253,19 +253,33 @@ class VerifierServer:
         self.sock.close(0)
         self.ctx.term()
 
+    def remove_shared_memory(self) -> None:
+        """From the lifeline thread of an orphaned worker: the names go, the mappings stay
+        valid until the process exits (the main thread may be writing a slot)."""
+        if self.shm is not None:
+            self.shm.unlink()
+
 
 def run_verifier(cfg: VerifierConfig) -> None:
-    """Process entry point: bind, load, serve until a Shutdown message."""
+    """Process entry point: bind, load, serve until a Shutdown message (or the parent is gone)."""
     from mg_server.runtime.channel import set_process_title
+    from mg_server.runtime.liveness import Lifeline, beat_path
 
     set_process_title("mg::verifier")
     server = VerifierServer(cfg)
-    server.load()
-    server.serve_forever()
+    lifeline = Lifeline(beat_path(cfg.ipc_path), cfg.parent_pid, server.remove_shared_memory, "mg-verifier-life")
+    lifeline.start()
+    try:
+        server.load()
+        server.serve_forever()
+    finally:
+        lifeline.stop()
 
 
 def start_verifier(cfg: VerifierConfig) -> mp.Process:
-    """Spawn a worker process (spawn start method: no forked torch/zmq state)."""
+    """Spawn a worker process (spawn start method: no forked torch/zmq state) that stops once
+    this process is gone."""
+    cfg = replace(cfg, parent_pid=os.getpid())
     proc = mp.get_context("spawn").Process(target=run_verifier, args=(cfg,), name="mg-verifier", daemon=True)
     proc.start()
     return proc

@@ -1,0 +1,201 @@
+"""What a request carrying `X-Deterministic` may be, and the body SGLang gets for it.
+
+- The header's value: 1/0/true/false (case-insensitive); anything else is a 400.
+- Endpoints, deny by default: the header is served on the generation endpoints mg rewrites
+  (`GENERATE_ROUTES`) and passes on a few read-only ones (`READ_ONLY`); any other request that
+  carries it (other SGLang endpoints, and any SGLang adds later) is a 400 naming the supported
+  ones, so a client never gets an echoed header on an answer mg did not check.
+- Parameters, for `X-Deterministic: 1`: greedy only (an unset temperature becomes 0), one
+  completion per prompt, and nothing that changes which token greedy decoding emits in a way
+  the verifier does not compute (penalties, logit bias, a minimum length, grammars and
+  structured outputs, LoRA adapters, non-text inputs), nor logprobs (mg forces each verified
+  step's logits to the decided token, so SGLang's logprobs of those steps would be meaningless).
+  Each is a 400 naming the parameter. `top_p`, `top_k`, `min_p` and `seed` are accepted: at
+  temperature 0 SGLang samples with top_k = 1, so they cannot change the token.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from mg_server.config import DETERMINISTIC_PARAM
+
+_VALUES = {"1": True, "true": True, "0": False, "false": False}
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
+NATIVE_PATHS = ("/generate",)
+# (method, path) of the requests mg rewrites and verifies.
+GENERATE_ROUTES = {("POST", p) for p in OPENAI_PATHS + NATIVE_PATHS} | {("PUT", "/generate")}
+# GET paths (or prefixes, ending in "/") that generate nothing: the header passes, echoed.
+READ_ONLY = ("/health", "/health_generate", "/v1/models", "/v1/models/", "/get_model_info", "/model_info",
+             "/metrics")
+SUPPORTED = "POST /v1/chat/completions, POST /v1/completions, POST|PUT /generate"
+
+# Parameters with a value that leaves greedy decoding as the verifier computes it; any other
+# value is refused. None (unset) is always fine.
+NEUTRAL: dict[str, Any] = {
+    "n": 1, "best_of": 1,
+    "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1,
+    "min_tokens": 0, "min_new_tokens": 0, "top_logprobs": 0,
+}
+# Parameters refused whenever set (any value but None): they change the emitted tokens or need
+# the logits of steps whose logits mg forces.
+UNMODELLED: dict[str, str] = {
+    "regex": "grammar-constrained decoding", "ebnf": "grammar-constrained decoding",
+    "json_schema": "grammar-constrained decoding", "structural_tag": "grammar-constrained decoding",
+    "logit_bias": "a logit bias", "lora_path": "LoRA adapters", "lora_id": "LoRA adapters",
+    "input_embeds": "input embeddings", "image_data": "non-text inputs", "video_data": "non-text inputs",
+    "audio_data": "non-text inputs",
+}
+WHY_NEUTRAL = {
+    "n": "more than one completion per prompt", "best_of": "more than one completion per prompt",
+    "frequency_penalty": "penalties", "presence_penalty": "penalties", "repetition_penalty": "penalties",
+    "min_tokens": "a minimum length", "min_new_tokens": "a minimum length",
+    "top_logprobs": "logprobs",
+}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str = "X-Deterministic"):
+        super().__init__(message)
+        self.param = param  # the request field the client has to change
+
+
+def parse_flag(raw: bytes) -> bool:
+    value = raw.decode("latin-1").strip().lower()
+    if value not in _VALUES:
+        raise BadRequest(f"X-Deterministic must be one of 1, 0, true, false; got {value!r}")
+    return _VALUES[value]
+
+
+def route(method: str, path: str) -> str:
+    """"rewrite" for a generation endpoint mg handles, "pass" for a read-only one; else a 400."""
+    if (method, path) in GENERATE_ROUTES:
+        return "rewrite"
+    if method in ("GET", "HEAD") and any(path == p or (p.endswith("/") and path.startswith(p)) for p in READ_ONLY):
+        return "pass"
+    raise BadRequest(f"X-Deterministic is served on {SUPPORTED} only (not on {method} {path}); "
+                     "send this request without the header")
+
+
+def _refused(name: str, value: Any, where: str, why: str) -> BadRequest:
+    shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+    return BadRequest(f"X-Deterministic: 1 cannot be combined with {where}{name}={shown}: mg's verifier "
+                      f"does not compute {why}; drop it, or send the request without the header",
+                      param=f"{where}{name}")
+
+
+def check_params(params: dict, where: str) -> None:
+    """Refuse what the verifier does not model in one set of sampling parameters (a deterministic
+    request's OpenAI body, or one /generate `sampling_params` object)."""
+    for name, neutral in NEUTRAL.items():
+        value = params.get(name)
+        if value is not None and value != neutral:
+            raise _refused(name, value, where, WHY_NEUTRAL[name])
+    for name, why in UNMODELLED.items():
+        if params.get(name) is not None:
+            raise _refused(name, params[name], where, why)
+    logprobs = params.get("logprobs")  # chat: a bool; completions: an int, where 0 asks for one logprob
+    if logprobs is not None and logprobs is not False:
+        raise _refused("logprobs", logprobs, where, "logprobs")
+    fmt = params.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise _refused("response_format", fmt, where, "structured outputs (grammar-constrained decoding)")
+    choice = params.get("tool_choice")
+    if params.get("tools") and (choice == "required" or isinstance(choice, dict)):
+        raise _refused("tool_choice", choice, where, "forced tool calls (grammar-constrained decoding)")
+    for i, tool in enumerate(params.get("tools") or ()):
+        if isinstance(tool, dict) and isinstance(tool.get("function"), dict) and tool["function"].get("strict"):
+            raise _refused(f"tools[{i}].function.strict", True, where, "strict tool schemas (grammar-constrained "
+                           "decoding)")
+
+
+def _check_native_top_level(body: dict) -> None:
+    """/generate fields outside sampling_params (logprobs may be a list, one per prompt)."""
+    value = body.get("return_logprob")
+    if value and (not isinstance(value, list) or any(value)):
+        raise _refused("return_logprob", value, "", "logprobs")
+    for name in ("lora_path", "lora_id", "input_embeds", "image_data", "video_data", "audio_data"):
+        if body.get(name) is not None:
+            raise _refused(name, body[name], "", UNMODELLED[name])
+
+
+def _mark_params(params: Any, flag: bool, where: str) -> dict:
+    """Return a copy of a request's sampling parameters with the mg flag set."""
+    if params is None:
+        params = {}
+    if not isinstance(params, dict):
+        raise BadRequest(f"{where or 'request'} must be an object", param=where.rstrip(".") or "body")
+    custom = params.get("custom_params")
+    if custom is None:
+        custom = {}
+    if not isinstance(custom, dict):
+        raise BadRequest(f"{where}custom_params must be an object", param=f"{where}custom_params")
+    out = dict(params)
+    out["custom_params"] = {**custom, DETERMINISTIC_PARAM: flag}
+    if flag:
+        # Greedy decoding is what MarginGate makes deterministic; an unset temperature would
+        # default to sampling, so it is pinned to 0, and sampling is refused.
+        temperature = out.get("temperature")
+        if temperature is None:
+            out["temperature"] = 0.0
+        elif not isinstance(temperature, (int, float)) or temperature != 0:
+            raise BadRequest(f"X-Deterministic: 1 serves greedy decoding only; {where}temperature must be 0 "
+                             f"(got {temperature!r})", param=f"{where}temperature")
+        check_params(out, where)
+    return out
+
+
+def _assign_rids(body: dict, path: str) -> list[str]:
+    """Deterministic requests carry an id mg knows, to ask the controller for their verdict."""
+    rid = body.get("rid")
+    if isinstance(rid, str) and rid:
+        return [rid]
+    if isinstance(rid, list) and rid and all(isinstance(r, str) and r for r in rid):
+        return rid
+    if rid is not None:
+        raise BadRequest("rid must be a non-empty string or a list of them", param="rid")
+    batch = None  # /generate takes a list of prompts; then SGLang wants a list of rids
+    if path in NATIVE_PATHS:
+        for key in ("text", "input_ids"):
+            value = body.get(key)
+            if isinstance(value, list) and value and (key == "text" or isinstance(value[0], list)):
+                batch = len(value)
+    rids = [f"mg-{uuid.uuid4().hex}" for _ in range(batch or 1)]
+    body["rid"] = rids if batch else rids[0]
+    return rids
+
+
+def empty_answer_rids(body: dict, rids: list[str]) -> set[str]:
+    """The prompts of a deterministic /generate body that ask for no token (max_new_tokens 0):
+    SGLang only prefills them, so mg sees no step; their empty answer is complete and has no
+    token left unchecked, so their verdict is `verified` without asking the controller."""
+    params = body.get("sampling_params")
+    per = params if isinstance(params, list) else [params] * len(rids)
+    return {rid for rid, p in zip(rids, per) if isinstance(p, dict) and p.get("max_new_tokens") == 0}
+
+
+def rewrite_body(body: dict, path: str, flag: bool, noop_processor: str) -> dict:
+    """The request body as SGLang must see it for a request with X-Deterministic: flag."""
+    if flag:
+        existing = body.get("custom_logit_processor")
+        if existing not in (None, noop_processor):
+            raise BadRequest("X-Deterministic: 1 cannot be combined with a custom_logit_processor",
+                             param="custom_logit_processor")
+    if path in OPENAI_PATHS:
+        out = _mark_params(body, flag, "")
+    else:  # /generate: flags live in sampling_params, one dict or one per prompt
+        if flag:
+            _check_native_top_level(body)
+        out = dict(body)
+        params = body.get("sampling_params")
+        if isinstance(params, list):
+            out["sampling_params"] = [
+                _mark_params(p, flag, f"sampling_params[{i}].") for i, p in enumerate(params)
+            ]
+        else:
+            out["sampling_params"] = _mark_params(params, flag, "sampling_params.")
+    if flag:
+        out["custom_logit_processor"] = noop_processor
+        _assign_rids(out, path)
+    return out

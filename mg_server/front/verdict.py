@@ -1,0 +1,140 @@
+"""Verdicts on deterministic responses, and the health of mg's runtime, as the front sees them.
+
+A verdict is the controller's state of the request (`protocol.VerdictState`); only `verified`
+makes `X-Deterministic-Verified: true`. The front adds rules of its own, so that no answer says
+`verified` unless it is one:
+- an error response (status >= 400, or a stream that carried an error event) is `failed`
+  without asking the controller: its rid may even belong to another request (SGLang's 400
+  "Duplicate request IDs"), and an error is never a verified answer;
+- a controller that does not answer (dead, stopped) gives `controller-unreachable` within
+  seconds (its heartbeat, runtime.liveness), and a request still running when the wait ends
+  gives `audit-timeout`.
+Health: `problem()` reads the controller's heartbeat file (no call that a busy controller could
+hold up): a controller that stopped beating, or one whose verifier is down, is a problem.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Awaitable, Callable
+
+from mg_server.config import FrontConfig
+from mg_server.runtime.liveness import STALE_AFTER_S, beat_path, read_beat
+from mg_server.runtime.protocol import VerdictState as S
+
+Send = Callable[[dict], Awaitable[None]]
+
+# SGLang's SSE error event (`data: {"error": ...}`). Token text cannot produce it: inside a JSON
+# string a quote is escaped.
+STREAM_ERROR = b'data: {"error"'
+UNREACHABLE, AUDIT_TIMEOUT = "controller-unreachable", "audit-timeout"
+
+
+def verdict_headers(states: list[str], kernel_config_id: str) -> list[tuple[bytes, bytes]]:
+    ok = bool(states) and all(s == S.VERIFIED for s in states)
+    worst = next((s for s in states if s != S.VERIFIED), S.VERIFIED) if states else S.UNKNOWN
+    headers = [(b"x-deterministic-verified", b"true" if ok else b"false"), (b"x-mg-verdict", worst.encode())]
+    if kernel_config_id:
+        headers.append((b"x-mg-kernel-config", kernel_config_id.encode()))
+    return headers
+
+
+class RuntimeView:
+    """Blocking lookups of mg's runtime for the front (verdicts run in a worker thread)."""
+
+    def __init__(self, config: FrontConfig):
+        self.config = config
+        self._local = threading.local()  # one controller client per executor thread
+
+    def _verdicts_blocking(self, rids: list[str]) -> list[str]:
+        if not self.config.controller_ipc:
+            return [S.UNVERIFIED] * len(rids)  # mode off: nothing checks the tokens
+        from mg_server.runtime.controller.client import ControllerClient
+
+        client = getattr(self._local, "client", None)
+        if client is None:
+            # the verdict may first run the request's tail audit: allow the whole wait for it
+            client = self._local.client = ControllerClient(self.config.controller_ipc,
+                                                           timeout_s=self.config.verdict_wait_s, client_name="front")
+        deadline = time.monotonic() + self.config.verdict_wait_s
+        states = []
+        for rid in rids:
+            while True:
+                try:
+                    state = client.verdict(rid).state
+                except Exception:  # noqa: BLE001 - no answer is no verification
+                    state = UNREACHABLE
+                if state != S.RUNNING or time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
+            states.append(AUDIT_TIMEOUT if state == S.RUNNING else state)
+        return states
+
+    async def verdicts(self, rids: list[str]) -> list[str]:
+        return await asyncio.to_thread(self._verdicts_blocking, rids)
+
+    def problem(self) -> str:
+        """Why mg cannot serve deterministic requests now ("" if it can, or in mode off)."""
+        if not self.config.controller_ipc:
+            return ""
+        beat = read_beat(beat_path(self.config.controller_ipc))
+        if beat is None:
+            return "mg controller is not running"
+        if beat.age_s > STALE_AFTER_S:
+            return f"mg controller is not responding (no heartbeat for {beat.age_s:.0f}s)"
+        if beat.status.startswith("verifier down"):
+            return f"mg {beat.status}"
+        return ""
+
+
+def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view: RuntimeView,
+                   kernel_config_id: str, settled: dict[str, str] | None = None) -> Send:
+    """Wrap `send` so the response of deterministic request(s) `rids` carries its verdict
+    (`settled`: verdicts known without the controller, e.g. empty answers)."""
+    held: dict | None = None  # the response start of a non-streamed answer, until its verdict
+    streaming = False
+    failed = False  # an error status, or an error event in the stream
+    settled = settled or {}
+
+    async def states() -> list[str]:
+        if failed:
+            return [S.FAILED] * len(rids)
+        ask = [r for r in rids if r not in settled]
+        got = dict(zip(ask, await view.verdicts(ask))) if ask else {}
+        return [settled.get(r) or got[r] for r in rids]
+
+    async def send_with_verdict(message: dict) -> None:
+        nonlocal held, streaming, failed
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", [])) + [echo]
+            failed = message.get("status", 200) >= 400
+            streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+            if streaming:
+                headers.append((b"x-deterministic-verified", b"in-stream"))
+                return await send({**message, "headers": headers})
+            held = {**message, "headers": headers}
+            return None
+        if message["type"] != "http.response.body":
+            return await send(message)
+        body = message.get("body", b"")
+        if streaming:
+            failed = failed or STREAM_ERROR in body
+            done = body.find(b"data: [DONE]")
+            if done >= 0:
+                comment = b": mg-verdict " + json.dumps({"rids": rids, "states": await states()}).encode() + b"\n\n"
+                message = {**message, "body": body[:done] + comment + body[done:]}
+            return await send(message)
+        if held is not None and not message.get("more_body", False):
+            held["headers"] = held["headers"] + verdict_headers(await states(), kernel_config_id)
+            await send(held)
+            held = None
+        elif held is not None:  # a multi-part non-streamed body: headers go now, unverdicted
+            held["headers"].append((b"x-deterministic-verified", b"false"))
+            await send(held)
+            held = None
+        await send(message)
+
+    return send_with_verdict

@@ -1,0 +1,64 @@
+"""A protected request's bookkeeping in the controller, and its verdict.
+
+The verdict is a small state machine: `running` from the request's first step until its Finish
+and tail audit, then exactly one of `failed` (mg could not serve it deterministically),
+`mismatch` (the audit found a token the verifier would not have emitted), `aborted` (cut short
+before its natural end: client, /abort_request, mg; its answer is incomplete), `verified`
+(complete, every emitted token checked) or, in mode off, `unverified`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mg_server.runtime.protocol import VerdictState as S
+
+
+@dataclass
+class ReqState:
+    tokens: list[int] = field(default_factory=list)  # t_0 .. t_{n-1}: the prompt, then every decided token
+    prompt_len: int = 0  # the first step's tokens are the prompt (not audited)
+    verifier_len: int = 0  # the verifier has been sent t_0 .. t_{verifier_len-1}
+    verified: list[int] = field(default_factory=list)  # positions computed by the verifier
+    repairs: list[int] = field(default_factory=list)  # verified positions where it disagreed
+    mismatches: list[int] = field(default_factory=list)  # positions q whose t_{q+1} was a missed flip
+    error: str = ""
+    finished_at: float = 0.0  # monotonic time of Finish; 0 while running
+    aborted: str = ""  # why SGLang aborted it ("" = it ended normally): its answer is incomplete
+    audit_pending: bool = False  # finished, tail audit not run yet
+
+    @property
+    def steps(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    def state(self, mode: str) -> str:
+        if self.error:
+            return S.FAILED
+        if not self.finished_at or self.audit_pending:
+            return S.RUNNING
+        if self.mismatches:
+            return S.MISMATCH
+        if self.aborted:  # a cut answer is never `verified`, however many of its tokens were checked
+            return S.ABORTED
+        return S.VERIFIED if mode != "off" else S.UNVERIFIED
+
+    def reconcile(self, output: list[int]) -> int:
+        """Check SGLang's emitted tokens against the decided ones (a difference sets `error`);
+        returns how many decided steps it dropped: the overlap scheduler's look-ahead forward(s)
+        after the last token, whose tokens SGLang never emits."""
+        decided = self.tokens[self.prompt_len:]
+        if len(decided) < len(output):
+            self.error = f"mg decided {len(decided)} tokens but SGLang emitted {len(output)}: a step was not seen"
+            return 0
+        if decided[:len(output)] != output:
+            q = next(k for k, (a, b) in enumerate(zip(decided, output)) if a != b)
+            self.error = f"emitted token {q} differs from the one mg decided"
+            return 0
+        extra = len(decided) - len(output)
+        if extra:
+            n = len(self.tokens) - extra
+            del self.tokens[n:]
+            self.verified = [q for q in self.verified if q <= n - 2]
+            self.repairs = [q for q in self.repairs if q <= n - 2]
+            self.mismatches = [q for q in self.mismatches if q <= n - 2]
+        return extra

@@ -1,0 +1,82 @@
+"""Start-up failures of a real `mg-server serve` (they happen before SGLang's engine starts, so
+each takes seconds): fail fast with the child's own error, exit non-zero, leave no process."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from proc_util import find, running, titles, wait_until
+from server_util import ServerProcess
+
+pytestmark = pytest.mark.server
+
+# Before: each of these waited out the launcher's 300 s start timeout ("no reply to ControllerHello").
+FAIL_WITHIN_S = 90  # python + SGLang imports + two spawned processes importing torch, on a busy 2-core machine
+GONE_WITHIN_S = 10
+
+
+def _exit(srv: ServerProcess, t0: float) -> tuple[int, float, str]:
+    rc = srv.proc.wait(FAIL_WITHIN_S)
+    return rc, time.monotonic() - t0, srv.log_path.read_text(errors="replace")
+
+
+def test_a_model_the_verifier_refuses_fails_the_start_with_its_error(tmp_path, prepared_model):
+    # SGLang serves this config; mg's verifier does not implement dynamic RoPE scaling
+    bad = tmp_path / "model"
+    bad.mkdir()
+    for f in prepared_model.iterdir():
+        if f.name != "config.json":
+            (bad / f.name).symlink_to(f)
+    config = json.loads((prepared_model / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    (bad / "config.json").write_text(json.dumps(config))
+
+    t0 = time.monotonic()
+    srv = ServerProcess(["--model", str(bad), "--mg-mode", "always"], tmp_path / "server.log")
+    seen: dict[int, str] = {}
+    try:
+        while srv.proc.poll() is None and time.monotonic() - t0 < FAIL_WITHIN_S:
+            seen.update(titles(srv.proc.pid))
+            time.sleep(0.1)
+        rc, took, log = _exit(srv, t0)
+        assert rc != 0, log[-2000:]
+        assert "mg-server: could not start: the deterministic verifier did not start" in log
+        assert "unsupported rope_type 'dynamic'" in log.strip().splitlines()[-1]
+        assert took < FAIL_WITHIN_S
+        assert any(t.startswith("mg::verifier") for t in seen.values()), seen
+        assert wait_until(lambda: not running(seen), GONE_WITHIN_S), {p: seen[p] for p in running(seen)}
+    finally:
+        srv.stop()  # (kills the whole process group: the checks above come first)
+
+
+def test_a_controller_killed_during_start_up_fails_the_start(tmp_path, prepared_model):
+    t0 = time.monotonic()
+    srv = ServerProcess(["--mg-mode", "always"], tmp_path / "server.log")
+    try:
+        controller = wait_until(lambda: find(srv.proc.pid, "mg::controller"), FAIL_WITHIN_S)
+        assert controller, srv.log_tail()
+        seen = titles(srv.proc.pid)
+        os.kill(controller[0], signal.SIGKILL)
+        killed = time.monotonic()
+        rc, _, log = _exit(srv, t0)
+        took = time.monotonic() - killed
+        assert rc != 0 and "mg controller exited during start-up (code -9)" in log, log[-2000:]
+        assert took < 20, took
+        assert wait_until(lambda: not running(seen), GONE_WITHIN_S), {p: seen[p] for p in running(seen)}
+    finally:
+        srv.stop()
+
+
+def test_kill_9_of_mg_server_during_start_up_leaves_no_process(tmp_path, prepared_model):
+    srv = ServerProcess(["--mg-mode", "always"], tmp_path / "server.log")
+    try:
+        assert wait_until(lambda: find(srv.proc.pid, "mg::verifier"), FAIL_WITHIN_S), srv.log_tail()
+        seen = titles(srv.proc.pid)  # mg::controller and mg::verifier (loading the model)
+        srv.proc.kill()
+        srv.proc.wait()
+        assert wait_until(lambda: not running(seen), GONE_WITHIN_S), {p: seen[p] for p in running(seen)}
+    finally:
+        srv.stop()
