@@ -205,14 +205,13 @@ def build_workload(model_path: str, n_prompts: int, max_new: int, n_other: int =
     import torch
     from transformers import AutoTokenizer
 
-    from mg_server.prompts import mixed_prompts, sharegpt_prompts
+    from mg_server.prompts import chat_ids, mixed_prompts, sharegpt_prompts
     from mg_server.runtime.verifier.reference import greedy_reference, load_engine
 
     tok = AutoTokenizer.from_pretrained(model_path)
 
     def ids(text: str) -> list[int]:
-        chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        return tok.encode(chat, add_special_tokens=False)
+        return chat_ids(tok, ({"role": "user", "content": text},))
 
     det = [ids(t) for t in mixed_prompts(n_prompts)]
     other = [ids(t) for t in sharegpt_prompts(n_other, seed=7)]
