@@ -39,6 +39,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="deterministic requests: off = plain SGLang, margin = verify steps whose "
                         "margin is below tau (default), always = verify every step")
     s.add_argument("--mg-tau", type=float, help="margin threshold (default: the model's profile)")
+    s.add_argument("--profile", dest="tau_profile", metavar="FILE",
+                   help="tau profile JSON (written by `mg-server calibrate`); default: the model's shipped one")
     s.add_argument("--mg-verifier-memory-gb", type=float,
                    help="CUDA memory the verifier worker may hold (its weights, K/V pool and workspace); "
                         "default: weights plus a 16384-token pool. SGLang sizes its own pool from what is left")
@@ -75,6 +77,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from mg_server.config import ServeConfig
 
+    if args.tau_profile:
+        from mg_server.runtime.policy import read_profile
+
+        try:
+            read_profile(Path(args.tau_profile))
+        except ValueError as e:
+            print(f"mg-server: {e}", file=sys.stderr)
+            return 2
     model = args.model
     if model is None:
         from mg_server.model.prepare import prepare_model
@@ -98,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         sglang_args=tuple(passthrough),
         mg_mode=args.mg_mode,
         mg_tau=args.mg_tau,
+        tau_profile=args.tau_profile,
         run_dir=tempfile.mkdtemp(prefix=f"mg-run-{args.port}-"),
         verifier_memory_gb=args.mg_verifier_memory_gb,
     )
