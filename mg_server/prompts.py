@@ -60,9 +60,10 @@ def sharegpt_prompts(limit: int, seed: int = 0, min_chars: int = 16, max_chars: 
     return random.Random(seed).sample(candidates, min(limit, len(candidates)))
 
 
-def mixed_prompts(n: int, seed: int = 0) -> list[str]:
-    """n prompts: the shortest n//2 HumanEval problems, then ShareGPT turns."""
-    he = humaneval_prompts()[: n // 2]
+def mixed_prompts(n: int, seed: int = 0, offset: int = 0) -> list[str]:
+    """n prompts: n//2 HumanEval problems (shortest first, after skipping `offset`), then
+    ShareGPT turns (sampled with `seed`)."""
+    he = humaneval_prompts()[offset: offset + n // 2]
     return he + sharegpt_prompts(n - len(he), seed=seed)
 
 
