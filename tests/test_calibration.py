@@ -16,7 +16,7 @@ from mg_server.calibration.config import CalibrationConfig
 from mg_server.calibration.fastpath import MeasurementError, Trace
 from mg_server.calibration.sweep import SetData
 from mg_server.prompts import load_prompt_set, read_jsonl_prompts
-from mg_server.runtime.policy import Policy, read_profile, resolve_tau
+from mg_server.runtime.policy import PROFILE_DIR, Policy, read_profile, resolve_tau
 
 # ---- the fast path's rows ------------------------------------------------------------------
 
@@ -188,11 +188,32 @@ def test_profile_is_consistent_json_and_the_check_catches_damage(tmp_path):
     assert any("does not catch every flip" in p for p in profile.check(bad))
 
 
+def test_profile_without_flips(tmp_path):
+    d = _set("a", 0)
+    for trs in d.traces.values():
+        for tr in trs:
+            tr.flips = [False] * len(tr.flips)
+            tr.fast_tokens = [d.refs[tr.prompt][p] for p in range(len(tr.flips))]
+    prof = _profile(tmp_path, [d])
+    assert profile.check(prof) == [] and json.dumps(prof, allow_nan=False)
+    c = prof["tau_choice"]
+    assert c["tau100"] == 0.0 and c["max_flip_margin"] == "-inf" and c["safety_factor"] == "inf"
+    assert prof["tau"] >= c["near_tie_shift_max"]  # no flip seen: the shift bound alone
+
+
 def test_plot_writes_a_png(tmp_path):
     prof = _profile(tmp_path, [_set("a", 0), _set("b", 1)])
     plot.write(prof, tmp_path / "c.png")
     data = (tmp_path / "c.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_shipped_profile_is_a_consistent_calibration():
+    prof = json.loads((PROFILE_DIR / "SmolLM2-135M-Instruct.json").read_text())
+    assert profile.check(prof) == []
+    assert prof["model"] == "SmolLM2-135M-Instruct" and prof["schema"] == profile.SCHEMA
+    assert set(prof["sets"]) == {"humaneval", "sharegpt"} and prof["max_tokens"] >= 64
+    assert prof["batch_sizes"] == [1, 4, 8, 16]
 
 
 # ---- prompt files, tau profiles in serve, CLI errors ------------------------------------------

@@ -17,7 +17,7 @@ def write(prof: dict, path: Path) -> None:
     tau = prof["tau"]
     fig, axes = plt.subplots(1, 1 + len(names), figsize=(5.5 * (1 + len(names)), 4.6))
     ax = axes[0]
-    for name in names:
+    for k, name in enumerate(names):
         rows = [r for r in prof["sets"][name]["sweep"] if r["tau"] != "inf"]
         x = [100 * r["trigger"] for r in rows]
         y = [100 * r["determinism"] for r in rows]
@@ -25,7 +25,8 @@ def write(prof: dict, path: Path) -> None:
         for r, xi, yi in zip(rows, x, y):
             if r["tau"] == tau:
                 ax.plot([xi], [yi], marker="*", ms=14, color=line.get_color())
-                ax.annotate(f"tau {tau:g}", (xi, yi), textcoords="offset points", xytext=(6, -12), fontsize=8)
+                ax.annotate(f"{name}: tau {tau:.3g}, trigger {xi:.1f} %", (xi, yi), textcoords="offset points",
+                            xytext=(-150, -18 - 14 * k), fontsize=8, color=line.get_color())
     ax.set_xlabel("verifier trigger rate (% of steps)")
     ax.set_ylabel("sequence determinism (%)")
     ax.set_title(f"{prof['model']}: tau sweep (* = chosen)", fontsize=10)
@@ -41,7 +42,7 @@ def write(prof: dict, path: Path) -> None:
         ax.bar(edges[:-1], h["stable"], width=widths, align="edge", alpha=0.6, label=f"stable ({s['steps'] - s['flips']})")
         ax.bar(edges[:-1], h["flipped"], width=widths, align="edge", alpha=0.9, color="tab:red",
                label=f"flipped ({s['flips']})")
-        ax.axvline(tau, color="k", ls="--", lw=1, label=f"tau {tau:g}")
+        ax.axvline(tau, color="k", ls="--", lw=1, label=f"tau {tau:.3g}")
         ax.set_yscale("log")
         ax.set_xlabel(f"fast-path margin (logits; last bin: >= {edges[-2]:g})")
         ax.set_ylabel("steps")

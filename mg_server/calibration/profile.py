@@ -16,20 +16,17 @@ from mg_server.calibration import sweep
 from mg_server.calibration.sweep import SetData
 
 SCHEMA = "mg-tau-profile/1"
-HIST_EDGES = [i / 16 for i in range(0, 8 * 16 + 1)]  # margin bins of 1/16 logit up to 8, then >= 8
-SHIFT_Q = 0.999  # quantile of the margin shift that bounds the safety factor (see choose_tau)
+HIST_EDGES = [i / 8 for i in range(0, 4 * 8 + 1)]  # margin bins of 1/8 logit up to 4, then >= 4
 
 
 def build(cfg, serving: dict, kernel_config_id: str, sets: list[SetData]) -> dict:
-    per_set = {d.name: _set_summary(d) for d in sets}
     steps = {d.name: sweep.flatten(d.traces, d.ref_margins) for d in sets}
+    per_set = {d.name: _set_summary(d, steps[d.name]) for d in sets}
     calib = sets[0].name
-    choice = sweep.choose_tau(steps[calib], cfg.safety_factor)
-    choice = {k: _num(v) if isinstance(v, float) else v for k, v in choice.items()}
+    raw = sweep.choose_tau(steps[calib], cfg.safety_factor)
+    choice = {k: _num(v) if isinstance(v, float) else v for k, v in raw.items()}  # no flips: inf safety
     taus = {name: sweep.choose_tau(st, cfg.safety_factor)["tau"] for name, st in steps.items()}
-    grid = set(sweep.BASE_GRID) | set(taus.values()) | {math.inf}
-    for name, st in steps.items():
-        grid.add(sweep.tau100(st))
+    grid = set(sweep.BASE_GRID) | set(taus.values()) | {sweep.tau100(st) for st in steps.values()} | {math.inf}
     for name, st in steps.items():
         per_set[name]["sweep"] = [_row(r) for r in sweep.sweep(st, grid)]
         per_set[name]["max_flip_margin"] = _num(sweep.max_flip_margin(st))
@@ -42,8 +39,8 @@ def build(cfg, serving: dict, kernel_config_id: str, sets: list[SetData]) -> dic
         "schema": SCHEMA,
         "model": Path(cfg.model_path).name,
         "tau": choice["tau"],
-        "source": f"mg-server calibrate on {calib} ({time.strftime('%Y-%m-%d')}): tau100 {choice['tau100']:g} "
-                  f"x safety {choice['safety_factor']:g}",
+        "source": f"mg-server calibrate on {calib} ({time.strftime('%Y-%m-%d')}): tau100 {raw['tau100']:g} "
+                  f"x safety {raw['safety_factor']:.3g}",
         "serving": f"sglang-{serving['sglang_version']} {serving['device']} {serving['attention_backend']} "
                    f"{serving['dtype']}",
         "dtype": serving["dtype"],
@@ -62,8 +59,7 @@ def build(cfg, serving: dict, kernel_config_id: str, sets: list[SetData]) -> dic
     }
 
 
-def _set_summary(d: SetData) -> dict:
-    st = sweep.flatten(d.traces, d.ref_margins)
+def _set_summary(d: SetData, st: sweep.Steps) -> dict:
     flips = []
     for bs in sorted(d.traces):
         for tr in d.traces[bs]:
@@ -83,7 +79,7 @@ def _set_summary(d: SetData) -> dict:
         "flip_rate": float(st.flip.mean()) if len(st.flip) else 0.0,
         "by_batch_size": sweep.by_batch_size(st),
         "rounds": sum(tr.rounds for trs in d.traces.values() for tr in trs),
-        "margin_histogram": {"edges": HIST_EDGES + [HIST_EDGES[-1] + 1 / 16],  # last bin: >= 8
+        "margin_histogram": {"edges": HIST_EDGES + [HIST_EDGES[-1] + 1 / 8],  # last bin: >= 4
                              "stable": _hist(stable), "flipped": _hist(flipped)},
         "flip_list": flips,
     }
@@ -91,7 +87,7 @@ def _set_summary(d: SetData) -> dict:
 
 def _hist(x: np.ndarray) -> list[int]:
     x = np.minimum(x[~np.isnan(x)], HIST_EDGES[-1])  # overflow into the last bin
-    counts, _ = np.histogram(x, bins=HIST_EDGES + [HIST_EDGES[-1] + 1 / 16])
+    counts, _ = np.histogram(x, bins=HIST_EDGES + [HIST_EDGES[-1] + 1 / 8])
     return [int(c) for c in counts]
 
 
