@@ -2,7 +2,7 @@
 reference; with trigger rate, repair rate and audit mismatches. Prints a table, writes JSON.
 
     python benchmarks/determinism.py --modes margin,always,off --prompts 16 --tokens 64 \
-        --out bench-out/determinism.json [--server-args "--mg-tau 0.5"]
+        --out bench-out/determinism.json [--server-args "--mg-tau 0.5"] [--offset 64 --seed 1]
 """
 
 from __future__ import annotations
@@ -26,13 +26,15 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--server-args", default="")
+    ap.add_argument("--offset", type=int, default=0, help="skip the first N HumanEval problems (shortest first)")
+    ap.add_argument("--seed", type=int, default=0, help="ShareGPT sample seed")
     ap.add_argument("--out", type=Path, default=Path("bench-out/determinism.json"))
     args = ap.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     model = str(prepare_model())
     print(f"references: {args.prompts} prompts x {args.tokens} tokens (verifier alone) ...", flush=True)
-    wl = build_workload(model, args.prompts, args.tokens)
+    wl = build_workload(model, args.prompts, args.tokens, seed=args.seed, offset=args.offset)
     low = [m for ms in wl.ref_margins for m in ms]
     results = {}
     for mode in args.modes.split(","):
@@ -53,6 +55,7 @@ def main() -> int:
               f"{c['mg_deterministic_steps_total']:>6.0f} {c['steps_verify'] / steps:>8.1%} {c['mg_repair_total'] / steps:>7.2%} "
               f"{c['mg_audit_mismatch_total']:>8.0f} {r['seconds']:>5.0f}")
     summary = {"prompts": args.prompts, "tokens": args.tokens, "server_args": args.server_args,
+               "offset": args.offset, "seed": args.seed,
                "reference_margin_quantiles": {q: sorted(low)[int(q * (len(low) - 1))] for q in (0.01, 0.05, 0.1, 0.25, 0.5)},
                "modes": results}
     args.out.write_text(json.dumps(summary, indent=2))

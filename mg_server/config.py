@@ -54,7 +54,8 @@ class ServeConfig:
     metrics_dir: str
     sglang_args: tuple[str, ...] = ()  # extra SGLang server flags, passed through verbatim
     mg_mode: str = "margin"  # "off" | "margin" | "always"
-    mg_tau: float | None = None  # None: from the model's profile
+    mg_tau: float | None = None  # None: from tau_profile, else the model's shipped profile
+    tau_profile: str | None = None  # a tau profile file (`serve --profile`, written by `mg-server calibrate`)
     run_dir: str = ""  # ipc sockets of this instance's controller and verifier
     verifier_memory_gb: float | None = None  # CUDA memory budget of the verifier worker
 

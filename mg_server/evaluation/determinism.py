@@ -200,21 +200,22 @@ class Workload:
     ref_margins: list[list[float]]
 
 
-def build_workload(model_path: str, n_prompts: int, max_new: int, n_other: int = 8) -> Workload:
-    """Prompts from the offline sets, chat-templated, and their verifier-alone references."""
+def build_workload(model_path: str, n_prompts: int, max_new: int, n_other: int = 8, seed: int = 0,
+                   offset: int = 0) -> Workload:
+    """Prompts from the offline sets, chat-templated, and their verifier-alone references
+    (`seed`/`offset`: see prompts.mixed_prompts; other values hold out a calibration's prompts)."""
     import torch
     from transformers import AutoTokenizer
 
-    from mg_server.prompts import mixed_prompts, sharegpt_prompts
+    from mg_server.prompts import chat_ids, mixed_prompts, sharegpt_prompts
     from mg_server.runtime.verifier.reference import greedy_reference, load_engine
 
     tok = AutoTokenizer.from_pretrained(model_path)
 
     def ids(text: str) -> list[int]:
-        chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        return tok.encode(chat, add_special_tokens=False)
+        return chat_ids(tok, ({"role": "user", "content": text},))
 
-    det = [ids(t) for t in mixed_prompts(n_prompts)]
+    det = [ids(t) for t in mixed_prompts(n_prompts, seed=seed, offset=offset)]
     other = [ids(t) for t in sharegpt_prompts(n_other, seed=7)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # results do not depend on it; one thread leaves a core to the rest

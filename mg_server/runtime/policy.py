@@ -2,12 +2,14 @@
 
 Modes: `off` (never verify: plain SGLang), `margin` (verify when the fast path's top-1/top-2
 logit margin is below tau), `always` (verify every step; the LLM-42-like upper bound on cost).
-tau comes from a per-model profile (JSON under mg_server/profiles/) or an explicit value.
+tau comes from an explicit value, a profile file (`serve --profile`, written by `mg-server
+calibrate`) or the model's shipped profile (JSON under mg_server/profiles/).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,23 +36,48 @@ class Policy:
         return self.mode == "margin" and not margin >= self.tau
 
 
+def read_profile(path: Path) -> dict:
+    """A tau profile file (`mg-server calibrate` writes them): a JSON object whose `tau` is a
+    finite number >= 0; its other fields are the calibration's evidence. Raises ValueError."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read tau profile {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise ValueError(f"tau profile {path} is not JSON: {e}") from None
+    tau = d.get("tau") if isinstance(d, dict) else None
+    if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 0 <= tau < math.inf:
+        raise ValueError(f"tau profile {path}: `tau` must be a finite number >= 0, got {tau!r}")
+    return d
+
+
 def load_profile(model_name: str, profile_dir: Path = PROFILE_DIR) -> dict | None:
     """The calibration profile of a model (by checkpoint folder name), if one is shipped."""
     path = profile_dir / f"{model_name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    return read_profile(path) if path.exists() else None
 
 
-def resolve_tau(model_path: str, tau: float | None, mode: str = "margin") -> tuple[float, str]:
-    """(tau, where it came from): an explicit value wins, then the model's profile. Only mode
-    margin reads tau; the others get 0 when no value is given."""
+def resolve_tau(model_path: str, tau: float | None, mode: str = "margin",
+                profile_path: str | None = None) -> tuple[float, str]:
+    """(tau, where it came from): an explicit value wins, then a profile file given by the user
+    (`serve --profile`), then the model's shipped profile. Only mode margin reads tau; the others
+    get 0 when no value is given (a given profile file is still checked)."""
     if tau is not None:
         return tau, "flag"
+    name = Path(model_path).name
+    profile = read_profile(Path(profile_path)) if profile_path else None
     if mode != "margin":
         return 0.0, f"unused in mode {mode}"
-    profile = load_profile(Path(model_path).name)
-    if profile is None:
-        raise ValueError(
-            f"no tau profile for model {Path(model_path).name!r} in {PROFILE_DIR}; pass --mg-tau "
-            "(or --mg-mode always)"
-        )
-    return float(profile["tau"]), f"profile {Path(model_path).name}.json"
+    if profile is not None:
+        source = f"profile {profile_path}"
+    else:
+        profile = load_profile(name)
+        if profile is None:
+            raise ValueError(
+                f"no tau profile for model {name!r} in {PROFILE_DIR}; pass --mg-tau or --profile FILE "
+                "(or --mg-mode always)"
+            )
+        source = f"profile {name}.json"
+    if profile.get("model", name) != name:  # tau is per model: say so when the names differ
+        source += f", calibrated for {profile['model']!r}, not {name!r}"
+    return float(profile["tau"]), source

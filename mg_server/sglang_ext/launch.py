@@ -124,7 +124,7 @@ def start_runtime(cfg: ServeConfig):
     from mg_server.runtime.policy import resolve_tau
     from mg_server.runtime.verifier.server import VerifierConfig
 
-    tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode)
+    tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile)
     verifier = VerifierConfig(
         model_path=cfg.model_path, ipc_path=str(Path(cfg.run_dir) / "verifier.sock"),
         device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,

@@ -20,8 +20,9 @@ class Reference:
 
 
 def greedy_reference(engine, prompts: list[list[int]], max_new: int, stop_ids: tuple[int, ...] = (),
-                     rid_prefix: str = "ref") -> list[Reference]:
-    """Decode each prompt greedily for max_new tokens (or until a stop id, which is kept)."""
+                     rid_prefix: str = "ref", progress=None) -> list[Reference]:
+    """Decode each prompt greedily for max_new tokens (or until a stop id, which is kept).
+    `progress(n)`, if given, is called after every forward with the tokens it produced."""
     refs = [Reference(prompt=list(p)) for p in prompts]
     live = list(range(len(refs)))
     try:
@@ -34,6 +35,8 @@ def greedy_reference(engine, prompts: list[list[int]], max_new: int, stop_ids: t
                 items.append(VerifyItem(rid=f"{rid_prefix}-{i}", pos=len(seq) - 1, tokens=new,
                                         prompt_len=len(r.prompt) if not r.tokens else 0))
             outs = engine.step(items)
+            if progress is not None:
+                progress(len(items))
             for i, out in zip(list(live), outs):
                 if isinstance(out, ErrorReply):
                     raise RuntimeError(f"reference decoding failed: [{out.code}] {out.message}")

@@ -1,0 +1,63 @@
+"""Start a real `mg-server serve` process (loopback only): used by tests, benchmarks and `mg-server calibrate`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log_path: Path, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        exe = Path(sys.executable).with_name("mg-server")
+        # Without an installed console script (e.g. a GPU host running from a checkout): the module.
+        launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "mg_server.cli"]
+        cmd = [*launcher, "serve", "--port", str(self.port), *args]
+        self._log = open(log_path, "w")
+        # own process group, so SGLang's children are stopped with it
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log_tail(self, n: int = 60) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def wait_ready(self, timeout: float = 420) -> float:
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=5).status_code == 200:
+                    return time.monotonic() - start
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        try:  # stragglers of the group (SGLang's scheduler/detokenizer)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
