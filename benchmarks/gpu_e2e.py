@@ -254,21 +254,24 @@ def plain_outputs(url: str, prompts: list[list[int]], max_new: int) -> dict:
     return {"alone": alone, "batched": generate_batch(url, prompts, max_new)[0]}
 
 
-def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, reps: int, det_frac: float = 0.0) -> dict:
+def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, reps: int,
+              det_frac: float | dict = 0.0) -> dict:
     """Decode ms/step per server and batch size: (time of `new` tokens - time of 2) / (new - 2),
     the servers measured alternately, in A B B A order (drift cancels). det_frac of each batch's
-    rows are deterministic (all rows of a batch decode in lockstep: one ms/step for both kinds)."""
+    rows are deterministic (one number, or per server name; absent names: none); all rows of a
+    batch decode in lockstep, so one ms/step holds for both kinds."""
     res = {s.name: {} for s in servers}
+    frac = det_frac if isinstance(det_frac, dict) else {s.name: det_frac for s in servers}
     for bs in batches:
         rows = [prompts[i % len(prompts)] for i in range(bs)]
-        n_det = round(det_frac * bs)
+        n_det = {s.name: round(frac.get(s.name, 0.0) * bs) for s in servers}
         samples = {s.name: [] for s in servers}
         for s in servers:
-            generate_batch(s.url, rows, 4, n_det)  # warm this batch size
+            generate_batch(s.url, rows, 4, n_det[s.name])  # warm this batch size
         for rep in range(reps):
             for s in (servers if rep % 2 == 0 else servers[::-1]):
-                short = generate_batch(s.url, rows, 2, n_det)[1]
-                full = generate_batch(s.url, rows, new, n_det)[1]
+                short = generate_batch(s.url, rows, 2, n_det[s.name])[1]
+                full = generate_batch(s.url, rows, new, n_det[s.name])[1]
                 samples[s.name].append((full - short) / (new - 2) * 1e3)
         for name, xs in samples.items():
             res[name][bs] = {"median": statistics.median(xs), "all": xs}
