@@ -23,6 +23,7 @@ class HookConfig:
     margin_buckets: tuple[float, ...] = MARGIN_BUCKETS
     controller_ipc: str = ""  # "" = no controller: only count steps and margins
     step_timeout_s: float = 60.0  # a forward waits this long for the controller's decisions
+    fault_missed_flip: int = -1  # tests only (env MG_FAULT_MISSED_FLIP): commit this answer token's runner-up
 
     def to_json_dict(self) -> dict:
         return asdict(self)
@@ -43,6 +44,7 @@ class FrontConfig:
     controller_ipc: str = ""  # "" = no controller: no verdict headers
     kernel_config_id: str = ""  # the verifier's, reported on deterministic responses
     verdict_wait_s: float = 120.0  # how long a response waits for its request's final audit (CPU: long)
+    model_path: str = ""  # its tokenizer spells a corrected answer's text ("" = no text rewrite)
 
 
 @dataclass(frozen=True)

@@ -27,3 +27,9 @@ def compat_profile() -> str:
 
 def prometheus_multiproc_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+
+
+def fault_missed_flip() -> int:
+    """Tests only: MG_FAULT_MISSED_FLIP=k makes the seam fast-commit the runner-up as the k-th
+    answer token of every deterministic request (a missed flip on demand); -1 = off."""
+    return int(os.environ.get("MG_FAULT_MISSED_FLIP", "-1"))

@@ -47,6 +47,8 @@ class ControllerMetrics:
         self.verify = Counter("mg_verify", "Steps computed by the deterministic verifier")
         self.repair = Counter("mg_repair", "Verified steps where the verifier's token differed (K/V column rewritten)")
         self.audit_mismatch = Counter("mg_audit_mismatch", "Missed flips found by the verifier's audit of unverified steps")
+        self.corrections = Counter("mg_corrections", "Missed flips whose non-streamed answer the verifier completed "
+                                   "from the flip (the response then equals the reference)")
         self.lookahead = Counter("mg_lookahead_steps", "Steps decided after a request's last token (the overlap "
                                  "scheduler's look-ahead forward); SGLang drops their tokens")
         # The fast path's margin where the verifier disagreed: tau must stay above these (calibration).

@@ -96,7 +96,7 @@ def make_ctl(tmp_path, monkeypatch):
         c.close()
 
 
-def run_request(ctl, rid, prompt, n_steps, margins, flip_at=None, lookahead=0, aborted=""):
+def run_request(ctl, rid, prompt, n_steps, margins, flip_at=None, lookahead=0, aborted="", **end):
     """Drive a request like mg's seam does (the seam emits every decided token); returns the
     emitted tokens. `lookahead` extra steps are decided after the last token, as the overlap
     scheduler's look-ahead forward does, and not emitted."""
@@ -111,7 +111,7 @@ def run_request(ctl, rid, prompt, n_steps, margins, flip_at=None, lookahead=0, a
         assert d.token == (d.token if d.verified else fast)
         tokens.append(d.token)
     emitted = tokens[: len(tokens) - lookahead]
-    ctl._finish(P.Finish(rid=rid, output=emitted[len(prompt):], aborted=bool(aborted), reason=aborted))
+    ctl._finish(P.Finish(rid=rid, output=emitted[len(prompt):], aborted=bool(aborted), reason=aborted, **end))
     assert ctl.reqs[rid].state(ctl.cfg.mode) == "running"  # tail audit deferred ...
     return emitted  # ... until the verdict is asked for (or the controller is idle)
 
@@ -145,6 +145,49 @@ def test_missed_flip_is_found_by_the_audit(make_ctl):
     run_request(ctl, "c", [3, 3], 5, [9.0] * 5, flip_at=2)
     v = ctl._verdict("c")
     assert v.state == "mismatch" and v.mismatch_positions == [3]
+
+
+def reference(prompt, max_new, stop=()):
+    out = list(prompt)
+    while len(out) - len(prompt) < max_new:
+        out.append(ref_next(out))
+        if out[-1] in stop and len(out) - len(prompt) < max_new:
+            break
+    return out[len(prompt):]
+
+
+def test_a_missed_flip_is_completed_by_the_verifier_when_the_answer_can_be_replaced(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    end = dict(max_new=6, stop_ids=[], correctable=True)
+    emitted = run_request(ctl, "c", [3, 3], 6, [9.0] * 6, flip_at=2, **end)
+    assert emitted[2:] != reference([3, 3], 6)
+    v = ctl._verdict("c", correct=True)
+    assert v.state == "verified" and v.mismatch_positions == [3]
+    c = v.correction
+    assert c.output == reference([3, 3], 6) and c.original == emitted[2:] and c.first == 2 and c.finish == "length"
+    assert ctl.m.corrections._value.get() == 1
+    # the corrector's own shadow cache started from the agreed prefix and was released after
+    items = [it for it in ctl.vclient.items if it.rid == "c#correct"]
+    assert items[0].tokens == [3, 3, *emitted[2:4]] and items[0].prompt_len == 2
+    assert "c#correct" in ctl.vclient.released
+    # a stream cannot take it: the same answer asked without `correct` says mismatch
+    run_request(ctl, "s", [3, 3], 6, [9.0] * 6, flip_at=2, **end)
+    assert ctl._verdict("s").state == "mismatch" and ctl._verdict("s").correction is None
+
+
+def test_a_correction_ends_by_sglangs_rules_and_not_without_them(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    ref = reference([1, 2], 40)
+    stop = ref[5]  # a token the corrected answer reaches: it ends there
+    run_request(ctl, "e", [1, 2], 8, [9.0] * 8, flip_at=1, max_new=40, stop_ids=[stop], correctable=True)
+    c = ctl._verdict("e", correct=True).correction
+    assert c.finish == "stop" and c.output == ref[: ref.index(stop) + 1]
+    # stop strings (a text rule) or a cut answer: no correction, the verdict says so
+    run_request(ctl, "f", [1, 2], 8, [9.0] * 8, flip_at=1, max_new=40, correctable=False)
+    assert ctl._verdict("f", correct=True).state == "mismatch"
+    run_request(ctl, "g", [1, 2], 8, [9.0] * 8, flip_at=1, aborted="cut", max_new=40, correctable=True)
+    v = ctl._verdict("g", correct=True)
+    assert v.state == "aborted" and v.correction is None
 
 
 def test_always_mode_verifies_every_step(make_ctl):

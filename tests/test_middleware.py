@@ -216,9 +216,9 @@ def verified_client(tmp_path, monkeypatch):
 
     asked = []
 
-    async def verdicts(self, rids):
+    async def verdicts(self, rids, correct=False):
         asked.extend(rids)
-        return ["verified"] * len(rids)
+        return [("verified", None)] * len(rids)
 
     monkeypatch.setattr(RuntimeView, "verdicts", verdicts)
 
@@ -259,7 +259,7 @@ def test_error_responses_are_failed_without_asking_the_controller(verified_clien
 def test_an_empty_answer_is_verified_without_the_controller(verified_client, monkeypatch):
     from mg_server.front.verdict import RuntimeView
 
-    async def never(self, rids):
+    async def never(self, rids, correct=False):
         raise AssertionError("asked the controller")
 
     monkeypatch.setattr(RuntimeView, "verdicts", never)

@@ -133,4 +133,4 @@ class DeterministicMiddleware:
 
             return await self.app(scope, receive, send_with_echo)
         await self.app(scope, receive,
-                       verdict_sender(send, echo, rids, self.runtime, self.config.kernel_config_id, settled))
+                       verdict_sender(send, echo, rids, self.runtime, self.config.kernel_config_id, settled, path))

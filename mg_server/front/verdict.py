@@ -22,7 +22,9 @@ import time
 from typing import Awaitable, Callable
 
 from mg_server.config import FrontConfig
+from mg_server.front import correction
 from mg_server.runtime.liveness import STALE_AFTER_S, beat_path, read_beat
+from mg_server.runtime.protocol import Correction
 from mg_server.runtime.protocol import VerdictState as S
 
 Send = Callable[[dict], Awaitable[None]]
@@ -49,9 +51,9 @@ class RuntimeView:
         self.config = config
         self._local = threading.local()  # one controller client per executor thread
 
-    def _verdicts_blocking(self, rids: list[str]) -> list[str]:
+    def _verdicts_blocking(self, rids: list[str], correct: bool) -> list[tuple[str, Correction | None]]:
         if not self.config.controller_ipc:
-            return [S.UNVERIFIED] * len(rids)  # mode off: nothing checks the tokens
+            return [(S.UNVERIFIED, None)] * len(rids)  # mode off: nothing checks the tokens
         from mg_server.runtime.controller.client import ControllerClient
 
         client = getattr(self._local, "client", None)
@@ -62,19 +64,22 @@ class RuntimeView:
         deadline = time.monotonic() + self.config.verdict_wait_s
         states = []
         for rid in rids:
+            correction = None
             while True:
                 try:
-                    state = client.verdict(rid).state
+                    reply = client.verdict(rid, correct)
+                    state, correction = reply.state, reply.correction
                 except Exception:  # noqa: BLE001 - no answer is no verification
                     state = UNREACHABLE
                 if state != S.RUNNING or time.monotonic() > deadline:
                     break
                 time.sleep(0.01)
-            states.append(AUDIT_TIMEOUT if state == S.RUNNING else state)
+            states.append((AUDIT_TIMEOUT if state == S.RUNNING else state, correction))
         return states
 
-    async def verdicts(self, rids: list[str]) -> list[str]:
-        return await asyncio.to_thread(self._verdicts_blocking, rids)
+    async def verdicts(self, rids: list[str], correct: bool = False) -> list[tuple[str, Correction | None]]:
+        """(state, correction) per rid; `correct`: the caller can swap in a corrected answer."""
+        return await asyncio.to_thread(self._verdicts_blocking, rids, correct)
 
     def problem(self) -> str:
         """Why mg cannot serve deterministic requests now ("" if it can, or in mode off)."""
@@ -91,20 +96,39 @@ class RuntimeView:
 
 
 def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view: RuntimeView,
-                   kernel_config_id: str, settled: dict[str, str] | None = None) -> Send:
+                   kernel_config_id: str, settled: dict[str, str] | None = None, path: str = "") -> Send:
     """Wrap `send` so the response of deterministic request(s) `rids` carries its verdict
-    (`settled`: verdicts known without the controller, e.g. empty answers)."""
+    (`settled`: verdicts known without the controller, e.g. empty answers). A non-streamed
+    answer of one request whose audit found a missed flip gets the verifier's completion
+    (front.correction) and the verdict `verified`, if its body can be rewritten."""
     held: dict | None = None  # the response start of a non-streamed answer, until its verdict
+    parts: list[bytes] = []  # its body, until the last part
     streaming = False
     failed = False  # an error status, or an error event in the stream
     settled = settled or {}
 
-    async def states() -> list[str]:
+    async def states(correct: bool = False) -> list[tuple[str, Correction | None]]:
         if failed:
-            return [S.FAILED] * len(rids)
+            return [(S.FAILED, None)] * len(rids)
         ask = [r for r in rids if r not in settled]
-        got = dict(zip(ask, await view.verdicts(ask))) if ask else {}
-        return [settled.get(r) or got[r] for r in rids]
+        got = dict(zip(ask, await view.verdicts(ask, correct))) if ask else {}
+        return [(settled[r], None) if r in settled else got[r] for r in rids]
+
+    async def finish_held(body: bytes) -> tuple[dict, bytes]:
+        got = await states(correct=len(rids) == 1)
+        extra: list[tuple[bytes, bytes]] = []
+        corr = got[0][1] if len(got) == 1 else None
+        if corr is not None:
+            new = correction.apply(body, path, corr, view.config.model_path)
+            if new is None:  # the controller counted on a rewrite this body cannot take
+                got = [(S.MISMATCH, None)]
+            else:
+                body = new
+                extra.append((b"x-mg-corrected-from", str(corr.first).encode()))
+        headers = [(k, v) for k, v in held["headers"] if k.lower() != b"content-length"]
+        headers += [(b"content-length", str(len(body)).encode())] + extra
+        headers += verdict_headers([st for st, _ in got], kernel_config_id)
+        return {**held, "headers": headers}, body
 
     async def send_with_verdict(message: dict) -> None:
         nonlocal held, streaming, failed
@@ -123,18 +147,19 @@ def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view:
         if streaming:
             failed = failed or STREAM_ERROR in body
             done = body.find(b"data: [DONE]")
-            if done >= 0:
-                comment = b": mg-verdict " + json.dumps({"rids": rids, "states": await states()}).encode() + b"\n\n"
+            if done >= 0:  # a stream's tokens have left: a missed flip stays `mismatch`
+                got = [st for st, _ in await states()]
+                comment = b": mg-verdict " + json.dumps({"rids": rids, "states": got}).encode() + b"\n\n"
                 message = {**message, "body": body[:done] + comment + body[done:]}
             return await send(message)
-        if held is not None and not message.get("more_body", False):
-            held["headers"] = held["headers"] + verdict_headers(await states(), kernel_config_id)
-            await send(held)
-            held = None
-        elif held is not None:  # a multi-part non-streamed body: headers go now, unverdicted
-            held["headers"].append((b"x-deterministic-verified", b"false"))
-            await send(held)
-            held = None
-        await send(message)
+        if held is None:
+            return await send(message)
+        parts.append(body)
+        if message.get("more_body", False):
+            return None  # a multi-part body: held whole until its verdict
+        start, whole = await finish_held(b"".join(parts))
+        held = None
+        await send(start)
+        await send({**message, "body": whole, "more_body": False})
 
     return send_with_verdict

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class ErrorCode:
@@ -222,10 +222,27 @@ class Finish(Message):
     output: list[int]
     aborted: bool = False  # ended by an abort (client, /abort_request, shutdown, mg): a cut answer
     reason: str = ""  # the abort's message, for the verdict
+    # How SGLang ends this request (its check_finished, token rules only), so the controller can
+    # complete a missed flip's answer from the verifier the way SGLang would have ended it.
+    max_new: int = 0  # max_new_tokens (0: unknown, no correction)
+    stop_ids: list[int] = []  # token ids that end it (empty with ignore_eos)
+    correctable: bool = False  # False: stop strings / regexes or a grammar end it (text rules mg does not model)
+
+
+class Correction(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A missed flip's answer completed by the verifier: what the front puts in the response."""
+
+    original: list[int]  # the answer SGLang emitted (the front checks the response holds it)
+    output: list[int]  # the corrected answer: SGLang's up to the missed flip, then the verifier's
+    first: int  # index in the answer of the first replaced token
+    finish: str  # "stop" (a stop token ended it) or "length" (max_new tokens)
 
 
 class Verdict(Message):
     rid: str
+    # The asker can replace the answer (a non-streamed response): a request whose audit found a
+    # missed flip is then completed from that position by the verifier instead of `mismatch`.
+    correct: bool = False
 
 
 class VerdictState:
@@ -250,6 +267,7 @@ class VerdictReply(Message):
     repairs: int = 0
     mismatch_positions: list[int] = []
     error: str = ""
+    correction: Correction | None = None  # with state verified: the answer to send instead of SGLang's
 
 
 AnyMessage = (Hello | HelloReply | Verify | VerifyReply | Release | Stats | StatsReply | Shutdown

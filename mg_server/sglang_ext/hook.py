@@ -49,6 +49,21 @@ def protected_rows(sampling_info) -> list[tuple[int, object]]:
     return [(i, p["__req__"]) for i, p in enumerate(params) if p and p.get(DETERMINISTIC_PARAM)]
 
 
+def end_rules(req) -> dict:
+    """How SGLang ends `req` (Req.check_finished): max_new_tokens, then its stop token ids unless
+    ignore_eos; stop strings, regexes and grammars are text rules mg does not model."""
+    sp = req.sampling_params
+    stop: set[int] = set()
+    if not sp.ignore_eos:
+        stop |= set(sp.stop_token_ids or ()) | set(req.eos_token_ids or ())
+        tok = getattr(req, "tokenizer", None)
+        if tok is not None:
+            stop |= {tok.eos_token_id} if tok.eos_token_id is not None else set()
+            stop |= set(getattr(tok, "additional_stop_token_ids", None) or ())
+    text_rules = bool(sp.stop_strs) or bool(getattr(sp, "stop_regex_strs", None)) or req.grammar is not None
+    return {"max_new": int(sp.max_new_tokens or 0), "stop_ids": sorted(stop), "correctable": not text_rules}
+
+
 def top2(logits: Tensor) -> tuple[Tensor, Tensor]:
     """logits: [rows, vocab] -> (margin [rows] fp32 = top1 - top2, argmax [rows] int64)."""
     top = logits.float().topk(2, dim=-1)  # ties: topk order; only the margin (0) matters then
@@ -159,7 +174,8 @@ class ControllerLink:
                 reason = str(getattr(req.finished_reason, "message", "")) if aborted else ""
                 try:
                     with self.rpc_lock:
-                        client.finish(rid, list(req.output_ids), aborted, reason)
+                        client.finish(P.Finish(rid=rid, output=list(req.output_ids), aborted=aborted, reason=reason,
+                                               **end_rules(req)))
                 except Exception as e:  # noqa: BLE001 - the verdict then stays "running" and says so
                     log.error("mg: could not report the end of %s: %s", rid, e)
 
@@ -192,9 +208,22 @@ class StepSeam:
             # step once its position reaches the prompt's last.
             self._count([s for s in steps if s[2] >= len(s[1].origin_input_ids) - 1])
             return None
+        if self.config.fault_missed_flip >= 0:
+            steps = self._inject_missed_flip(logits, steps)
         if not self._control(logits, steps):
             self.control.observe(time.perf_counter() - t0)
         return None  # the logits were edited in place
+
+    def _inject_missed_flip(self, logits: Tensor, steps):
+        """Test-only fault (HookConfig.fault_missed_flip = k): the k-th answer token of every
+        protected request is its runner-up, presented as the fast path's argmax with a huge
+        margin, so it is fast-committed and only the audit can find it: a missed flip on demand."""
+        k, out = self.config.fault_missed_flip, []
+        for i, req, pos, margin, fast in steps:
+            if pos - len(req.origin_input_ids) + 1 == k:
+                fast, margin = int(logits[i].float().topk(2).indices[1]), 1e9
+            out.append((i, req, pos, margin, fast))
+        return out
 
     def _count(self, steps) -> None:
         self.steps.inc(len(steps))

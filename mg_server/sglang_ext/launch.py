@@ -16,6 +16,7 @@ import signal
 import threading
 from pathlib import Path
 
+from mg_server import env
 from mg_server.config import FrontConfig, HookConfig, ServeConfig
 
 log = logging.getLogger(__name__)
@@ -207,12 +208,12 @@ def serve(cfg: ServeConfig) -> None:
     from mg_server.front.middleware import DeterministicMiddleware
     from mg_server.sglang_ext.processor import serialized
 
-    hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc)
+    hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc, fault_missed_flip=env.fault_missed_flip())
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(
         DeterministicMiddleware,
         config=FrontConfig(noop_processor=serialized(), metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
-                           kernel_config_id=info.kernel_config_id if info else ""),
+                           kernel_config_id=info.kernel_config_id if info else "", model_path=cfg.model_path),
     )
     log.info("mg-server: SGLang %s, model %s, http://%s:%d", version, cfg.model_path, cfg.host, cfg.port)
     launch_server(server_args)

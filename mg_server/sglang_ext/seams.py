@@ -64,11 +64,17 @@ def check() -> str:
         ("ModelRunner", ModelRunner, ("self.token_to_kv_pool",)),
         ("Req.__init__", Req.__init__, ("self.origin_input_ids", "self.output_ids", "self.req_pool_idx",
                                         '"__req__": self', "self.sampling_params", "self.grammar",
-                                        "self.return_logprob", "self.lora_id")),
+                                        "self.return_logprob", "self.lora_id", "self.eos_token_ids")),
+        # hook.end_rules mirrors these end rules of a request (Req.check_finished's token rules)
+        ("Req._check_token_based_finish", Req._check_token_based_finish,
+         ("self.sampling_params.ignore_eos", "self.sampling_params.stop_token_ids", "self.eos_token_ids",
+          "self.tokenizer.eos_token_id", "self.tokenizer.additional_stop_token_ids")),
+        ("Req.check_finished", Req.check_finished,
+         ("len(self.output_ids) >= self.sampling_params.max_new_tokens", "self._check_str_based_finish()")),
         # hook.unmodelled reads these to refuse what the verifier does not compute
         ("SamplingParams.__init__", SamplingParams.__init__,
          ("self.frequency_penalty", "self.presence_penalty", "self.repetition_penalty", "self.min_new_tokens",
-          "self.logit_bias")),
+          "self.logit_bias", "self.stop_strs", "self.stop_regex_strs")),
         ("Sampler.forward", Sampler.forward, ("self._preprocess_logits(logits, sampling_info)",)),
     ]
     for what, obj, needles in sources:

@@ -34,12 +34,11 @@ class ControllerClient(RpcClient):
         """Fast commits the seam decided itself (no reply; the controller applies the same policy)."""
         self.send(P.Step(rows=rows, reply=False))
 
-    def finish(self, rid: str, output: list[int], aborted: bool, reason: str = "",
-               timeout_s: float | None = None) -> None:
-        self.call(P.Finish(rid=rid, output=output, aborted=aborted, reason=reason), timeout_s)
+    def finish(self, msg: P.Finish, timeout_s: float | None = None) -> None:
+        self.call(msg, timeout_s)
 
-    def verdict(self, rid: str, timeout_s: float | None = None) -> P.VerdictReply:
-        return self.call(P.Verdict(rid=rid), timeout_s)
+    def verdict(self, rid: str, correct: bool = False, timeout_s: float | None = None) -> P.VerdictReply:
+        return self.call(P.Verdict(rid=rid, correct=correct), timeout_s)
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         self.call(P.Shutdown(), timeout_s)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import zmq
 
 from mg_server.runtime import protocol as P
+from mg_server.runtime.controller.correct import can_correct, complete_answer
 from mg_server.runtime.controller.state import ReqState
 from mg_server.runtime.liveness import Lifeline, beat_path, stale_reason
 from mg_server.runtime.policy import Policy
@@ -136,7 +137,7 @@ class Controller:
             self._finish(msg)
             return P.Ack()
         if isinstance(msg, P.Verdict):
-            return self._verdict(msg.rid)
+            return self._verdict(msg.rid, msg.correct)
         if isinstance(msg, P.ControllerHello):
             return P.ControllerInfo(
                 protocol_version=P.PROTOCOL_VERSION, mode=self.cfg.mode, tau=self.cfg.tau,
@@ -245,6 +246,7 @@ class Controller:
                 self.m.lookahead.inc(extra)
                 log.debug("request %s: %d look-ahead step(s) dropped", msg.rid, extra)
         st.aborted = (msg.reason or "aborted") if msg.aborted else ""
+        st.end = msg
         st.finished_at, st.audit_pending = time.monotonic(), True
         self.pending[msg.rid] = None
 
@@ -286,15 +288,24 @@ class Controller:
             self._missed_flip(rid, st, n - 2, "final token")
         st.verifier_len = n - 1
 
-    def _verdict(self, rid: str) -> P.VerdictReply:
+    def _verdict(self, rid: str, correct: bool = False) -> P.VerdictReply:
         if rid in self.pending:
             self._complete(rid)  # its response is waiting for this audit
         st = self.reqs.get(rid)
         if st is None:
             return P.VerdictReply(rid=rid, state=P.VerdictState.UNKNOWN)
+        if correct and st.correction is None and can_correct(st, self.cfg.mode) and self.verifier_up():
+            try:
+                st.correction = complete_answer(self.vclient, rid, st, self.cfg.verify_timeout_s)
+                self.m.corrections.inc()
+                log.warning("request %s: missed flip at answer token %d corrected by the verifier (%d tokens)",
+                            rid, st.correction.first, len(st.correction.output))
+            except Exception as e:  # noqa: BLE001 - the verdict stays `mismatch`
+                log.error("request %s: correction failed: %s", rid, e)
         return P.VerdictReply(rid=rid, state=st.state(self.cfg.mode), steps=st.steps,
                               verified_steps=len(st.verified), repairs=len(st.repairs),
-                              mismatch_positions=list(st.mismatches), error=st.error or st.aborted)
+                              mismatch_positions=list(st.mismatches), error=st.error or st.aborted,
+                              correction=st.correction if correct else None)
 
     def _expire(self) -> None:
         now = time.monotonic()

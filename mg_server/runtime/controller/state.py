@@ -4,13 +4,16 @@ The verdict is a small state machine: `running` from the request's first step un
 and tail audit, then exactly one of `failed` (mg could not serve it deterministically),
 `mismatch` (the audit found a token the verifier would not have emitted), `aborted` (cut short
 before its natural end: client, /abort_request, mg; its answer is incomplete), `verified`
-(complete, every emitted token checked) or, in mode off, `unverified`.
+(complete, every emitted token checked; or, after a missed flip, the answer completed by the
+verifier from that position, which the front sends instead of SGLang's) or, in mode off,
+`unverified`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mg_server.runtime.protocol import Correction, Finish
 from mg_server.runtime.protocol import VerdictState as S
 
 
@@ -26,6 +29,8 @@ class ReqState:
     finished_at: float = 0.0  # monotonic time of Finish; 0 while running
     aborted: str = ""  # why SGLang aborted it ("" = it ended normally): its answer is incomplete
     audit_pending: bool = False  # finished, tail audit not run yet
+    end: Finish | None = None  # how SGLang ended it (max_new, stop ids), from its Finish
+    correction: Correction | None = None  # the verifier's completion after a missed flip
 
     @property
     def steps(self) -> int:
@@ -37,7 +42,7 @@ class ReqState:
         if not self.finished_at or self.audit_pending:
             return S.RUNNING
         if self.mismatches:
-            return S.MISMATCH
+            return S.VERIFIED if self.correction is not None and not self.aborted else S.MISMATCH
         if self.aborted:  # a cut answer is never `verified`, however many of its tokens were checked
             return S.ABORTED
         return S.VERIFIED if mode != "off" else S.UNVERIFIED
