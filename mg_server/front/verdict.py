@@ -90,10 +90,22 @@ class RuntimeView:
         return ""
 
 
+def with_fingerprint(body: bytes, fingerprint: str) -> bytes:
+    """A non-streamed OpenAI answer (a JSON object with choices) with `system_fingerprint` set."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(answer, dict) or "choices" not in answer:
+        return body  # /generate's native answer: the header only
+    return json.dumps({**answer, "system_fingerprint": fingerprint}).encode()
+
+
 def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view: RuntimeView,
-                   kernel_config_id: str, settled: dict[str, str] | None = None) -> Send:
+                   kernel_config_id: str, settled: dict[str, str] | None = None, fingerprint: str = "") -> Send:
     """Wrap `send` so the response of deterministic request(s) `rids` carries its verdict
-    (`settled`: verdicts known without the controller, e.g. empty answers)."""
+    (`settled`: verdicts known without the controller, e.g. empty answers) and `fingerprint`
+    (OpenAI's system_fingerprint; "" for none)."""
     held: dict | None = None  # the response start of a non-streamed answer, until its verdict
     streaming = False
     failed = False  # an error status, or an error event in the stream
@@ -110,6 +122,8 @@ def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view:
         nonlocal held, streaming, failed
         if message["type"] == "http.response.start":
             headers = list(message.get("headers", [])) + [echo]
+            if fingerprint:
+                headers.append((b"x-mg-system-fingerprint", fingerprint.encode()))
             failed = message.get("status", 200) >= 400
             streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
             if streaming:
@@ -129,6 +143,11 @@ def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view:
             return await send(message)
         if held is not None and not message.get("more_body", False):
             held["headers"] = held["headers"] + verdict_headers(await states(), kernel_config_id)
+            if fingerprint and not failed:
+                body = with_fingerprint(body, fingerprint)
+                held["headers"] = [(k, str(len(body)).encode() if k.lower() == b"content-length" else v)
+                                   for k, v in held["headers"]]
+                message = {**message, "body": body}
             await send(held)
             held = None
         elif held is not None:  # a multi-part non-streamed body: headers go now, unverdicted
