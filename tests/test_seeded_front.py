@@ -22,9 +22,12 @@ def test_seeded_request_moves_its_rule_into_custom_params_and_sglang_decodes_gre
     out = rewrite_body({"text": "x", "sampling_params": {"temperature": 1, "sampling_seed": -1}}, "/generate", True,
                        NOOP)
     assert out["sampling_params"]["custom_params"][SEED_PARAM] == 2 ** 64 - 1  # seeds are taken mod 2**64
-    # greedy stays greedy, and top_p/top_k/min_p are still fine at temperature 0
-    out = rewrite_body({**CHAT, "temperature": 0, "top_p": 0.5, "seed": 3}, "/v1/chat/completions", True, NOOP)
-    assert out["custom_params"] == {DETERMINISTIC_PARAM: True}
+    # greedy stays greedy, and top_p/top_k/min_p are still fine at temperature 0; a client's own
+    # mg sampling keys never pass unchecked
+    out = rewrite_body({**CHAT, "temperature": 0, "top_p": 0.5, "seed": 3,
+                        "custom_params": {TEMPERATURE_PARAM: 2.0, SEED_PARAM: 1, "x": 1}}, "/v1/chat/completions", True,
+                       NOOP)
+    assert out["custom_params"] == {DETERMINISTIC_PARAM: True, "x": 1}
     # plain requests keep SGLang's own sampling untouched
     out = rewrite_body({**CHAT, "temperature": 0.8, "seed": 42}, "/v1/chat/completions", False, NOOP)
     assert out["temperature"] == 0.8 and out["custom_params"] == {DETERMINISTIC_PARAM: False}

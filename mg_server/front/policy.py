@@ -139,6 +139,8 @@ def _mark_params(params: Any, flag: bool, where: str) -> dict:
     if not isinstance(custom, dict):
         raise BadRequest(f"{where}custom_params must be an object", param=f"{where}custom_params")
     out = dict(params)
+    # mg's own keys come from the checked temperature and seed below, never from the client
+    custom = {k: v for k, v in custom.items() if k not in (TEMPERATURE_PARAM, SEED_PARAM)}
     out["custom_params"] = {**custom, DETERMINISTIC_PARAM: flag}
     if flag:
         check_params(out, where)
