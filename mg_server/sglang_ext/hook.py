@@ -209,8 +209,8 @@ class StepSeam:
                 tok, m = sampled_choice(sub[k], temperature, seed, p)
                 steps[k] = (i, req, p, m, tok)
         if self.link is None:
-            # Mode off: count and never touch the logits. Without mg's own token list, a row is a
-            # step once its position reaches the prompt's last.
+            # Mode off: count, and leave greedy rows' logits alone. Without mg's own token list, a
+            # row is a step once its position reaches the prompt's last.
             self._count([s for s in steps if s[2] >= len(s[1].origin_input_ids) - 1])
             # Seeded rows still sample by mg's rule (SGLang decodes them greedily), unverified.
             seeded = [(s[0], s[4]) for s in steps if sampling_rule(s[1])[0] > 0]
