@@ -6,6 +6,10 @@ from dataclasses import asdict, dataclass
 
 # The key mg sets in a request's `custom_params`; SGLang carries it to the model forward.
 DETERMINISTIC_PARAM = "mg_deterministic"
+# Seeded sampling of a deterministic request (temperature > 0): the front sets both, SGLang itself
+# then decodes greedily (temperature 0) over the logits mg forces to its sampled token.
+TEMPERATURE_PARAM = "mg_temperature"
+SEED_PARAM = "mg_seed"  # int in [0, 2**64)
 
 # Top-1/top-2 logit margin histogram buckets (logit units). Flips were observed at margins
 # <= 0.25 on H200 (ENVIRONMENT.md), so the low end is finely divided.
@@ -43,6 +47,7 @@ class FrontConfig:
     metrics_dir: str
     controller_ipc: str = ""  # "" = no controller: no verdict headers
     kernel_config_id: str = ""  # the verifier's, reported on deterministic responses
+    system_fingerprint: str = ""  # runtime.fingerprint: weights + kernel configuration ("" in mode off)
     verdict_wait_s: float = 120.0  # how long a response waits for its request's final audit (CPU: long)
     model_path: str = ""  # its tokenizer spells a corrected answer's text ("" = no text rewrite)
 

@@ -25,7 +25,8 @@ def workload(prepared_model):
     return build_workload(str(prepared_model), N_PROMPTS, MAX_NEW)
 
 
-def _run(mode, tmp_path, workload, phases=("alone", "mixed", "composition")):
+def _run(mode, tmp_path, workload, phases=("alone", "mixed", "composition"), then=None):
+    """`then(url)`, if given, runs on the same server after the check (no second server start)."""
     from mg_server.evaluation.determinism import DeterminismConfig, noop_processor, run
 
     srv = ServerProcess(["--mg-mode", mode], tmp_path / f"server-{mode}.log")
@@ -33,6 +34,8 @@ def _run(mode, tmp_path, workload, phases=("alone", "mixed", "composition")):
         srv.wait_ready()
         report = run(DeterminismConfig(url=srv.url, max_new=MAX_NEW, phases=phases), workload.det, workload.refs, workload.other,
                      noop_processor())
+        if then is not None:
+            then(srv.url)
     finally:
         srv.stop()
     print(mode, json.dumps(report.to_json()["counters"]), f"{report.seconds:.0f}s",
@@ -58,7 +61,20 @@ def test_always_mode_matches_reference_everywhere(tmp_path, workload):
     assert c["steps_fast"] == 0 and c["steps_verify"] == c["mg_deterministic_steps_total"] > 0
 
 
-def test_mg_off_finds_mismatches(tmp_path, workload):
-    rep = _run("off", tmp_path, workload, phases=("alone",))
+def test_mg_off_finds_mismatches(tmp_path, workload, prepared_model):
+    from seeded_util import mixed_round, sample, sampled_references, seeds
+
+    # seeded sampling too (issue 13): the fast path's samples, alone and in a mixed batch
+    refs = sampled_references(str(prepared_model), workload.det)
+    got = []
+
+    def seeded(url):
+        got.extend(sample(url, p, s) for p, s in zip(workload.det, seeds(len(refs))))
+        got.extend(mixed_round(url, workload.det, workload.other[:4], 0))
+
+    rep = _run("off", tmp_path, workload, phases=("alone",), then=seeded)
     assert rep.mismatches  # the fast path alone does not reproduce the verifier's answers
     assert all(o.verdict == "unverified" for o in rep.outcomes)  # and the response says so
+    print("seeded, mg off: answers equal to the reference:", sum(t == r for (t, _), r in zip(got, refs + refs)),
+          "of", len(got))
+    assert [t for t, _ in got] != refs + refs and all(v == "unverified" for _, v in got)

@@ -44,7 +44,7 @@ class FakeReq:
         self.grammar, self.return_logprob, self.lora_id = None, False, None
         self.sampling_params = SimpleNamespace(**{**dict(frequency_penalty=0.0, presence_penalty=0.0,
                                                          repetition_penalty=1.0, min_new_tokens=0,
-                                                         logit_bias=None), **sampling})
+                                                         logit_bias=None, custom_params=None), **sampling})
 
     def finished(self):
         return False
@@ -216,6 +216,40 @@ def test_off_mode_counts_but_never_edits(hook_mod, runner, tmp_path, monkeypatch
     before = logits.clone()
     seam(None, sampler_args([(FakeReq("f", [1, 2, 3]), True)], logits, [2]))
     assert torch.equal(logits, before)
+
+
+def test_seeded_rows_sample_by_the_shared_rule_and_send_it_with_the_prompt(hook_mod, runner, tmp_path,
+                                                                          monkeypatch):
+    from mg_server.config import SEED_PARAM, TEMPERATURE_PARAM
+    from mg_server.kernels import sampled_choice
+
+    seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch)
+    req = FakeReq("s", [1, 2, 3], custom_params={DETERMINISTIC_PARAM: True, TEMPERATURE_PARAM: 0.8, SEED_PARAM: 11})
+    picked = set()
+    for pos in (2, 3, 4, 5):
+        logits = torch.zeros(1, VOCAB)  # all tied: greedy would always pick id 0
+        tok, margin = sampled_choice(logits[0].clone(), 0.8, 11, pos)
+        seam(None, sampler_args([(req, True)], logits, [pos]))
+        row = seam.link.client.rows[-1]
+        assert (row.fast_token, row.margin) == (tok, margin) and int(logits[0].argmax()) == tok  # forced
+        assert (row.temperature, row.seed) == ((0.8, 11) if pos == 2 else (0.0, 0))  # with the prompt only
+        picked.add(tok)
+    assert len(picked) > 1  # the noise, not the (tied) logits, chose
+
+
+def test_off_mode_forces_seeded_rows_to_their_fast_sample(hook_mod, runner, tmp_path, monkeypatch):
+    from mg_server.config import SEED_PARAM, TEMPERATURE_PARAM
+    from mg_server.kernels import sampled_choice
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    seam = hook_mod.StepSeam(HookConfig(metrics_dir=str(tmp_path)), runner)
+    seeded = FakeReq("s", [1, 2, 3], custom_params={DETERMINISTIC_PARAM: True, TEMPERATURE_PARAM: 0.8, SEED_PARAM: 3})
+    greedy = FakeReq("g", [1, 2, 3])
+    logits = torch.randn(2, VOCAB)
+    tok, _ = sampled_choice(logits[0].clone(), 0.8, 3, 2)
+    untouched = logits[1].clone()
+    seam(None, sampler_args([(seeded, True), (greedy, True)], logits, [2, 2]))
+    assert int(logits[0].argmax()) == tok and torch.equal(logits[1], untouched)
 
 
 def test_repair_refuses_a_column_of_another_shape(hook_mod, runner):

@@ -92,9 +92,9 @@ def test_bad_header_value_is_400_with_message(client, value):
     assert client.post("/v1/chat/completions", json=CHAT).status_code == 200  # still serving
 
 
-def test_sampling_is_refused_and_unset_temperature_pinned_to_zero(client):
+def test_sampling_without_seed_is_refused_and_unset_temperature_pinned_to_zero(client):
     r = client.post("/v1/chat/completions", json={**CHAT, "temperature": 0.7}, headers={"X-Deterministic": "1"})
-    assert r.status_code == 400 and "greedy" in r.json()["message"]
+    assert r.status_code == 400 and "add an integer seed" in r.json()["message"] and r.json()["param"] == "seed"
     r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Deterministic": "1"})
     assert r.json()["body"]["temperature"] == 0.0
     # not deterministic: sampling allowed and temperature untouched
@@ -146,7 +146,7 @@ def test_the_header_passes_on_read_only_endpoints_and_put_generate_is_served(cli
         r = client.get(path, headers={"X-Deterministic": "1"})
         assert r.status_code == 200 and r.headers["x-deterministic"] == "1"
     r = client.put("/generate", json={"text": "x", "sampling_params": {"temperature": 0.9}}, headers={"X-Deterministic": "1"})
-    assert r.status_code == 400 and "temperature" in r.json()["message"]  # the same checks as POST
+    assert r.status_code == 400 and "sampling_seed" in r.json()["message"]  # the same checks as POST
     r = client.put("/generate", json={"text": "x"}, headers={"X-Deterministic": "1"})
     sent = json.loads(r.json()["raw"])
     assert sent["sampling_params"]["custom_params"] == {DETERMINISTIC_PARAM: True}

@@ -14,10 +14,15 @@
 - `GET /health` (and `/health_generate`) is a 503 with a JSON reason while mg's runtime cannot
   serve deterministic requests (controller not beating, verifier down); otherwise SGLang answers.
 - Serves `GET /metrics` from the prometheus multiprocess folder (mg's and SGLang's metrics).
+- Seeded n > 1 (front.samples): /generate bodies become a batch of single samples; an OpenAI
+  request is sent to SGLang as n single-sample requests, concurrently, and answered as one.
+- `system_fingerprint` (runtime.fingerprint) on deterministic answers: the JSON field of a
+  non-streamed OpenAI answer, the `X-MG-System-Fingerprint` header on every one (streams too).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, Awaitable, Callable
 
@@ -25,7 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from mg_server import metrics
 from mg_server.config import FrontConfig
-from mg_server.front.policy import BadRequest, empty_answer_rids, parse_flag, rewrite_body, route
+from mg_server.front.policy import OPENAI_PATHS, BadRequest, empty_answer_rids, parse_flag, rewrite_body, route
+from mg_server.front.samples import expand_generate, merge_openai, split_openai
 from mg_server.front.verdict import RuntimeView, verdict_sender
 from mg_server.runtime.protocol import VerdictState
 
@@ -112,10 +118,18 @@ class DeterministicMiddleware:
             except ValueError:
                 parsed = None  # not JSON: SGLang answers it with its own error
             if isinstance(parsed, dict):
+                parts = None
                 try:
-                    parsed = rewrite_body(parsed, path, flag, self.config.noop_processor)
+                    parts = split_openai(parsed) if flag and path in OPENAI_PATHS else None
+                    if parts is not None:
+                        parts = [rewrite_body(p, path, flag, self.config.noop_processor) for p in parts]
+                    else:
+                        parsed = expand_generate(parsed) if flag else parsed
+                        parsed = rewrite_body(parsed, path, flag, self.config.noop_processor)
                 except BadRequest as e:
                     return await _respond(send, 400, error_body(str(e), param=e.param), b"application/json", [echo])
+                if parts is not None:
+                    return await self._fan_out(scope, parts, send, echo)
                 if flag:
                     rid = parsed["rid"]
                     rids = [rid] if isinstance(rid, str) else list(rid)
@@ -132,5 +146,46 @@ class DeterministicMiddleware:
                 await send(message)
 
             return await self.app(scope, receive, send_with_echo)
-        await self.app(scope, receive,
-                       verdict_sender(send, echo, rids, self.runtime, self.config.kernel_config_id, settled, path))
+        await self.app(scope, receive, verdict_sender(send, echo, rids, self.runtime, self.config.kernel_config_id,
+                                                      settled, path=path, fingerprint=self.config.system_fingerprint))
+
+    async def _fan_out(self, scope: Scope, bodies: list[dict], send: Send, echo) -> None:
+        """Seeded n > 1 (front.samples): each body is one sample; one merged answer, whose
+        verdict covers every sample (the first error answer, if any, is the response)."""
+        answers = await asyncio.gather(*(_capture(self.app, scope, json.dumps(b).encode()) for b in bodies))
+        status, body = next(((s, b) for s, b in answers if s >= 400), (200, b""))
+        if status < 400:
+            try:
+                body = json.dumps(merge_openai([json.loads(b) for _, b in answers])).encode()
+            except (ValueError, KeyError, IndexError, TypeError) as e:
+                status, body = 500, error_body(f"mg could not merge the {len(bodies)} samples: {e!r}", 500, "n")
+        out = verdict_sender(send, echo, [b["rid"] for b in bodies], self.runtime, self.config.kernel_config_id,
+                             None, fingerprint=self.config.system_fingerprint)
+        await out({"type": "http.response.start", "status": status, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await out({"type": "http.response.body", "body": body})
+
+
+async def _capture(app, scope: Scope, body: bytes) -> tuple[int, bytes]:
+    """Run one request through the app in-process -> (status, body). Its receive never reports a
+    disconnect (the sub-request outlives nothing: the client waits for the merged answer)."""
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+    sub = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
+    sent, status, chunks = False, [500], []
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # never set: cancelled by whoever polls for a disconnect
+        raise AssertionError("unreachable")
+
+    async def capture(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            status[0] = message.get("status", 200)
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(sub, receive, capture)
+    return status[0], b"".join(chunks)

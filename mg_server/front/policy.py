@@ -5,8 +5,14 @@
   (`GENERATE_ROUTES`) and passes on a few read-only ones (`READ_ONLY`); any other request that
   carries it (other SGLang endpoints, and any SGLang adds later) is a 400 naming the supported
   ones, so a client never gets an echoed header on an answer mg did not check.
-- Parameters, for `X-Deterministic: 1`: greedy only (an unset temperature becomes 0), one
-  completion per prompt, and nothing that changes which token greedy decoding emits in a way
+- Parameters, for `X-Deterministic: 1`: greedy (an unset temperature becomes 0) or seeded
+  sampling (temperature > 0 with a seed: `seed`, on /generate `sampling_params.sampling_seed`;
+  without one a 400 says to add it; `top_p`, `top_k`, `min_p` must then be neutral, since they
+  cut the candidates by the fast path's ranks, which the margin does not guard). Seeded requests
+  carry temperature and seed in mg's custom_params and SGLang sees temperature 0: mg samples
+  (hook module doc) and SGLang greedy-decodes the logits mg forced. One completion per
+  prompt (n > 1 with a seed is split into single samples first: front.samples), and nothing
+  that changes which token greedy decoding emits in a way
   the verifier does not compute (penalties, logit bias, a minimum length, grammars and
   structured outputs, LoRA adapters, non-text inputs), nor logprobs (mg forces each verified
   step's logits to the decided token, so SGLang's logprobs of those steps would be meaningless).
@@ -16,10 +22,11 @@
 
 from __future__ import annotations
 
+import math
 import uuid
 from typing import Any
 
-from mg_server.config import DETERMINISTIC_PARAM
+from mg_server.config import DETERMINISTIC_PARAM, SEED_PARAM, TEMPERATURE_PARAM
 
 _VALUES = {"1": True, "true": True, "0": False, "false": False}
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -132,18 +139,45 @@ def _mark_params(params: Any, flag: bool, where: str) -> dict:
     if not isinstance(custom, dict):
         raise BadRequest(f"{where}custom_params must be an object", param=f"{where}custom_params")
     out = dict(params)
+    # mg's own keys come from the checked temperature and seed below, never from the client
+    custom = {k: v for k, v in custom.items() if k not in (TEMPERATURE_PARAM, SEED_PARAM)}
     out["custom_params"] = {**custom, DETERMINISTIC_PARAM: flag}
     if flag:
-        # Greedy decoding is what MarginGate makes deterministic; an unset temperature would
-        # default to sampling, so it is pinned to 0, and sampling is refused.
-        temperature = out.get("temperature")
-        if temperature is None:
-            out["temperature"] = 0.0
-        elif not isinstance(temperature, (int, float)) or temperature != 0:
-            raise BadRequest(f"X-Deterministic: 1 serves greedy decoding only; {where}temperature must be 0 "
-                             f"(got {temperature!r})", param=f"{where}temperature")
         check_params(out, where)
+        # An unset temperature would default to SGLang's sampling, so it is pinned to 0; a
+        # seeded one moves into custom_params (mg samples, SGLang decodes greedily).
+        temperature, seed = sampling_rule(out, where)
+        out["temperature"] = 0.0
+        if temperature > 0:
+            out["custom_params"].update({TEMPERATURE_PARAM: temperature, SEED_PARAM: seed})
     return out
+
+
+TRUNCATION = {"top_p": 1, "top_k": (-1, 0), "min_p": 0}  # neutral values of the candidate cut-offs
+SEED_KEYS = ("seed", "sampling_seed")  # OpenAI bodies; /generate's sampling_params
+
+
+def sampling_rule(params: dict, where: str = "") -> tuple[float, int]:
+    """(temperature, seed mod 2**64) of a deterministic request's parameters; (0.0, 0) is greedy.
+    Temperature > 0 needs a seed and no top_p / top_k / min_p cut-off (each a 400 naming it)."""
+    temperature = params.get("temperature")
+    if temperature is None or (isinstance(temperature, (int, float)) and temperature == 0):
+        return 0.0, 0
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
+        raise BadRequest(f"{where}temperature must be a finite number >= 0 (got {temperature!r})",
+                         param=f"{where}temperature")
+    key = SEED_KEYS[1] if where.startswith("sampling_params") else SEED_KEYS[0]
+    seed = params.get(key)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise BadRequest(f"X-Deterministic: 1 with {where}temperature={temperature!r} samples reproducibly only "
+                         f"with a seed: add an integer {where}{key} (or set temperature 0 for greedy decoding)",
+                         param=f"{where}{key}")
+    for name, neutral in TRUNCATION.items():
+        value = params.get(name)
+        if value is not None and value not in (neutral if isinstance(neutral, tuple) else (neutral,)):
+            raise _refused(name, value, where, "sampling with top_p, top_k or min_p at temperature > 0 (they cut "
+                           "the candidates by the fast path's ranks, which mg's margin does not guard)")
+    return float(temperature), seed & (2 ** 64 - 1)
 
 
 def _assign_rids(body: dict, path: str) -> list[str]:

@@ -95,12 +95,25 @@ class RuntimeView:
         return ""
 
 
+def with_fingerprint(body: bytes, fingerprint: str) -> bytes:
+    """A non-streamed OpenAI answer (a JSON object with choices) with `system_fingerprint` set."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(answer, dict) or "choices" not in answer:
+        return body  # /generate's native answer: the header only
+    return json.dumps({**answer, "system_fingerprint": fingerprint}).encode()
+
+
 def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view: RuntimeView,
-                   kernel_config_id: str, settled: dict[str, str] | None = None, path: str = "") -> Send:
+                   kernel_config_id: str, settled: dict[str, str] | None = None, path: str = "",
+                   fingerprint: str = "") -> Send:
     """Wrap `send` so the response of deterministic request(s) `rids` carries its verdict
-    (`settled`: verdicts known without the controller, e.g. empty answers). A non-streamed
-    answer of one request whose audit found a missed flip gets the verifier's completion
-    (front.correction) and the verdict `verified`, if its body can be rewritten."""
+    (`settled`: verdicts known without the controller, e.g. empty answers) and `fingerprint`
+    (OpenAI's system_fingerprint; "" for none). A non-streamed answer of one request whose
+    audit found a missed flip gets the verifier's completion (front.correction) and the verdict
+    `verified`, if its body can be rewritten."""
     held: dict | None = None  # the response start of a non-streamed answer, until its verdict
     parts: list[bytes] = []  # its body, until the last part
     streaming = False
@@ -125,6 +138,8 @@ def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view:
             else:
                 body = new
                 extra.append((b"x-mg-corrected-from", str(corr.first).encode()))
+        if fingerprint and not failed:
+            body = with_fingerprint(body, fingerprint)
         headers = [(k, v) for k, v in held["headers"] if k.lower() != b"content-length"]
         headers += [(b"content-length", str(len(body)).encode())] + extra
         headers += verdict_headers([st for st, _ in got], kernel_config_id)
@@ -134,6 +149,8 @@ def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view:
         nonlocal held, streaming, failed
         if message["type"] == "http.response.start":
             headers = list(message.get("headers", [])) + [echo]
+            if fingerprint:
+                headers.append((b"x-mg-system-fingerprint", fingerprint.encode()))
             failed = message.get("status", 200) >= 400
             streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
             if streaming:

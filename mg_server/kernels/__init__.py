@@ -33,6 +33,10 @@ Public API (shapes: M rows, K in-features, N out-features, T query tokens, S key
         one query token per row r, at positions[r], over kv_table[table_row[r]]; every varying
         size is read from device memory (CUDA-graph friendly); per row equal to attention_paged.
     KERNEL_CONFIG, kernel_config_id(device=None)
+    gumbel_noise(seed, position, vocab, device)  -> [vocab] fp32 (`sampling`: seeded sampling
+                                           as Gumbel-max; bit-identical on every device)
+    sampled_scores(logits [V], T, seed, position) -> [V] fp32 = logits / T + gumbel_noise
+    sampled_choice(logits [V], T, seed, position) -> (token, margin = T * (top1 - top2))
 """
 from __future__ import annotations
 
@@ -44,10 +48,12 @@ from torch import Tensor
 from . import cpu as _cpu
 from .config import KERNEL_CONFIG, kernel_config_id
 from .cpu import PreparedWeight
+from .sampling import gumbel_noise, sampled_choice, sampled_scores
 
 __all__ = ["matmul", "prepare_weight", "PreparedWeight", "rms_norm", "add_rms_norm",
            "log_softmax", "top2", "argmax", "silu_mul", "attention", "attention_paged",
-           "attention_rows", "KERNEL_CONFIG", "kernel_config_id"]
+           "attention_rows", "KERNEL_CONFIG", "kernel_config_id", "gumbel_noise", "sampled_scores",
+           "sampled_choice"]
 
 # Debug only: MG_KERNELS_BACKEND=triton sends CPU tensors to the Triton kernels (use with
 # TRITON_INTERPRET=1); it is never needed in production.

@@ -9,13 +9,17 @@ Positions (the convention every mg process uses):
   position p reads input token t_p, writes the **K/V column of position p** (the K after RoPE and
   the V that the model computes for the input token t_p at position p, for every layer) and
   produces the logits that choose t_{p+1}. The prefill's last position is the first step.
+
+Decoding rule (per request): greedy (temperature 0: t_{p+1} = argmax of the logits at p) or
+seeded sampling (temperature > 0 with a seed: t_{p+1} = argmax of logits / T + Gumbel noise of
+(seed, p), `mg_server.kernels.sampling`); margins are then T * (top1 - top2) of those scores.
 """
 
 from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections
 
 
 class ErrorCode:
@@ -74,6 +78,7 @@ class HelloReply(Message):
     shm: ShmSpec
     pool_tokens: int = 0  # shadow K/V pool capacity (tokens, all requests)
     memory_bytes: int = 0  # device memory the worker holds after loading (CUDA; 0 on CPU)
+    weights_digest: str = ""  # sha256 of config.json and the weight files' content (system_fingerprint)
 
 
 class VerifyItem(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -91,6 +96,8 @@ class VerifyItem(msgspec.Struct, kw_only=True, omit_defaults=True):
     rewind: bool = False
     prompt_len: int = 0  # first item only: prompt tokens (not audited); 0 = all of this item's tokens
     want_digest: bool = False  # reply with a blake2b digest of the fp32 logits row of pos
+    temperature: float = 0.0  # decoding rule of every position of this item: 0 greedy, > 0 seeded sampling
+    seed: int = 0  # the sampling seed (mod 2**64), with temperature > 0
     deadline_ns: int = 0  # time.time_ns() after which the worker answers DEADLINE unstarted
 
 
@@ -103,11 +110,12 @@ class Verify(Message):
 class VerifyResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     rid: str
     pos: int
-    token: int  # the verifier's greedy token t_{pos+1} (argmax, ties -> lower id)
-    margin: float  # top1 - top2 logit at pos, fp32
+    token: int  # the verifier's token t_{pos+1} under the item's rule (argmax, ties -> lower id)
+    margin: float  # top1 - top2 logit at pos, fp32 (sampling: T * (top1 - top2) of the scores)
     slot: int  # slot of the shared buffer holding the K/V column of position pos
     gen: int  # generation stamped on that slot; the reader checks it after copying
-    audit_tokens: list[int] = []  # verifier argmax at positions start .. pos-1 (predicts start+1..pos)
+    audit_tokens: list[int] = []  # verifier argmax at positions start .. pos-1 (predicts start+1..pos);
+    #                               sampling: of the scores, except at positions < prompt_len - 1 (greedy)
     audit_margins: list[float] = []  # their margins
     first_mismatch: int = -1  # first q in [start-1, pos-1], q+1 >= prompt_len, whose verifier
     #                           token != the caller's t_{q+1} (a missed flip), -1 if none
@@ -177,6 +185,7 @@ class ControllerInfo(Message):
     verifier_up: bool
     kernel_config_id: str = ""
     model_id: str = ""
+    weights_digest: str = ""  # the verifier's, for OpenAI's system_fingerprint
     shm: ShmSpec | None = None  # the verifier's K/V slot buffer (None in mode "off")
     verifier_device: str = ""
     verifier_pool_tokens: int = 0
@@ -190,8 +199,10 @@ class StepRow(msgspec.Struct, kw_only=True, omit_defaults=True):
     pos: int  # position of the input token of this step; the logits choose t_{pos+1}
     prompt: list[int] = []  # t_0 .. t_pos on the request's first step only; later t_pos is the
     #                         token decided at the previous step, which the controller holds
-    margin: float  # fast path's top1 - top2 logit at pos (fp32)
-    fast_token: int  # fast path's argmax at pos
+    margin: float  # fast path's top1 - top2 logit at pos (fp32; sampling: of the perturbed scores, x T)
+    fast_token: int  # fast path's argmax at pos (sampling: of the perturbed scores)
+    temperature: float = 0.0  # first step only, with the prompt: the request's decoding rule
+    seed: int = 0  #            (see the module doc); 0 = greedy
 
 
 class Step(Message):

@@ -20,6 +20,13 @@ chosen here (the row's logits are forced to mg's decision, fast or verified), so
 keeps each request's token list itself: t_0 .. t_{n-1} = prompt, then the tokens it decided.
 A row is a step iff its position is n - 1; a smaller position is a non-final prefill chunk
 (SGLang drops that token); a larger one means mg missed a step, and the request fails.
+
+Seeded sampling (temperature > 0 and a seed in custom_params, set by the front): the row's fast
+token and margin are those of the perturbed scores logits / T + Gumbel(seed, position)
+(`mg_server.kernels.sampled_choice`, the function the verifier applies to its own fp32 row, so
+the noise is bit-identical: elementwise integer and IEEE ops only, on the same device type).
+SGLang itself decodes such a request greedily (the front pins its temperature to 0) over the
+logits mg forces to the decided token.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ import torch
 from torch import Tensor
 
 from mg_server import metrics
-from mg_server.config import DETERMINISTIC_PARAM, HookConfig
+from mg_server.config import DETERMINISTIC_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig
+from mg_server.kernels import sampled_choice
 from mg_server.runtime import protocol as P
 
 log = logging.getLogger(__name__)
@@ -68,6 +76,13 @@ def top2(logits: Tensor) -> tuple[Tensor, Tensor]:
     """logits: [rows, vocab] -> (margin [rows] fp32 = top1 - top2, argmax [rows] int64)."""
     top = logits.float().topk(2, dim=-1)  # ties: topk order; only the margin (0) matters then
     return top.values[:, 0] - top.values[:, 1], top.indices[:, 0]
+
+
+def sampling_rule(req) -> tuple[float, int]:
+    """(temperature, seed) of a protected request: (0.0, 0) is greedy (see module doc)."""
+    params = req.sampling_params.custom_params or {}
+    temperature = params.get(TEMPERATURE_PARAM) or 0.0
+    return (float(temperature), int(params.get(SEED_PARAM) or 0)) if temperature > 0 else (0.0, 0)
 
 
 def force_tokens(logits: Tensor, rows: list[int], tokens: list[int]) -> None:
@@ -198,15 +213,25 @@ class StepSeam:
         t0 = time.perf_counter()
         logits = args[0].next_token_logits  # [bs, vocab] on the model's device, pre-sampling
         idx = torch.tensor([i for i, _ in rows], dtype=torch.int64, device=logits.device)
-        margin, fast = top2(logits.index_select(0, idx))  # [rows] fp32, [rows] int64
+        sub = logits.index_select(0, idx)  # [rows, vocab], the protected rows' logits
+        margin, fast = top2(sub)  # [rows] fp32, [rows] int64
         pos = args[5].to(logits.device).index_select(0, idx)  # [rows] positions from the forward batch
         # One device-to-host copy for all three; fp64 holds every token id and position exactly.
         packed = torch.stack([margin.double(), fast.double(), pos.double()], dim=1).tolist()
         steps = [(i, req, int(p), m, int(f)) for (i, req), (m, f, p) in zip(rows, packed)]
+        for k, (i, req, p, _, _) in enumerate(steps):
+            temperature, seed = sampling_rule(req)
+            if temperature > 0:  # seeded sampling: the perturbed scores decide (module doc)
+                tok, m = sampled_choice(sub[k], temperature, seed, p)
+                steps[k] = (i, req, p, m, tok)
         if self.link is None:
-            # Mode off: count and never touch the logits. Without mg's own token list, a row is a
-            # step once its position reaches the prompt's last.
+            # Mode off: count, and leave greedy rows' logits alone. Without mg's own token list, a
+            # row is a step once its position reaches the prompt's last.
             self._count([s for s in steps if s[2] >= len(s[1].origin_input_ids) - 1])
+            # Seeded rows still sample by mg's rule (SGLang decodes them greedily), unverified.
+            seeded = [(s[0], s[4]) for s in steps if sampling_rule(s[1])[0] > 0]
+            if seeded:
+                force_tokens(logits, [i for i, _ in seeded], [t for _, t in seeded])
             return None
         if self.config.fault_missed_flip >= 0:
             steps = self._inject_missed_flip(logits, steps)
@@ -269,6 +294,9 @@ class StepSeam:
         if live:
             rows = [P.StepRow(rid=req.rid, pos=pos, prompt=list(req.origin_input_ids) if first else [],
                               margin=margin, fast_token=fast) for _, req, pos, margin, fast, first in live]
+            for r, (_, req, *_, first) in zip(rows, live):
+                if first:  # the decoding rule travels with the prompt
+                    r.temperature, r.seed = sampling_rule(req)
             try:
                 if any(link.policy.should_verify(r.margin) for r in rows):
                     with link.rpc_lock:

@@ -206,6 +206,7 @@ def serve(cfg: ServeConfig) -> None:
     controller_ipc, info = start_runtime(cfg)
 
     from mg_server.front.middleware import DeterministicMiddleware
+    from mg_server.runtime.fingerprint import system_fingerprint
     from mg_server.sglang_ext.processor import serialized
 
     hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc, fault_missed_flip=env.fault_missed_flip())
@@ -213,7 +214,9 @@ def serve(cfg: ServeConfig) -> None:
     app.add_middleware(
         DeterministicMiddleware,
         config=FrontConfig(noop_processor=serialized(), metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
-                           kernel_config_id=info.kernel_config_id if info else "", model_path=cfg.model_path),
+                           kernel_config_id=info.kernel_config_id if info else "", model_path=cfg.model_path,
+                           system_fingerprint=system_fingerprint(info.weights_digest, info.kernel_config_id)
+                           if info else ""),
     )
     log.info("mg-server: SGLang %s, model %s, http://%s:%d", version, cfg.model_path, cfg.host, cfg.port)
     launch_server(server_args)

@@ -36,6 +36,7 @@ def complete_answer(vclient, rid: str, st: ReqState, item_timeout_s: float) -> P
             pos = len(tokens) - 1
             sent = list(tokens) if first else tokens[-1:]
             item = P.VerifyItem(rid=key, pos=pos, tokens=sent, prompt_len=st.prompt_len if first else 0,
+                                temperature=st.temperature, seed=st.seed,  # the request's own rule
                                 deadline_ns=time.time_ns() + int(item_timeout_s * 1e9))
             (res,) = vclient.verify_many([item], timeout_s=item_timeout_s)
             if isinstance(res, P.ErrorReply):

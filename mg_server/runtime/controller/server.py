@@ -144,6 +144,7 @@ class Controller:
                 verifier_up=self.verifier_up(),
                 kernel_config_id=self.vinfo.kernel_config_id if self.vinfo else "",
                 model_id=self.vinfo.model_id if self.vinfo else "",
+                weights_digest=self.vinfo.weights_digest if self.vinfo else "",
                 shm=self.vinfo.shm if self.vinfo else None,
                 verifier_device=self.vinfo.device if self.vinfo else "",
                 verifier_pool_tokens=self.vinfo.pool_tokens if self.vinfo else 0,
@@ -188,7 +189,8 @@ class Controller:
             st.error = st.error or f"request id {row.rid!r} started twice"
             return st
         self.pending.pop(row.rid, None)  # a finished request of the same id: its verdict is replaced
-        st = self.reqs[row.rid] = ReqState(tokens=list(row.prompt), prompt_len=len(row.prompt))
+        st = self.reqs[row.rid] = ReqState(tokens=list(row.prompt), prompt_len=len(row.prompt),
+                                           temperature=row.temperature, seed=row.seed)
         return st
 
     def _verify(self, batch, decisions: list[P.StepDecision]) -> None:
@@ -224,6 +226,7 @@ class Controller:
         """Verify position pos after teaching the verifier every token it has not seen yet."""
         return P.VerifyItem(rid=rid, pos=pos, tokens=st.tokens[st.verifier_len:pos + 1],
                             prompt_len=st.prompt_len if st.verifier_len == 0 else 0,
+                            temperature=st.temperature, seed=st.seed,
                             deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9))
 
     def _missed_flip(self, rid: str, st: ReqState, pos: int, what: str) -> None:

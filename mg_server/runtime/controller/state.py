@@ -21,6 +21,8 @@ from mg_server.runtime.protocol import VerdictState as S
 class ReqState:
     tokens: list[int] = field(default_factory=list)  # t_0 .. t_{n-1}: the prompt, then every decided token
     prompt_len: int = 0  # the first step's tokens are the prompt (not audited)
+    temperature: float = 0.0  # decoding rule (protocol module doc): 0 greedy, > 0 seeded sampling
+    seed: int = 0
     verifier_len: int = 0  # the verifier has been sent t_0 .. t_{verifier_len-1}
     verified: list[int] = field(default_factory=list)  # positions computed by the verifier
     repairs: list[int] = field(default_factory=list)  # verified positions where it disagreed

@@ -1,4 +1,5 @@
-"""Verifier-alone greedy decoding: the canonical answer of a deterministic request.
+"""Verifier-alone decoding: the canonical answer of a deterministic request (greedy, or seeded
+sampling with `temperature` > 0 and a seed per prompt).
 
 Several prompts are decoded in the same forwards: the verifier's kernels are batch-invariant
 (tested: 1 vs 8 co-batched requests give bitwise-equal results), so this equals decoding each
@@ -20,9 +21,14 @@ class Reference:
 
 
 def greedy_reference(engine, prompts: list[list[int]], max_new: int, stop_ids: tuple[int, ...] = (),
-                     rid_prefix: str = "ref", progress=None) -> list[Reference]:
-    """Decode each prompt greedily for max_new tokens (or until a stop id, which is kept).
+                     rid_prefix: str = "ref", progress=None, temperature: float = 0.0,
+                     seeds: list[int] | None = None) -> list[Reference]:
+    """Decode each prompt for max_new tokens (or until a stop id, which is kept): greedily, or,
+    with temperature > 0, by seeded sampling with seeds[i] for prompt i (the rule mg applies to
+    a deterministic request with that temperature and seed).
     `progress(n)`, if given, is called after every forward with the tokens it produced."""
+    if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
+        raise ValueError("seeded sampling needs one seed per prompt")
     refs = [Reference(prompt=list(p)) for p in prompts]
     live = list(range(len(refs)))
     try:
@@ -33,7 +39,8 @@ def greedy_reference(engine, prompts: list[list[int]], max_new: int, stop_ids: t
                 seq = r.prompt + r.tokens
                 new = seq if not r.tokens else seq[-1:]
                 items.append(VerifyItem(rid=f"{rid_prefix}-{i}", pos=len(seq) - 1, tokens=new,
-                                        prompt_len=len(r.prompt) if not r.tokens else 0))
+                                        prompt_len=len(r.prompt) if not r.tokens else 0,
+                                        temperature=temperature, seed=seeds[i] if temperature > 0 else 0))
             outs = engine.step(items)
             if progress is not None:
                 progress(len(items))

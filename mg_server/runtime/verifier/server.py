@@ -77,6 +77,7 @@ class VerifierServer:
         self.running = True
 
     def load(self) -> None:
+        from mg_server.runtime.fingerprint import weights_digest
         from mg_server.runtime.verifier import ops
         from mg_server.runtime.verifier.model import model_identity
         from mg_server.runtime.verifier.reference import load_engine
@@ -93,6 +94,7 @@ class VerifierServer:
             self.shm = SlotBuffer.create(cfg.shm_base, cfg.n_slots, s.n_layers, s.n_kv_heads, s.head_dim,
                                          dtype, model.device)
             self.model_id = model_identity(cfg.model_path, dtype)
+            self.weights_digest = weights_digest(cfg.model_path)  # once: for system_fingerprint
             self.kernel_config_id = ops.config_id(model.device)  # the backend that serves the device
             if model.device.type == "cuda":
                 self._warm_up()
@@ -129,8 +131,8 @@ class VerifierServer:
         s = eng.model.spec
         return P.HelloReply(
             msg_id=m.msg_id, protocol_version=P.PROTOCOL_VERSION, model_id=self.model_id,
-            kernel_config_id=self.kernel_config_id, family=s.family, n_layers=s.n_layers,
-            n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, vocab=s.vocab, dtype=self.cfg.dtype,
+            kernel_config_id=self.kernel_config_id, weights_digest=self.weights_digest, family=s.family,
+            n_layers=s.n_layers, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, vocab=s.vocab, dtype=self.cfg.dtype,
             device=str(eng.model.device), max_seq_len=eng.max_seq_len, max_requests=eng.max_requests,
             shm=self.shm.spec, pool_tokens=eng.pool.n_tokens, memory_bytes=self.memory_bytes)
 

@@ -1,0 +1,76 @@
+"""Seeded sampling (mg_server.kernels.sampling): the noise is a pure function of (seed, position,
+id), bit-identical whatever the batch or thread count, distinct per seed and position, and the
+sampled tokens follow softmax(logits / T)."""
+
+import math
+
+import torch
+
+from mg_server.kernels import sampled_choice, sampled_scores
+from mg_server.kernels.sampling import _hash32, _log, _mul32, gumbel_noise
+
+V = 49152
+
+
+def test_integer_hash_matches_uint32_arithmetic():
+    xs = [0, 1, 12345, 0x7FFFFFFF, 0xFFFFFFFF, 0xDEADBEEF]
+    t = _hash32(torch.tensor(xs, dtype=torch.int64))
+    for x, got in zip(xs, t.tolist()):
+        # reference: lowbias32 in plain modular arithmetic
+        y = x ^ (x >> 16)
+        y = (y * 0x7FEB352D) % 2**32
+        y ^= y >> 15
+        y = (y * 0x846CA68B) % 2**32
+        y ^= y >> 16
+        assert got == y == _hash32(x)
+    assert _mul32(0xFFFFFFFF, 0xFFFFFFFF) == (0xFFFFFFFF ** 2) % 2**32
+
+
+def test_log_is_accurate():
+    x = torch.cat([torch.rand(10000, dtype=torch.float64) + 1e-12, torch.tensor([1.0, 0.5, 2 ** -24, 17.0],
+                                                                                 dtype=torch.float64)])
+    assert torch.allclose(_log(x), torch.log(x), rtol=1e-12, atol=1e-13)
+
+
+def test_noise_is_bit_identical_across_threads_and_batches():
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        a = gumbel_noise(7, 11, V)
+        torch.set_num_threads(2)
+        b = gumbel_noise(7, 11, V)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(a, b) and a.dtype == torch.float32 and a.shape == (V,)
+    # a row's scores do not depend on which batch the row came from (rows are computed alone)
+    batch = torch.randn(8, V, dtype=torch.bfloat16)
+    alone = batch[3].clone()
+    assert torch.equal(sampled_scores(batch[3], 0.8, 5, 40), sampled_scores(alone, 0.8, 5, 40))
+    small = torch.cat([torch.randn(2, V, dtype=torch.bfloat16), alone[None]])
+    assert torch.equal(sampled_scores(small[2], 0.8, 5, 40), sampled_scores(batch[3], 0.8, 5, 40))
+
+
+def test_noise_differs_per_seed_and_position():
+    base = gumbel_noise(1, 10, 4096)
+    for other in (gumbel_noise(2, 10, 4096), gumbel_noise(1, 11, 4096), gumbel_noise(1 + 2 ** 32, 10, 4096),
+                  gumbel_noise(1, 10 + 2 ** 32, 4096)):
+        assert (other != base).float().mean() > 0.99
+    assert torch.equal(gumbel_noise(-1, 3, 64), gumbel_noise(2 ** 64 - 1, 3, 64))  # seeds are mod 2**64
+    g = gumbel_noise(3, 0, V).double()  # standard Gumbel: mean Euler's gamma, std pi / sqrt(6)
+    assert abs(g.mean() - 0.5772) < 0.02 and abs(g.std() - math.pi / math.sqrt(6)) < 0.02
+
+
+def test_sampled_tokens_follow_softmax_and_margin_is_in_logit_units():
+    logits = torch.tensor([1.0, 2.0, 0.5, 0.0, -1.0])
+    t = 0.8
+    counts = torch.zeros(5)
+    for seed in range(3000):
+        tok, margin = sampled_choice(logits, t, seed, 9)
+        counts[tok] += 1
+        assert margin >= 0
+    assert (counts / 3000 - torch.softmax(logits / t, 0)).abs().max() < 0.03
+    # margin = T * (score gap): shifting the winner's logit by d moves the margin by d
+    tok, m = sampled_choice(logits, t, 4, 9)
+    bumped = logits.clone()
+    bumped[tok] += 0.25
+    assert abs(sampled_choice(bumped, t, 4, 9)[1] - (m + 0.25)) < 1e-5
