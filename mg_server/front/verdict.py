@@ -10,7 +10,8 @@ makes `X-Deterministic-Verified: true`. The front adds rules of its own, so that
   seconds (its heartbeat, runtime.liveness), and a request still running when the wait ends
   gives `audit-timeout`.
 Health: `problem()` reads the controller's heartbeat file (no call that a busy controller could
-hold up): a controller that stopped beating, or one whose verifier is down, is a problem.
+hold up): a controller that stopped beating, or one whose verifier is down, is a problem; so is
+the step seam's finish watcher (its own beat file) when it stopped beating or keeps failing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 from typing import Awaitable, Callable
 
 from mg_server.config import FrontConfig
-from mg_server.runtime.liveness import STALE_AFTER_S, beat_path, read_beat
+from mg_server.runtime.liveness import STALE_AFTER_S, beat_path, read_beat, seam_beat_path
 from mg_server.runtime.protocol import VerdictState as S
 
 Send = Callable[[dict], Awaitable[None]]
@@ -60,6 +61,7 @@ class RuntimeView:
             client = self._local.client = ControllerClient(self.config.controller_ipc,
                                                            timeout_s=self.config.verdict_wait_s, client_name="front")
         deadline = time.monotonic() + self.config.verdict_wait_s
+        next_look = time.monotonic() + 1.0
         states = []
         for rid in rids:
             while True:
@@ -69,6 +71,10 @@ class RuntimeView:
                     state = UNREACHABLE
                 if state != S.RUNNING or time.monotonic() > deadline:
                     break
+                if time.monotonic() > next_look:  # a dead runtime will never end the wait
+                    next_look = time.monotonic() + 1.0
+                    if self.problem():
+                        break
                 time.sleep(0.01)
             states.append(AUDIT_TIMEOUT if state == S.RUNNING else state)
         return states
@@ -87,6 +93,12 @@ class RuntimeView:
             return f"mg controller is not responding (no heartbeat for {beat.age_s:.0f}s)"
         if beat.status.startswith("verifier down"):
             return f"mg {beat.status}"
+        # The seam's finish watcher (scheduler process): without it no verdict completes.
+        seam = read_beat(seam_beat_path(self.config.controller_ipc))
+        if seam is not None and seam.age_s > STALE_AFTER_S:
+            return f"mg finish watcher is not running (no heartbeat for {seam.age_s:.0f}s)"
+        if seam is not None and seam.status.startswith("error"):
+            return "mg finish watcher is failing: " + seam.status.removeprefix("error ")
         return ""
 
 

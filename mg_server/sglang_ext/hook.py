@@ -37,6 +37,7 @@ from torch import Tensor
 from mg_server import metrics
 from mg_server.config import DETERMINISTIC_PARAM, HookConfig
 from mg_server.runtime import protocol as P
+from mg_server.runtime.liveness import BEAT_PERIOD_S, seam_beat_path, write_beat
 
 log = logging.getLogger(__name__)
 
@@ -143,25 +144,68 @@ class ControllerLink:
         self.tracked: dict[str, Tracked] = {}  # rid -> state, until its Finish is sent
         self.lock = threading.Lock()  # guards `tracked`
         self.rpc_lock = threading.Lock()  # guards `client`
+        self.beat_path, self._last_beat, self.watch_error = seam_beat_path(config.controller_ipc), 0.0, ""
         threading.Thread(target=self._watch_finished, name="mg-finish-watch", daemon=True).start()
 
     def _watch_finished(self) -> None:
-        """A request's last token is never the input of a forward; report ends from here."""
-        client = self.client
+        """A request's last token is never the input of a forward; report ends from here.
+
+        The thread must outlive any error (without it every deterministic response would wait
+        for a Finish that never comes): each round is guarded, and the thread beats a file that
+        the front's /health reads (a stale beat or an error status makes /health a 503)."""
         while True:
             time.sleep(0.005)
-            with self.lock:
-                done = [(rid, t.req) for rid, t in self.tracked.items() if t.req.finished()]
-                for rid, _ in done:
+            try:
+                self._report_finished()
+                self.watch_error = ""
+            except Exception as e:  # noqa: BLE001 - survive, say so in the beat, try again
+                if not self.watch_error:
+                    log.exception("mg: the finish watcher failed (retrying)")
+                self.watch_error = f"{type(e).__name__}: {e}"[:200]
+            self._beat()
+
+    def _beat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or self.watch_error or now - self._last_beat >= BEAT_PERIOD_S:
+            self._last_beat = now
+            try:
+                write_beat(self.beat_path, f"error {self.watch_error}" if self.watch_error else "ok")
+            except OSError:  # run folder removed at shutdown
+                pass
+
+    def _finish(self, rid: str, output: list[int], aborted: bool, reason: str) -> None:
+        # rpc_lock may be held by a long verify step: keep beating while waiting for it
+        while not self.rpc_lock.acquire(timeout=BEAT_PERIOD_S):
+            self._beat(force=True)
+        try:
+            self.client.finish(rid, output, aborted, reason)
+        finally:
+            self.rpc_lock.release()
+
+    def _report_finished(self) -> None:
+        broken: list[str] = []  # reported as cut short: never `verified`
+        with self.lock:
+            done = []
+            for rid, t in list(self.tracked.items()):
+                try:
+                    finished = t.req.finished()
+                except Exception as e:  # noqa: BLE001 - a broken entry must not block the others
+                    log.error("mg: %s ends here: its state cannot be read (%s)", rid, e)
                     del self.tracked[rid]
-            for rid, req in done:
+                    broken.append(rid)
+                    continue
+                if finished:
+                    done.append((rid, t.req))
+                    del self.tracked[rid]
+        for rid, req in done:
+            try:
                 aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
                 reason = str(getattr(req.finished_reason, "message", "")) if aborted else ""
-                try:
-                    with self.rpc_lock:
-                        client.finish(rid, list(req.output_ids), aborted, reason)
-                except Exception as e:  # noqa: BLE001 - the verdict then stays "running" and says so
-                    log.error("mg: could not report the end of %s: %s", rid, e)
+                self._finish(rid, list(req.output_ids), aborted, reason)
+            except Exception as e:  # noqa: BLE001 - the verdict then stays "running" and says so
+                log.error("mg: could not report the end of %s: %s", rid, e)
+        for rid in broken:
+            self._finish(rid, [], True, "mg lost track of the request")
 
 
 class StepSeam:
