@@ -6,6 +6,14 @@ from dataclasses import asdict, dataclass
 
 # The key mg sets in a request's `custom_params`; SGLang carries it to the model forward.
 DETERMINISTIC_PARAM = "mg_deterministic"
+# The key of one request instance (set by the front beside the flag): mg's bookkeeping (the
+# seam's token lists, the controller's states, verdicts) is per instance, so a client that
+# reuses a request id never gets, or disturbs, another instance's state.
+INSTANCE_PARAM = "mg_instance"
+
+
+def instance_key(rid: str, instance: str | None) -> str:
+    return f"{rid}#{instance}" if instance else rid
 
 # Top-1/top-2 logit margin histogram buckets (logit units). Flips were observed at margins
 # <= 0.25 on H200 (ENVIRONMENT.md), so the low end is finely divided.

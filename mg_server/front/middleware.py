@@ -19,12 +19,13 @@
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any, Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mg_server import metrics
-from mg_server.config import FrontConfig
+from mg_server.config import DETERMINISTIC_PARAM, INSTANCE_PARAM, FrontConfig, instance_key
 from mg_server.front.policy import BadRequest, empty_answer_rids, parse_flag, rewrite_body, route
 from mg_server.front.verdict import RuntimeView, verdict_sender
 from mg_server.runtime.protocol import VerdictState
@@ -65,6 +66,17 @@ async def _respond(send: Send, status: int, body: bytes, content_type: bytes, ex
     headers = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers + list(extra)})
     await send({"type": "http.response.body", "body": body})
+
+
+def _stamp_instance(body: dict) -> str:
+    """Give this request's flagged parameter sets a fresh instance id (see config.INSTANCE_PARAM)."""
+    inst = uuid.uuid4().hex[:16]
+    params = body.get("sampling_params", body)  # /generate: one dict or a list; OpenAI: the body
+    for p in params if isinstance(params, list) else [params]:
+        custom = p.get("custom_params") if isinstance(p, dict) else None
+        if isinstance(custom, dict) and custom.get(DETERMINISTIC_PARAM):
+            custom[INSTANCE_PARAM] = inst
+    return inst
 
 
 def error_body(message: str, status: int = 400, param: str = "X-Deterministic") -> bytes:
@@ -119,7 +131,12 @@ class DeterministicMiddleware:
                 if flag:
                     rid = parsed["rid"]
                     rids = [rid] if isinstance(rid, str) else list(rid)
-                    settled = dict.fromkeys(empty_answer_rids(parsed, rids), VerdictState.VERIFIED)
+                    empty = empty_answer_rids(parsed, rids)
+                    if self.config.controller_ipc:  # verdicts are asked per request instance
+                        inst = _stamp_instance(parsed)
+                        empty = {instance_key(r, inst) for r in empty}
+                        rids = [instance_key(r, inst) for r in rids]
+                    settled = dict.fromkeys(empty, VerdictState.VERIFIED)
                 body = json.dumps(parsed).encode()
                 headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
                 scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}

@@ -136,7 +136,8 @@ def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view:
             failed = failed or STREAM_ERROR in body
             done = body.find(b"data: [DONE]")
             if done >= 0:
-                comment = b": mg-verdict " + json.dumps({"rids": rids, "states": await states()}).encode() + b"\n\n"
+                shown = [r.rpartition("#")[0] or r for r in rids]  # the client's ids, not mg's instance keys
+                comment = b": mg-verdict " + json.dumps({"rids": shown, "states": await states()}).encode() + b"\n\n"
                 message = {**message, "body": body[:done] + comment + body[done:]}
             return await send(message)
         if held is not None and not message.get("more_body", False):

@@ -35,19 +35,21 @@ import torch
 from torch import Tensor
 
 from mg_server import metrics
-from mg_server.config import DETERMINISTIC_PARAM, HookConfig
+from mg_server.config import DETERMINISTIC_PARAM, INSTANCE_PARAM, HookConfig, instance_key
 from mg_server.runtime import protocol as P
 from mg_server.runtime.liveness import BEAT_PERIOD_S, seam_beat_path, write_beat
 
 log = logging.getLogger(__name__)
 
 
-def protected_rows(sampling_info) -> list[tuple[int, object]]:
-    """(row, Req) of the batch's requests that carry mg's flag (cheap: CPU lists only)."""
+def protected_rows(sampling_info) -> list[tuple[int, object, str]]:
+    """(row, Req, instance key) of the batch's requests that carry mg's flag (cheap: CPU lists
+    only). The key (rid + the front's instance id) names the request in all of mg's bookkeeping."""
     if sampling_info is None or not sampling_info.has_custom_logit_processor:
         return []  # plain batches: mg's flag travels with a custom logit processor, so none here
     params = sampling_info.custom_params or ()
-    return [(i, p["__req__"]) for i, p in enumerate(params) if p and p.get(DETERMINISTIC_PARAM)]
+    return [(i, p["__req__"], instance_key(p["__req__"].rid, p.get(INSTANCE_PARAM)))
+            for i, p in enumerate(params) if p and p.get(DETERMINISTIC_PARAM)]
 
 
 def top2(logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -141,7 +143,7 @@ class ControllerLink:
         self.info = self.client.hello()
         self.policy = Policy(self.info.mode, self.info.tau)  # the controller's own policy (pure)
         self.slots = SlotBuffer.attach(self.info.shm) if self.info.shm is not None else None
-        self.tracked: dict[str, Tracked] = {}  # rid -> state, until its Finish is sent
+        self.tracked: dict[str, Tracked] = {}  # instance key -> state, until its Finish is sent
         self.lock = threading.Lock()  # guards `tracked`
         self.rpc_lock = threading.Lock()  # guards `client`
         self.beat_path, self._last_beat, self.watch_error = seam_beat_path(config.controller_ipc), 0.0, ""
@@ -225,12 +227,12 @@ class StepSeam:
             return None
         t0 = time.perf_counter()
         logits = args[0].next_token_logits  # [bs, vocab] on the model's device, pre-sampling
-        idx = torch.tensor([i for i, _ in rows], dtype=torch.int64, device=logits.device)
+        idx = torch.tensor([i for i, _, _ in rows], dtype=torch.int64, device=logits.device)
         margin, fast = top2(logits.index_select(0, idx))  # [rows] fp32, [rows] int64
         pos = args[5].to(logits.device).index_select(0, idx)  # [rows] positions from the forward batch
         # One device-to-host copy for all three; fp64 holds every token id and position exactly.
         packed = torch.stack([margin.double(), fast.double(), pos.double()], dim=1).tolist()
-        steps = [(i, req, int(p), m, int(f)) for (i, req), (m, f, p) in zip(rows, packed)]
+        steps = [(i, req, int(p), m, int(f), key) for (i, req, key), (m, f, p) in zip(rows, packed)]
         if self.link is None:
             # Mode off: count and never touch the logits. Without mg's own token list, a row is a
             # step once its position reaches the prompt's last.
@@ -248,10 +250,10 @@ class StepSeam:
     def _classify(self, steps):
         """Split rows into steps for the controller and failures (caller holds the lock)."""
         live, fails = [], []
-        for i, req, pos, margin, fast in steps:
-            t = self.link.tracked.get(req.rid)
+        for i, req, pos, margin, fast, key in steps:
+            t = self.link.tracked.get(key)
             if t is not None and t.req is not req:
-                fails.append((req, f"request id {req.rid!r} is already in use"))
+                fails.append((req, key, f"request id {req.rid!r} is already in use"))
                 continue
             if t is not None and t.failed:
                 continue
@@ -260,12 +262,12 @@ class StepSeam:
                 continue  # a non-final prefill chunk: SGLang discards this row's token
             why = unmodelled(req) if t is None else ""
             if why:
-                fails.append((req, why))
+                fails.append((req, key, why))
                 continue
             if pos > n - 1:
-                fails.append((req, f"mg missed a step: position {pos}, but it holds {n} tokens"))
+                fails.append((req, key, f"mg missed a step: position {pos}, but it holds {n} tokens"))
                 continue
-            live.append((i, req, pos, margin, fast, t is None))
+            live.append((i, req, pos, margin, fast, t is None, key))
         return live, fails
 
     def _control(self, logits: Tensor, steps) -> bool:
@@ -282,8 +284,8 @@ class StepSeam:
         self._count(live)
         decisions: list[P.StepDecision] = []
         if live:
-            rows = [P.StepRow(rid=req.rid, pos=pos, prompt=list(req.origin_input_ids) if first else [],
-                              margin=margin, fast_token=fast) for _, req, pos, margin, fast, first in live]
+            rows = [P.StepRow(rid=key, pos=pos, prompt=list(req.origin_input_ids) if first else [],
+                              margin=margin, fast_token=fast) for _, req, pos, margin, fast, first, key in live]
             try:
                 if any(link.policy.should_verify(r.margin) for r in rows):
                     with link.rpc_lock:
@@ -296,10 +298,10 @@ class StepSeam:
                 decisions = [P.StepDecision(rid=r.rid, error=f"mg controller unavailable: {e}") for r in rows]
         force_rows, force_toks, any_verified = [], [], False
         with link.lock:
-            for (i, req, pos, *_), d in zip(live, decisions):
-                t = link.tracked.setdefault(req.rid, Tracked(req, list(req.origin_input_ids)))
+            for (i, req, pos, *_, key), d in zip(live, decisions):
+                t = link.tracked.setdefault(key, Tracked(req, list(req.origin_input_ids)))
                 if d.error:
-                    fails.append((req, d.error))
+                    fails.append((req, key, d.error))
                     continue
                 t.tokens.append(d.token)
                 force_rows.append(i)
@@ -310,14 +312,14 @@ class StepSeam:
                         write_kv_column(self.runner.token_to_kv_pool, self.runner.req_to_token_pool.req_to_token,
                                         req.req_pool_idx, pos, link.slots.read(d.slot, d.gen))
                     except Exception as e:  # noqa: BLE001
-                        fails.append((req, f"deterministic K/V repair failed: {e}"))
-            for req, _ in fails:
-                t = link.tracked.get(req.rid)
+                        fails.append((req, key, f"deterministic K/V repair failed: {e}"))
+            for req, key, _ in fails:
+                t = link.tracked.get(key)
                 if t is not None and t.req is req:
                     t.failed = True
         if force_rows:
             force_tokens(logits, force_rows, force_toks)
-        for req, why in fails:
+        for req, _, why in fails:
             self._fail(req, why)
         return any_verified
 
