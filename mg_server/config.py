@@ -66,6 +66,7 @@ class ServeConfig:
     tau_profile: str | None = None  # a tau profile file (`serve --profile`, written by `mg-server calibrate`)
     run_dir: str = ""  # ipc sockets of this instance's controller and verifier
     verifier_memory_gb: float | None = None  # CUDA memory budget of the verifier worker
+    drain_timeout_s: float = 30.0  # SIGTERM: the longest wait for requests to drain before stopping
 
     @property
     def cpu(self) -> bool:

@@ -118,6 +118,7 @@ def start_runtime(cfg: ServeConfig):
     if cfg.mg_mode == "off":
         return "", None
     from mg_server.runtime.channel import RpcError
+    from mg_server.runtime.cleanup import shm_base
     from mg_server.runtime.controller.client import ControllerClient
     from mg_server.runtime.controller.server import ControllerConfig, start_controller
     from mg_server.runtime.liveness import beat_path, stale_reason
@@ -127,6 +128,7 @@ def start_runtime(cfg: ServeConfig):
     tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile)
     verifier = VerifierConfig(
         model_path=cfg.model_path, ipc_path=str(Path(cfg.run_dir) / "verifier.sock"),
+        shm_name=shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),
         device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
         memory_gb=cfg.verifier_memory_gb or 0.0,
     )
@@ -158,6 +160,7 @@ def start_runtime(cfg: ServeConfig):
              f"{info.verifier_memory_bytes / (1 << 30):.2f} GB of device memory held"
              + (f" (budget {cfg.verifier_memory_gb:g} GB)" if cfg.verifier_memory_gb else "")
              if info.verifier_memory_bytes else "host memory")
+    # atexit runs last-registered first: the runtime stops, then its files go
     atexit.register(_stop_runtime, proc, ccfg.ipc_path)
     threading.Thread(target=_watch_runtime, args=(proc,), name="mg-runtime-watch", daemon=True).start()
     return ccfg.ipc_path, info
@@ -184,9 +187,21 @@ def _watch_runtime(proc) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _instance_files(cfg: ServeConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(folders, shared-memory names) this server instance owns (runtime.cleanup)."""
+    from mg_server.runtime.cleanup import shm_base
+
+    return (cfg.run_dir, cfg.metrics_dir), (shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),)
+
+
 def serve(cfg: ServeConfig) -> None:
+    from mg_server.runtime.cleanup import remove_instance
     from mg_server.sglang_ext import compat
 
+    def cleanup() -> None:
+        remove_instance(*_instance_files(cfg))
+
+    atexit.register(cleanup)  # registered first, so it runs after the runtime has stopped
     log.info("SGLang compatibility: %s", compat.install(cfg.profile).summary())
     _fresh_metrics_dir(cfg.metrics_dir)
 
@@ -202,6 +217,9 @@ def serve(cfg: ServeConfig) -> None:
     parsed = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg)))
     refuse_on_host(parsed, cfg.profile)
     refuse_unsupported(parsed, cfg.mg_mode)
+    from mg_server.sglang_ext import shutdown
+
+    shutdown.install(cleanup, cfg.drain_timeout_s)
     controller_ipc, info = start_runtime(cfg)
 
     from mg_server.front.middleware import DeterministicMiddleware

@@ -355,7 +355,8 @@ def run_controller(cfg: ControllerConfig) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = cfg.metrics_dir  # before the first metric exists
     logging.basicConfig(level=logging.INFO, format="[mg-controller %(asctime)s] %(message)s")
     # Orphaned (mg-server killed): exit; the verifier's own lifeline then stops it.
-    lifeline = Lifeline(beat_path(cfg.ipc_path), cfg.parent_pid, name="mg-controller-life").start()
+    lifeline = Lifeline(beat_path(cfg.ipc_path), cfg.parent_pid, lambda: _remove_instance(cfg),
+                        name="mg-controller-life").start()
     ctl = Controller(cfg, lifeline)
     try:
         try:
@@ -370,6 +371,14 @@ def run_controller(cfg: ControllerConfig) -> None:
     finally:
         lifeline.stop()
         ctl.close()
+
+
+def _remove_instance(cfg: ControllerConfig) -> None:
+    """mg-server is gone (e.g. kill -9): nobody else will remove the instance's files."""
+    from mg_server.runtime.cleanup import remove_instance
+
+    remove_instance((os.path.dirname(cfg.ipc_path), cfg.metrics_dir),
+                    (cfg.verifier.shm_base,) if cfg.verifier is not None else ())
 
 
 def start_controller(cfg: ControllerConfig) -> mp.Process:
