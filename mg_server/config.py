@@ -51,6 +51,7 @@ class FrontConfig:
     controller_ipc: str = ""  # "" = no controller: no verdict headers
     kernel_config_id: str = ""  # the verifier's, reported on deterministic responses
     verdict_wait_s: float = 120.0  # how long a response waits for its request's final audit (CPU: long)
+    api_key: str = ""  # SGLang's --api-key: /metrics (served by mg, ahead of SGLang's auth) needs it too
 
 
 @dataclass(frozen=True)

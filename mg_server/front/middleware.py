@@ -13,7 +13,9 @@
   before `data: [DONE]`, since its headers left before the tokens existed.
 - `GET /health` (and `/health_generate`) is a 503 with a JSON reason while mg's runtime cannot
   serve deterministic requests (controller not beating, verifier down); otherwise SGLang answers.
-- Serves `GET /metrics` from the prometheus multiprocess folder (mg's and SGLang's metrics).
+- Serves `GET /metrics` from the prometheus multiprocess folder (mg's and SGLang's metrics),
+  behind the server's `--api-key` when it has one.
+- Errors get short messages and server info loses its secrets (front.redact).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from mg_server import metrics
 from mg_server.config import DETERMINISTIC_PARAM, INSTANCE_PARAM, FrontConfig, instance_key
+from mg_server.front.redact import INFO_PATHS, bearer_ok, cleaning_sender
 from mg_server.front.policy import BadRequest, empty_answer_rids, parse_flag, rewrite_body, route
 from mg_server.front.verdict import RuntimeView, verdict_sender
 from mg_server.runtime.protocol import VerdictState
@@ -80,7 +83,7 @@ def _stamp_instance(body: dict) -> str:
 
 
 def error_body(message: str, status: int = 400, param: str = "X-Deterministic") -> bytes:
-    kind = "BadRequestError" if status == 400 else "ServiceUnavailableError"
+    kind = {400: "BadRequestError", 401: "AuthenticationError"}.get(status, "ServiceUnavailableError")
     return json.dumps({"object": "error", "message": message, "type": kind, "param": param, "code": status}).encode()
 
 
@@ -94,7 +97,11 @@ class DeterministicMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, method = scope["path"], scope["method"]
+        send = cleaning_sender(send, info=method == "GET" and path in INFO_PATHS)  # front.redact
         if path == "/metrics" and method == "GET":
+            if self.config.api_key and not bearer_ok(scope["headers"], self.config.api_key):
+                return await _respond(send, 401, error_body("/metrics needs the server's API key", 401, "Authorization"),
+                                      b"application/json")
             data = metrics.render(self.config.metrics_dir)
             return await _respond(send, 200, data, CONTENT_TYPE_LATEST.encode())
         if path in HEALTH_PATHS and method == "GET":

@@ -85,6 +85,20 @@ def write_kv_column(token_to_kv_pool, req_to_token: Tensor, req_pool_idx: int, p
         pool.set_kv_buffer(None, loc, column[layer, 0][None], column[layer, 1][None], layer_id_override=layer)
 
 
+UNMODELLED_REASONS = {
+    "grammar": "grammar-constrained decoding is not verified (the verifier decodes unconstrained)",
+    "penalties": "penalties, logit_bias and min_new_tokens are not verified (the verifier does not apply them)",
+    "logprobs": "logprobs are not served (mg forces the logits of every deterministic step)",
+    "lora": "LoRA adapters are not verified (the verifier runs the base model)",
+}
+PUBLIC_REASONS = frozenset(UNMODELLED_REASONS.values())
+# (prefix of an internal reason, what the client is told)
+PUBLIC_PREFIXES = (("mg controller unavailable", "mg controller unavailable"),
+                   ("deterministic verifier is not running", "deterministic verifier is not running"),
+                   ("verifier: [", "the deterministic verifier failed on this request"))
+INTERNAL_REASON = "mg could not verify this request (the server log has the details)"
+
+
 def unmodelled(req) -> str:
     """Why the verifier could not compute this request's greedy tokens ("" if it can).
 
@@ -93,13 +107,13 @@ def unmodelled(req) -> str:
     the header), so such a request fails instead of getting a verdict about other tokens."""
     sp = req.sampling_params
     if req.grammar is not None:
-        return "grammar-constrained decoding is not verified (the verifier decodes unconstrained)"
+        return UNMODELLED_REASONS["grammar"]
     if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1 or sp.min_new_tokens or sp.logit_bias:
-        return "penalties, logit_bias and min_new_tokens are not verified (the verifier does not apply them)"
+        return UNMODELLED_REASONS["penalties"]
     if req.return_logprob:
-        return "logprobs are not served (mg forces the logits of every deterministic step)"
+        return UNMODELLED_REASONS["logprobs"]
     if req.lora_id:
-        return "LoRA adapters are not verified (the verifier runs the base model)"
+        return UNMODELLED_REASONS["lora"]
     return ""
 
 
@@ -328,8 +342,12 @@ class StepSeam:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         log.error("mg: deterministic request %s failed: %s", req.rid, why)
+        # The client learns what it can act on (a parameter, its request id); mg's internal
+        # state (positions, token counts, controller and verifier errors) stays in the log.
+        public = why if why in PUBLIC_REASONS or why.startswith("request id ") else next(
+            (short for prefix, short in PUBLIC_PREFIXES if why.startswith(prefix)), INTERNAL_REASON)
         if req.to_finish is None:  # the first reason is the one the client gets
-            req.to_finish = FINISH_ABORT(f"deterministic decoding failed: {why}", HTTPStatus.SERVICE_UNAVAILABLE,
+            req.to_finish = FINISH_ABORT(f"deterministic decoding failed: {public}", HTTPStatus.SERVICE_UNAVAILABLE,
                                          "ServiceUnavailable")
 
 

@@ -230,7 +230,7 @@ def serve(cfg: ServeConfig) -> None:
     app.add_middleware(
         DeterministicMiddleware,
         config=FrontConfig(noop_processor=serialized(), metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
-                           kernel_config_id=info.kernel_config_id if info else ""),
+                           kernel_config_id=info.kernel_config_id if info else "", api_key=server_args.api_key or ""),
     )
     log.info("mg-server: SGLang %s, model %s, http://%s:%d", version, cfg.model_path, cfg.host, cfg.port)
     launch_server(server_args)
