@@ -51,6 +51,7 @@ class FrontConfig:
     controller_ipc: str = ""  # "" = no controller: no verdict headers
     kernel_config_id: str = ""  # the verifier's, reported on deterministic responses
     verdict_wait_s: float = 120.0  # how long a response waits for its request's final audit (CPU: long)
+    vocab_size: int = 0  # the model's: token ids in request bodies are checked against it (0: unchecked)
     api_key: str = ""  # SGLang's --api-key: /metrics (served by mg, ahead of SGLang's auth) needs it too
 
 

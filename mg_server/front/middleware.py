@@ -15,7 +15,8 @@
   serve deterministic requests (controller not beating, verifier down); otherwise SGLang answers.
 - Serves `GET /metrics` from the prometheus multiprocess folder (mg's and SGLang's metrics),
   behind the server's `--api-key` when it has one.
-- Errors get short messages and server info loses its secrets (front.redact).
+- Errors get short messages and server info loses its secrets (front.redact); token ids
+  outside the vocabulary are a 400 for every request (front.tokens: one stopped the server).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from mg_server import metrics
 from mg_server.config import DETERMINISTIC_PARAM, INSTANCE_PARAM, FrontConfig, instance_key
-from mg_server.front.redact import INFO_PATHS, bearer_ok, cleaning_sender
 from mg_server.front.policy import BadRequest, empty_answer_rids, parse_flag, rewrite_body, route
+from mg_server.front.redact import INFO_PATHS, bearer_ok, cleaning_sender
+from mg_server.front.tokens import TOKEN_PATHS, bad_token_ids
 from mg_server.front.verdict import RuntimeView, verdict_sender
 from mg_server.runtime.protocol import VerdictState
 
@@ -109,6 +111,19 @@ class DeterministicMiddleware:
             if problem:
                 return await _respond(send, 503, error_body(problem, 503, "mg"), b"application/json")
 
+        if path in TOKEN_PATHS and method in ("POST", "PUT") and self.config.vocab_size:
+            try:
+                body = await _read_body(receive)
+            except ConnectionError:
+                return
+            try:
+                problem = bad_token_ids(json.loads(body), path, self.config.vocab_size)
+            except ValueError:
+                problem = ""  # not JSON: SGLang answers it
+            if problem:
+                return await _respond(send, 400, error_body(problem, param=problem.partition(":")[0]),
+                                      b"application/json")
+            receive = _replay(body, receive)
         raw = dict(scope["headers"]).get(HEADER)
         if raw is None:
             return await self.app(scope, receive, send)

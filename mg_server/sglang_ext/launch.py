@@ -194,6 +194,17 @@ def _instance_files(cfg: ServeConfig) -> tuple[tuple[str, ...], tuple[str, ...]]
     return (cfg.run_dir, cfg.metrics_dir), (shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),)
 
 
+def _vocab_size(model_path: str) -> int:
+    """The model's vocabulary size from its config.json (0 if it has none: ids go unchecked)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    size = text.get("vocab_size", 0)
+    return size if isinstance(size, int) and size > 0 else 0
+
+
 def serve(cfg: ServeConfig) -> None:
     from mg_server.runtime.cleanup import remove_instance
     from mg_server.sglang_ext import compat
@@ -230,7 +241,8 @@ def serve(cfg: ServeConfig) -> None:
     app.add_middleware(
         DeterministicMiddleware,
         config=FrontConfig(noop_processor=serialized(), metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
-                           kernel_config_id=info.kernel_config_id if info else "", api_key=server_args.api_key or ""),
+                           kernel_config_id=info.kernel_config_id if info else "", api_key=server_args.api_key or "",
+                           vocab_size=_vocab_size(cfg.model_path)),
     )
     log.info("mg-server: SGLang %s, model %s, http://%s:%d", version, cfg.model_path, cfg.host, cfg.port)
     launch_server(server_args)
