@@ -102,8 +102,8 @@ class DeterministicMiddleware:
         send = cleaning_sender(send, info=method == "GET" and path in INFO_PATHS)  # front.redact
         if path == "/metrics" and method == "GET":
             if self.config.api_key and not bearer_ok(scope["headers"], self.config.api_key):
-                return await _respond(send, 401, error_body("/metrics needs the server's API key", 401, "Authorization"),
-                                      b"application/json")
+                return await _respond(send, 401, error_body("/metrics needs the server's API key", 401,
+                                                            "Authorization"), b"application/json")
             data = metrics.render(self.config.metrics_dir)
             return await _respond(send, 200, data, CONTENT_TYPE_LATEST.encode())
         if path in HEALTH_PATHS and method == "GET":
