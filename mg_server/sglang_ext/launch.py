@@ -110,8 +110,21 @@ def _fresh_metrics_dir(path: str) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # before any process creates a metric
 
 
-def start_runtime(cfg: ServeConfig):
-    """Start the controller (which starts the verifier) and wait until both report ready.
+def served_context(server_args, model_path: str) -> int:
+    """The longest sequence SGLang serves: --context-length, else the model's own limit."""
+    if server_args.context_length:
+        return int(server_args.context_length)
+    try:
+        conf = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 4096
+    conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else conf
+    return int(conf.get("max_position_embeddings") or 4096)
+
+
+def start_runtime(cfg: ServeConfig, context_len: int = 4096):
+    """Start the controller (which starts the verifier) and wait until both report ready. The
+    verifier accepts sequences as long as SGLang's (`context_len`), its pool holds two of them.
 
     Returns (controller ipc path, ControllerInfo), or ("", None) in mode "off".
     """
@@ -130,7 +143,7 @@ def start_runtime(cfg: ServeConfig):
         model_path=cfg.model_path, ipc_path=str(Path(cfg.run_dir) / "verifier.sock"),
         shm_name=shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),
         device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
-        memory_gb=cfg.verifier_memory_gb or 0.0,
+        memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=max(16384, 2 * context_len),
     )
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
                             metrics_dir=cfg.metrics_dir, verifier=verifier)
@@ -231,12 +244,20 @@ def serve(cfg: ServeConfig) -> None:
     from mg_server.sglang_ext import shutdown
 
     shutdown.install(cleanup, cfg.drain_timeout_s)
-    controller_ipc, info = start_runtime(cfg)
+    context_len = served_context(parsed, cfg.model_path)
+    controller_ipc, info = start_runtime(cfg, context_len)
 
     from mg_server.front.middleware import DeterministicMiddleware
     from mg_server.sglang_ext.processor import serialized
 
-    hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc)
+    # A step may wait for a whole context's catch-up, one verify timeout per chunk (a dead or
+    # stopped controller is noticed from its beat within seconds, whatever this bound).
+    from mg_server.runtime.controller.server import ControllerConfig
+
+    ccfg = ControllerConfig(ipc_path="", mode=cfg.mg_mode, tau=0.0, metrics_dir="")
+    chunks = -(-context_len // ccfg.catchup_chunk) + 1
+    hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
+                      step_timeout_s=max(60.0, chunks * ccfg.verify_timeout_s))
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(
         DeterministicMiddleware,
