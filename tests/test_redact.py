@@ -80,3 +80,18 @@ def test_metrics_need_the_api_key(client):
     assert client.get("/metrics").status_code == 401
     assert client.get("/metrics", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert client.get("/metrics", headers={"Authorization": "Bearer sekret"}).status_code == 200
+
+
+def test_bodies_sglang_does_not_survive_are_refused():
+    from mg_server.front.tokens import bad_token_ids
+
+    assert "input_ids" in bad_token_ids({"input_ids": [[1, 100]]}, "/generate", 100)
+    assert "input_ids" in bad_token_ids({"input_ids": [1, -1]}, "/generate", 100)
+    assert "prompt" in bad_token_ids({"prompt": [100]}, "/v1/completions", 100)
+    assert "max_new_tokens" in bad_token_ids({"text": "a", "sampling_params": {"max_new_tokens": "many"}},
+                                             "/generate", 100)
+    assert "[1].top_k" in bad_token_ids({"text": ["a", "b"], "sampling_params": [{}, {"top_k": 1.5}]},
+                                        "/generate", 100)
+    for ok in ({"input_ids": [[0, 99]], "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+               {"text": "ids in text: 500", "sampling_params": None}, {"prompt": "text"}, {"prompt": ["a", "b"]}):
+        assert bad_token_ids(ok, "/generate" if "prompt" not in ok else "/v1/completions", 100) == ""

@@ -58,6 +58,7 @@ LEAKS = ('File "', "Traceback", "site-packages", ".venv", "/root/", "/work/", "/
     ("/generate", {"input_ids": [5, -1], "sampling_params": {"max_new_tokens": 2}}),
     ("/v1/completions", {"model": "default", "prompt": [49152], "max_tokens": 2}),
     ("/v1/chat/completions", {"model": "default", "messages": "x"}),
+    ("/generate", {"text": "a", "sampling_params": {"max_new_tokens": "many"}}),  # was a 500
 ])
 def test_bad_bodies_get_short_errors_and_never_stop_the_server(server, http, path, body):
     kw = {"data": body} if isinstance(body, str) else {"json": body}
