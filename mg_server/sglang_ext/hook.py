@@ -80,7 +80,7 @@ def write_kv_column(token_to_kv_pool, req_to_token: Tensor, req_pool_idx: int, p
     if column.shape[0] != n_layers or column.shape[2:] != pool.k_buffer[0].shape[1:]:
         raise RuntimeError(f"verifier K/V column {tuple(column.shape)} does not fit the pool "
                            f"({n_layers} layers of {tuple(pool.k_buffer[0].shape[1:])})")
-    column = column.to(device=pool.k_buffer[0].device, dtype=pool.k_buffer[0].dtype)
+    column = column.to(device=pool.k_buffer[0].device)  # same dtype: check_dtype at start-up, no cast
     for layer in range(n_layers):
         pool.set_kv_buffer(None, loc, column[layer, 0][None], column[layer, 1][None], layer_id_override=layer)
 
@@ -361,11 +361,21 @@ def check_runner(runner) -> None:
                            f"{type(pool).__name__} (serve it with --mg-mode off)")
 
 
+def check_dtype(runner, verifier_dtype: str) -> None:
+    """Refuse, at start-up, a K/V pool whose dtype is not the verifier's (no silent cast)."""
+    pool_dtype = str(runner.token_to_kv_pool.k_buffer[0].dtype).removeprefix("torch.")
+    if pool_dtype != verifier_dtype:
+        raise RuntimeError(f"mg: SGLang's K/V cache is {pool_dtype} but the verifier's is {verifier_dtype}; "
+                           f"serve with --dtype {verifier_dtype} (or --mg-mode off)")
+
+
 def make_hook(config: dict):
     """Factory named in SGLang's --forward-hooks spec: attaches the seam, registers no module hook."""
     runner = find_model_runner()
     check_runner(runner)
     seam = StepSeam(HookConfig.from_json_dict(config), runner)
+    if seam.link is not None and seam.link.info.shm is not None:
+        check_dtype(runner, seam.link.info.shm.dtype)
     runner.sampler.register_forward_pre_hook(seam)
     log.info("mg: step seam attached to %s.sampler (controller: %s); no module hook is needed",
              type(runner).__name__, config.get("controller_ipc") or "none")

@@ -96,6 +96,26 @@ def refuse_unsupported(server_args, mode: str) -> None:
                          + "\n  - ".join(problems))
 
 
+def refuse_dtype_mismatch(server_args, mode: str, verifier_dtype: str = "bfloat16") -> None:
+    """The dtype SGLang will run the model in (its own rule for --dtype auto: the config's dtype,
+    float32 configs downcast) must be the verifier's: mg never casts K/V columns or compares
+    logits across dtypes silently."""
+    if mode == "off":
+        return
+    from sglang.srt.configs.model_config import _get_and_verify_dtype
+
+    try:
+        conf = json.loads((Path(server_args.model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # not a local checkpoint: the seam checks the runner's pool at start-up
+    conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else conf
+    served = str(_get_and_verify_dtype(conf, server_args.dtype)).removeprefix("torch.")
+    if served != verifier_dtype:
+        raise ValueError(f"SGLang would run this model in {served} (--dtype {server_args.dtype}, the model's config "
+                         f"says {conf.get('dtype') or conf.get('torch_dtype')}); mg's verifier runs {verifier_dtype}: "
+                         f"pass --dtype {verifier_dtype}, or serve with --mg-mode off")
+
+
 def refuse_on_host(server_args, profile: str) -> None:
     """Configurations that would let one request stop the server on this host (any mg mode)."""
     if profile == "cpu" and server_args.grammar_backend == "xgrammar":
@@ -241,6 +261,7 @@ def serve(cfg: ServeConfig) -> None:
     parsed = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg)))
     refuse_on_host(parsed, cfg.profile)
     refuse_unsupported(parsed, cfg.mg_mode)
+    refuse_dtype_mismatch(parsed, cfg.mg_mode)
     from mg_server.sglang_ext import shutdown
 
     shutdown.install(cleanup, cfg.drain_timeout_s)
