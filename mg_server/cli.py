@@ -48,6 +48,12 @@ def _parser() -> argparse.ArgumentParser:
                         "default: weights plus a 16384-token pool. SGLang sizes its own pool from what is left")
     s.add_argument("--mg-drain-timeout", type=float, default=30.0, metavar="S",
                    help="after SIGTERM, wait at most S seconds for requests to drain, then stop (default 30)")
+    s.add_argument("--mg-verify-timeout", type=float, default=30.0, metavar="S",
+                   help="longest wait for one verifier call (one catch-up chunk or one verify step; default 30)")
+    s.add_argument("--mg-catchup-chunk", type=int, default=256, metavar="N",
+                   help="tokens per verifier call when it catches up (long prompts; default 256)")
+    s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
+                   help="longest wait of a response for its verdict (the final audit; default 120)")
 
     c = sub.add_parser(
         "calibrate",
@@ -119,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         model = str(prepare_model())
     if not args.mg_drain_timeout >= 0:
         _parser().error("--mg-drain-timeout must be >= 0")
+    if not (args.mg_verify_timeout > 0 and args.mg_verdict_wait > 0 and args.mg_catchup_chunk >= 1):
+        _parser().error("--mg-verify-timeout and --mg-verdict-wait must be > 0, --mg-catchup-chunk >= 1")
     if args.mg_verifier_memory_gb is not None and not args.mg_verifier_memory_gb > 0:
         _parser().error("--mg-verifier-memory-gb must be > 0")
     try:
@@ -144,6 +152,9 @@ def main(argv: list[str] | None = None) -> int:
         tau_profile=args.tau_profile,
         run_dir=tempfile.mkdtemp(prefix=temp_prefix("run", args.port, os.getpid())),
         drain_timeout_s=args.mg_drain_timeout,
+        verify_timeout_s=args.mg_verify_timeout,
+        catchup_chunk=args.mg_catchup_chunk,
+        verdict_wait_s=args.mg_verdict_wait,
         verifier_memory_gb=args.mg_verifier_memory_gb,
     )
     from mg_server.sglang_ext.launch import serve

@@ -69,6 +69,9 @@ class ServeConfig:
     run_dir: str = ""  # ipc sockets of this instance's controller and verifier
     verifier_memory_gb: float | None = None  # CUDA memory budget of the verifier worker
     drain_timeout_s: float = 30.0  # SIGTERM: the longest wait for requests to drain before stopping
+    verify_timeout_s: float = 30.0  # one verifier call (a catch-up chunk or a verify step)
+    catchup_chunk: int = 256  # tokens per verifier call when it catches up
+    verdict_wait_s: float = 120.0  # a response's longest wait for its verdict
 
     @property
     def cpu(self) -> bool:

@@ -166,7 +166,8 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=max(16384, 2 * context_len),
     )
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
-                            metrics_dir=cfg.metrics_dir, verifier=verifier)
+                            metrics_dir=cfg.metrics_dir, verifier=verifier, verify_timeout_s=cfg.verify_timeout_s,
+                            catchup_chunk=cfg.catchup_chunk)
     proc = start_controller(ccfg)
 
     def controller_gone() -> str:  # a dead or stopped controller fails the start now, not after start_timeout_s
@@ -273,17 +274,15 @@ def serve(cfg: ServeConfig) -> None:
 
     # A step may wait for a whole context's catch-up, one verify timeout per chunk (a dead or
     # stopped controller is noticed from its beat within seconds, whatever this bound).
-    from mg_server.runtime.controller.server import ControllerConfig
-
-    ccfg = ControllerConfig(ipc_path="", mode=cfg.mg_mode, tau=0.0, metrics_dir="")
-    chunks = -(-context_len // ccfg.catchup_chunk) + 1
+    chunks = -(-context_len // cfg.catchup_chunk) + 1
     hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
-                      step_timeout_s=max(60.0, chunks * ccfg.verify_timeout_s))
+                      step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s))
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(
         DeterministicMiddleware,
         config=FrontConfig(noop_processor=serialized(), metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
                            kernel_config_id=info.kernel_config_id if info else "", api_key=server_args.api_key or "",
+                           verdict_wait_s=cfg.verdict_wait_s,
                            vocab_size=_vocab_size(cfg.model_path)),
     )
     log.info("mg-server: SGLang %s, model %s, http://%s:%d", version, cfg.model_path, cfg.host, cfg.port)
