@@ -11,7 +11,7 @@ PORT ?= 30000
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: venv serve test test-fast prepare-model lock bench-serve bench-determinism docker-test docker-lint loadtest clean
+.PHONY: venv serve test test-fast lint prepare-model lock bench-serve bench-determinism docker-test docker-lint loadtest clean
 LOCUST_ARGS ?=
 
 venv: $(STAMP)
@@ -36,8 +36,12 @@ prepare-model: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/mg-server serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+
+# ruff (configured in pyproject.toml); `make test` runs it first, so CI does.
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not server" $(PYTEST_ARGS)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -45,6 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--mg-verifier-memory-gb", type=float,
                    help="CUDA memory the verifier worker may hold (its weights, K/V pool and workspace); "
                         "default: weights plus a 16384-token pool. SGLang sizes its own pool from what is left")
+    s.add_argument("--mg-drain-timeout", type=float, default=30.0, metavar="S",
+                   help="after SIGTERM, wait at most S seconds for requests to drain, then stop (default 30)")
+    s.add_argument("--mg-verify-timeout", type=float, default=30.0, metavar="S",
+                   help="longest wait for one verifier call (one catch-up chunk or one verify step; default 30)")
+    s.add_argument("--mg-catchup-chunk", type=int, default=256, metavar="N",
+                   help="tokens per verifier call when it catches up (long prompts; default 256)")
+    s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
+                   help="longest wait of a response for its verdict (the final audit; default 120)")
 
     c = sub.add_parser(
         "calibrate",
@@ -114,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         from mg_server.model.prepare import prepare_model
 
         model = str(prepare_model())
+    if not args.mg_drain_timeout >= 0:
+        _parser().error("--mg-drain-timeout must be >= 0")
+    if not (args.mg_verify_timeout > 0 and args.mg_verdict_wait > 0 and args.mg_catchup_chunk >= 1):
+        _parser().error("--mg-verify-timeout and --mg-verdict-wait must be > 0, --mg-catchup-chunk >= 1")
     if args.mg_verifier_memory_gb is not None and not args.mg_verifier_memory_gb > 0:
         _parser().error("--mg-verifier-memory-gb must be > 0")
     try:
@@ -123,17 +136,25 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if profile == "cpu" and args.mg_verifier_memory_gb is not None:
         _parser().error("--mg-verifier-memory-gb applies to CUDA devices only")
+    from mg_server.runtime.cleanup import sweep_stale, temp_prefix
+
+    for path in sweep_stale():  # what servers that died before their clean-up left behind
+        logging.getLogger("mg").info("removed a stale file of a dead mg-server: %s", path)
     cfg = ServeConfig(
         model_path=model,
         host=args.host,
         port=args.port,
         profile=profile,
-        metrics_dir=tempfile.mkdtemp(prefix=f"mg-metrics-{args.port}-"),
+        metrics_dir=tempfile.mkdtemp(prefix=temp_prefix("metrics", args.port, os.getpid())),
         sglang_args=tuple(passthrough),
         mg_mode=args.mg_mode,
         mg_tau=args.mg_tau,
         tau_profile=args.tau_profile,
-        run_dir=tempfile.mkdtemp(prefix=f"mg-run-{args.port}-"),
+        run_dir=tempfile.mkdtemp(prefix=temp_prefix("run", args.port, os.getpid())),
+        drain_timeout_s=args.mg_drain_timeout,
+        verify_timeout_s=args.mg_verify_timeout,
+        catchup_chunk=args.mg_catchup_chunk,
+        verdict_wait_s=args.mg_verdict_wait,
         verifier_memory_gb=args.mg_verifier_memory_gb,
     )
     from mg_server.sglang_ext.launch import serve

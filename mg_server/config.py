@@ -11,6 +11,16 @@ DETERMINISTIC_PARAM = "mg_deterministic"
 TEMPERATURE_PARAM = "mg_temperature"
 SEED_PARAM = "mg_seed"  # int in [0, 2**64)
 
+# The key of one request instance (set by the front beside the flag): mg's bookkeeping (the
+# seam's token lists, the controller's states, verdicts) is per instance, so a client that
+# reuses a request id never gets, or disturbs, another instance's state.
+INSTANCE_PARAM = "mg_instance"
+
+
+def instance_key(rid: str, instance: str | None) -> str:
+    return f"{rid}#{instance}" if instance else rid
+
+
 # Top-1/top-2 logit margin histogram buckets (logit units). Flips were observed at margins
 # <= 0.25 on H200 (ENVIRONMENT.md), so the low end is finely divided.
 MARGIN_BUCKETS: tuple[float, ...] = (0.0625, 0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
@@ -50,6 +60,8 @@ class FrontConfig:
     system_fingerprint: str = ""  # runtime.fingerprint: weights + kernel configuration ("" in mode off)
     verdict_wait_s: float = 120.0  # how long a response waits for its request's final audit (CPU: long)
     model_path: str = ""  # its tokenizer spells a corrected answer's text ("" = no text rewrite)
+    vocab_size: int = 0  # the model's: token ids in request bodies are checked against it (0: unchecked)
+    api_key: str = ""  # SGLang's --api-key: /metrics (served by mg, ahead of SGLang's auth) needs it too
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,10 @@ class ServeConfig:
     tau_profile: str | None = None  # a tau profile file (`serve --profile`, written by `mg-server calibrate`)
     run_dir: str = ""  # ipc sockets of this instance's controller and verifier
     verifier_memory_gb: float | None = None  # CUDA memory budget of the verifier worker
+    drain_timeout_s: float = 30.0  # SIGTERM: the longest wait for requests to drain before stopping
+    verify_timeout_s: float = 30.0  # one verifier call (a catch-up chunk or a verify step)
+    catchup_chunk: int = 256  # tokens per verifier call when it catches up
+    verdict_wait_s: float = 120.0  # a response's longest wait for its verdict
 
     @property
     def cpu(self) -> bool:

@@ -46,7 +46,8 @@ class ControllerMetrics:
         self.steps = Counter("mg_steps", "Protected steps by decision (fast commit or verified)", ["decision"])
         self.verify = Counter("mg_verify", "Steps computed by the deterministic verifier")
         self.repair = Counter("mg_repair", "Verified steps where the verifier's token differed (K/V column rewritten)")
-        self.audit_mismatch = Counter("mg_audit_mismatch", "Missed flips found by the verifier's audit of unverified steps")
+        self.audit_mismatch = Counter("mg_audit_mismatch",
+                                      "Missed flips found by the verifier's audit of unverified steps")
         self.corrections = Counter("mg_corrections", "Missed flips whose non-streamed answer the verifier completed "
                                    "from the flip (the response then equals the reference)")
         self.lookahead = Counter("mg_lookahead_steps", "Steps decided after a request's last token (the overlap "

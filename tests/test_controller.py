@@ -304,3 +304,40 @@ def test_a_controller_whose_verifier_did_not_start_says_why_and_stops(make_ctl):
     reply = ctl.handle(P.ControllerHello(protocol_version=P.PROTOCOL_VERSION))
     assert isinstance(reply, P.Error) and reply.error.code == P.ErrorCode.LOAD_FAILED
     assert not ctl.running
+
+
+def test_long_catch_up_goes_to_the_verifier_in_bounded_chunks(make_ctl, monkeypatch):
+    # issue 12, item 9: a long prompt is prefilled (and a long fast-committed stretch audited) in
+    # calls of at most catchup_chunk tokens, so the verify timeout bounds one chunk, not all
+    from dataclasses import replace
+
+    ctl = make_ctl("margin", 0.5)
+    ctl.cfg = replace(ctl.cfg, catchup_chunk=8)
+    prompt = [(3 * i) % 50 for i in range(30)]
+    margins = [0.1] + [5.0] * 20 + [0.1, 5.0]
+    emitted = run_request(ctl, "long", prompt, len(margins), margins, flip_at=10)  # a missed flip at step 10
+    v = ctl._verdict("long")
+    items = ctl.vclient.items
+    assert max(len(it.tokens) for it in items) <= 8 and len(items) > 6
+    # the verifier saw every token exactly once, in order, and audited the missed flip
+    assert sum(len(it.tokens) for it in items) == len(emitted) - 1
+    assert v.state == "mismatch" and v.mismatch_positions == [len(prompt) - 1 + 10]
+    assert items[0].prompt_len == len(prompt) and all(it.prompt_len == 0 for it in items[1:])
+
+
+def test_a_chunk_error_fails_the_request(make_ctl):
+    ctl = make_ctl("always", 0.0)
+    fake = ctl.vclient
+    calls = []
+
+    def failing(items, timeout_s=None):
+        calls.append(items)
+        return [P.ErrorReply(code=P.ErrorCode.TIMEOUT, message="deadline passed", rid=it.rid) for it in items]
+
+    fake.verify_many = failing
+    from dataclasses import replace
+
+    ctl.cfg = replace(ctl.cfg, catchup_chunk=4)
+    (d,) = ctl._step([P.StepRow(rid="x", pos=9, prompt=list(range(10)), margin=0.0, fast_token=1)])
+    assert "catch-up" in d.error and len(calls) == 1 and len(calls[0][0].tokens) == 4
+    assert ctl._verdict("x").state == "failed"

@@ -151,3 +151,43 @@ def test_unsupported_configurations_are_refused_unless_mg_is_off(over, needle):
     with pytest.raises(ValueError, match=needle):
         refuse_unsupported(_args(**over), "margin")
     refuse_unsupported(_args(**over), "off")
+
+
+@pytest.mark.parametrize("config_dtype,flag,ok", [
+    ("bfloat16", "auto", True), ("float32", "auto", False), ("float16", "auto", False),
+    ("float32", "bfloat16", True), (None, "auto", False),
+])
+def test_the_served_dtype_must_be_the_verifiers(tmp_path, config_dtype, flag, ok):
+    # issue 12: SGLang's --dtype auto follows the model's config (float32 -> float16); the
+    # verifier runs bfloat16, so such a start is refused instead of casting K/V columns silently
+    import json
+
+    from mg_server.sglang_ext import compat
+
+    compat.install("cpu")
+    from mg_server.sglang_ext.launch import refuse_dtype_mismatch
+
+    conf = {"model_type": "llama", **({"dtype": config_dtype} if config_dtype else {})}
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    args = SimpleNamespace(model_path=str(tmp_path), dtype=flag)
+    refuse_dtype_mismatch(args, "off")
+    if ok:
+        refuse_dtype_mismatch(args, "margin")
+    else:
+        with pytest.raises(ValueError, match="--dtype bfloat16"):
+            refuse_dtype_mismatch(args, "margin")
+
+
+def test_the_seam_refuses_a_kv_pool_of_another_dtype():
+    import torch
+
+    from mg_server.sglang_ext import compat
+
+    compat.install("cpu")
+    from mg_server.sglang_ext.hook import check_dtype
+
+    runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(k_buffer=[torch.zeros(1, dtype=torch.float16)]))
+    with pytest.raises(RuntimeError, match="float16"):
+        check_dtype(runner, "bfloat16")
+    check_dtype(SimpleNamespace(token_to_kv_pool=SimpleNamespace(k_buffer=[torch.zeros(1, dtype=torch.bfloat16)])),
+                "bfloat16")

@@ -142,7 +142,8 @@ def measure(url: str, prompts: list[list[int]], refs: list[list[int]], batch_siz
                 n = max_tokens - start
                 for k in range(n):
                     pos = start + k
-                    tr.margins[pos], tr.fast_tokens[pos], tr.second_tokens[pos] = row.margins[k], row.tokens[k], row.seconds[k]
+                    tr.margins[pos], tr.fast_tokens[pos] = row.margins[k], row.tokens[k]
+                    tr.second_tokens[pos] = row.seconds[k]
                     if row.tokens[k] != refs[i][pos]:
                         tr.flips[pos] = True
                         n = k + 1

@@ -39,7 +39,8 @@ def write(prof: dict, path: Path) -> None:
         h = s["margin_histogram"]
         edges = h["edges"]
         widths = [b - a for a, b in zip(edges, edges[1:])]
-        ax.bar(edges[:-1], h["stable"], width=widths, align="edge", alpha=0.6, label=f"stable ({s['steps'] - s['flips']})")
+        ax.bar(edges[:-1], h["stable"], width=widths, align="edge", alpha=0.6,
+               label=f"stable ({s['steps'] - s['flips']})")
         ax.bar(edges[:-1], h["flipped"], width=widths, align="edge", alpha=0.9, color="tab:red",
                label=f"flipped ({s['flips']})")
         ax.axvline(tau, color="k", ls="--", lw=1, label=f"tau {tau:.3g}")

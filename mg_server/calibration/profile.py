@@ -138,7 +138,8 @@ def check(prof: dict) -> list[str]:
         if sum(s["margin_histogram"]["stable"]) + s["flips"] != s["steps"]:
             p.append(f"{name}: histogram does not count every step")
         for r in rows:
-            below = sum(1 for f in s["flip_list"] if f["margin"] == "nan" or tau_value(f["margin"]) < tau_value(r["tau"]))
+            below = sum(1 for f in s["flip_list"]
+                        if f["margin"] == "nan" or tau_value(f["margin"]) < tau_value(r["tau"]))
             if s["flips"] and abs(r["recall"] - below / s["flips"]) > 1e-12:
                 p.append(f"{name}: recall at tau {r['tau']} disagrees with the flip margins")
                 break

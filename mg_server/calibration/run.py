@@ -17,7 +17,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from mg_server.calibration import fastpath, plot, profile, sweep
+from mg_server.calibration import fastpath, plot, profile
 from mg_server.calibration.config import CalibrationConfig
 from mg_server.calibration.sweep import SetData
 

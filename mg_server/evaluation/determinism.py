@@ -95,7 +95,8 @@ def settled(url: str, timeout_s: float = 15.0) -> dict[str, float]:
     return last
 
 
-def generate(url: str, input_ids: list[int], max_new: int, header: str | None, timeout_s: float) -> tuple[list[int], str]:
+def generate(url: str, input_ids: list[int], max_new: int, header: str | None,
+             timeout_s: float) -> tuple[list[int], str]:
     """Greedy /generate of a token prompt; returns (output token ids, verdict header)."""
     body = {"input_ids": input_ids,
             "sampling_params": {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 0}}
@@ -181,7 +182,8 @@ def _composition(cfg, dets, others, refs, noop_processor, rep: Report) -> bool:
         params = [{"max_new_tokens": cfg.max_new, "ignore_eos": True, "temperature": 0,
                    "custom_params": {DETERMINISTIC_PARAM: flagged and i < len(dets)}} for i in range(len(rows))]
         body = {"input_ids": rows, "sampling_params": params,
-                "custom_logit_processor": [noop_processor if flagged and i < len(dets) else None for i in range(len(rows))]}
+                "custom_logit_processor": [noop_processor if flagged and i < len(dets) else None
+                                           for i in range(len(rows))]}
         r = requests.post(cfg.url + "/generate", json=body, timeout=cfg.timeout_s)
         r.raise_for_status()
         return [o["output_ids"] for o in r.json()]

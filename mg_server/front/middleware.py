@@ -13,7 +13,10 @@
   before `data: [DONE]`, since its headers left before the tokens existed.
 - `GET /health` (and `/health_generate`) is a 503 with a JSON reason while mg's runtime cannot
   serve deterministic requests (controller not beating, verifier down); otherwise SGLang answers.
-- Serves `GET /metrics` from the prometheus multiprocess folder (mg's and SGLang's metrics).
+- Serves `GET /metrics` from the prometheus multiprocess folder (mg's and SGLang's metrics),
+  behind the server's `--api-key` when it has one.
+- Errors get short messages and server info loses its secrets (front.redact); token ids
+  outside the vocabulary are a 400 for every request (front.tokens: one stopped the server).
 - Seeded n > 1 (front.samples): /generate bodies become a batch of single samples; an OpenAI
   request is sent to SGLang as n single-sample requests, concurrently, and answered as one.
 - `system_fingerprint` (runtime.fingerprint) on deterministic answers: the JSON field of a
@@ -24,14 +27,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from typing import Any, Awaitable, Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from mg_server import metrics
-from mg_server.config import FrontConfig
+from mg_server.config import DETERMINISTIC_PARAM, INSTANCE_PARAM, FrontConfig, instance_key
 from mg_server.front.policy import OPENAI_PATHS, BadRequest, empty_answer_rids, parse_flag, rewrite_body, route
+from mg_server.front.redact import INFO_PATHS, bearer_ok, cleaning_sender
 from mg_server.front.samples import expand_generate, merge_openai, split_openai
+from mg_server.front.tokens import TOKEN_PATHS, bad_token_ids
 from mg_server.front.verdict import RuntimeView, verdict_sender
 from mg_server.runtime.protocol import VerdictState
 
@@ -73,8 +79,19 @@ async def _respond(send: Send, status: int, body: bytes, content_type: bytes, ex
     await send({"type": "http.response.body", "body": body})
 
 
+def _stamp_instance(body: dict) -> str:
+    """Give this request's flagged parameter sets a fresh instance id (see config.INSTANCE_PARAM)."""
+    inst = uuid.uuid4().hex[:16]
+    params = body.get("sampling_params", body)  # /generate: one dict or a list; OpenAI: the body
+    for p in params if isinstance(params, list) else [params]:
+        custom = p.get("custom_params") if isinstance(p, dict) else None
+        if isinstance(custom, dict) and custom.get(DETERMINISTIC_PARAM):
+            custom[INSTANCE_PARAM] = inst
+    return inst
+
+
 def error_body(message: str, status: int = 400, param: str = "X-Deterministic") -> bytes:
-    kind = "BadRequestError" if status == 400 else "ServiceUnavailableError"
+    kind = {400: "BadRequestError", 401: "AuthenticationError"}.get(status, "ServiceUnavailableError")
     return json.dumps({"object": "error", "message": message, "type": kind, "param": param, "code": status}).encode()
 
 
@@ -88,7 +105,11 @@ class DeterministicMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, method = scope["path"], scope["method"]
+        send = cleaning_sender(send, info=method == "GET" and path in INFO_PATHS)  # front.redact
         if path == "/metrics" and method == "GET":
+            if self.config.api_key and not bearer_ok(scope["headers"], self.config.api_key):
+                return await _respond(send, 401, error_body("/metrics needs the server's API key", 401,
+                                                            "Authorization"), b"application/json")
             data = metrics.render(self.config.metrics_dir)
             return await _respond(send, 200, data, CONTENT_TYPE_LATEST.encode())
         if path in HEALTH_PATHS and method == "GET":
@@ -96,6 +117,19 @@ class DeterministicMiddleware:
             if problem:
                 return await _respond(send, 503, error_body(problem, 503, "mg"), b"application/json")
 
+        if path in TOKEN_PATHS and method in ("POST", "PUT") and self.config.vocab_size:
+            try:
+                body = await _read_body(receive)
+            except ConnectionError:
+                return
+            try:
+                problem = bad_token_ids(json.loads(body), path, self.config.vocab_size)
+            except ValueError:
+                problem = ""  # not JSON: SGLang answers it
+            if problem:
+                return await _respond(send, 400, error_body(problem, param=problem.partition(":")[0]),
+                                      b"application/json")
+            receive = _replay(body, receive)
         raw = dict(scope["headers"]).get(HEADER)
         if raw is None:
             return await self.app(scope, receive, send)
@@ -133,7 +167,12 @@ class DeterministicMiddleware:
                 if flag:
                     rid = parsed["rid"]
                     rids = [rid] if isinstance(rid, str) else list(rid)
-                    settled = dict.fromkeys(empty_answer_rids(parsed, rids), VerdictState.VERIFIED)
+                    empty = empty_answer_rids(parsed, rids)
+                    if self.config.controller_ipc:  # verdicts are asked per request instance
+                        inst = _stamp_instance(parsed)
+                        empty = {instance_key(r, inst) for r in empty}
+                        rids = [instance_key(r, inst) for r in rids]
+                    settled = dict.fromkeys(empty, VerdictState.VERIFIED)
                 body = json.dumps(parsed).encode()
                 headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
                 scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}

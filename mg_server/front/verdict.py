@@ -10,7 +10,8 @@ makes `X-Deterministic-Verified: true`. The front adds rules of its own, so that
   seconds (its heartbeat, runtime.liveness), and a request still running when the wait ends
   gives `audit-timeout`.
 Health: `problem()` reads the controller's heartbeat file (no call that a busy controller could
-hold up): a controller that stopped beating, or one whose verifier is down, is a problem.
+hold up): a controller that stopped beating, or one whose verifier is down, is a problem; so is
+the step seam's finish watcher (its own beat file) when it stopped beating or keeps failing.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Awaitable, Callable
 
 from mg_server.config import FrontConfig
 from mg_server.front import correction
-from mg_server.runtime.liveness import STALE_AFTER_S, beat_path, read_beat
+from mg_server.runtime.liveness import STALE_AFTER_S, beat_path, read_beat, seam_beat_path
 from mg_server.runtime.protocol import Correction
 from mg_server.runtime.protocol import VerdictState as S
 
@@ -62,6 +63,7 @@ class RuntimeView:
             client = self._local.client = ControllerClient(self.config.controller_ipc,
                                                            timeout_s=self.config.verdict_wait_s, client_name="front")
         deadline = time.monotonic() + self.config.verdict_wait_s
+        next_look = time.monotonic() + 1.0
         states = []
         for rid in rids:
             correction = None
@@ -73,6 +75,10 @@ class RuntimeView:
                     state = UNREACHABLE
                 if state != S.RUNNING or time.monotonic() > deadline:
                     break
+                if time.monotonic() > next_look:  # a dead runtime will never end the wait
+                    next_look = time.monotonic() + 1.0
+                    if self.problem():
+                        break
                 time.sleep(0.01)
             states.append((AUDIT_TIMEOUT if state == S.RUNNING else state, correction))
         return states
@@ -92,6 +98,12 @@ class RuntimeView:
             return f"mg controller is not responding (no heartbeat for {beat.age_s:.0f}s)"
         if beat.status.startswith("verifier down"):
             return f"mg {beat.status}"
+        # The seam's finish watcher (scheduler process): without it no verdict completes.
+        seam = read_beat(seam_beat_path(self.config.controller_ipc))
+        if seam is not None and seam.age_s > STALE_AFTER_S:
+            return f"mg finish watcher is not running (no heartbeat for {seam.age_s:.0f}s)"
+        if seam is not None and seam.status.startswith("error"):
+            return "mg finish watcher is failing: " + seam.status.removeprefix("error ")
         return ""
 
 
@@ -165,8 +177,9 @@ def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view:
             failed = failed or STREAM_ERROR in body
             done = body.find(b"data: [DONE]")
             if done >= 0:  # a stream's tokens have left: a missed flip stays `mismatch`
+                shown = [r.rpartition("#")[0] or r for r in rids]  # the client's ids, not mg's instance keys
                 got = [st for st, _ in await states()]
-                comment = b": mg-verdict " + json.dumps({"rids": rids, "states": got}).encode() + b"\n\n"
+                comment = b": mg-verdict " + json.dumps({"rids": shown, "states": got}).encode() + b"\n\n"
                 message = {**message, "body": body[:done] + comment + body[done:]}
             return await send(message)
         if held is None:

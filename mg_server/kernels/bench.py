@@ -20,7 +20,7 @@ import time
 import torch
 
 from . import KERNEL_CONFIG, kernel_config_id
-from . import matmul, prepare_weight, rms_norm, add_rms_norm, silu_mul, attention
+from . import matmul, prepare_weight, add_rms_norm, silu_mul, attention
 from . import top2, log_softmax
 
 SHAPES = {  # name: (N, K) for y = x @ W.T, W [N, K]

@@ -36,6 +36,18 @@ def beat_path(ipc_path: str) -> str:
     return ipc_path + ".beat"
 
 
+def seam_beat_path(controller_ipc: str) -> str:
+    """The beat file of the step seam's finish watcher (scheduler process), beside the controller's."""
+    return os.path.join(os.path.dirname(controller_ipc), "seam.beat")
+
+
+def write_beat(path: str, status: str) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"{time.monotonic():.3f} {status}")
+    os.replace(tmp, path)  # readers never see a half-written beat
+
+
 @dataclass(frozen=True)
 class Beat:
     age_s: float  # seconds since the process last beat (CLOCK_MONOTONIC is system-wide on Linux)
@@ -78,10 +90,7 @@ class Lifeline:
         return self
 
     def _beat(self) -> None:
-        tmp = f"{self.path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{time.monotonic():.3f} {self.status}")
-        os.replace(tmp, self.path)  # readers never see a half-written beat
+        write_beat(self.path, self.status)
 
     def _parent_gone(self) -> bool:
         if os.getppid() != self.parent_pid:

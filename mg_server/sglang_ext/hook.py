@@ -42,19 +42,23 @@ import torch
 from torch import Tensor
 
 from mg_server import metrics
-from mg_server.config import DETERMINISTIC_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig
+from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig,
+                              instance_key)
 from mg_server.kernels import sampled_choice
 from mg_server.runtime import protocol as P
+from mg_server.runtime.liveness import BEAT_PERIOD_S, seam_beat_path, write_beat
 
 log = logging.getLogger(__name__)
 
 
-def protected_rows(sampling_info) -> list[tuple[int, object]]:
-    """(row, Req) of the batch's requests that carry mg's flag (cheap: CPU lists only)."""
+def protected_rows(sampling_info) -> list[tuple[int, object, str]]:
+    """(row, Req, instance key) of the batch's requests that carry mg's flag (cheap: CPU lists
+    only). The key (rid + the front's instance id) names the request in all of mg's bookkeeping."""
     if sampling_info is None or not sampling_info.has_custom_logit_processor:
         return []  # plain batches: mg's flag travels with a custom logit processor, so none here
     params = sampling_info.custom_params or ()
-    return [(i, p["__req__"]) for i, p in enumerate(params) if p and p.get(DETERMINISTIC_PARAM)]
+    return [(i, p["__req__"], instance_key(p["__req__"].rid, p.get(INSTANCE_PARAM)))
+            for i, p in enumerate(params) if p and p.get(DETERMINISTIC_PARAM)]
 
 
 def end_rules(req) -> dict:
@@ -107,9 +111,23 @@ def write_kv_column(token_to_kv_pool, req_to_token: Tensor, req_pool_idx: int, p
     if column.shape[0] != n_layers or column.shape[2:] != pool.k_buffer[0].shape[1:]:
         raise RuntimeError(f"verifier K/V column {tuple(column.shape)} does not fit the pool "
                            f"({n_layers} layers of {tuple(pool.k_buffer[0].shape[1:])})")
-    column = column.to(device=pool.k_buffer[0].device, dtype=pool.k_buffer[0].dtype)
+    column = column.to(device=pool.k_buffer[0].device)  # same dtype: check_dtype at start-up, no cast
     for layer in range(n_layers):
         pool.set_kv_buffer(None, loc, column[layer, 0][None], column[layer, 1][None], layer_id_override=layer)
+
+
+UNMODELLED_REASONS = {
+    "grammar": "grammar-constrained decoding is not verified (the verifier decodes unconstrained)",
+    "penalties": "penalties, logit_bias and min_new_tokens are not verified (the verifier does not apply them)",
+    "logprobs": "logprobs are not served (mg forces the logits of every deterministic step)",
+    "lora": "LoRA adapters are not verified (the verifier runs the base model)",
+}
+PUBLIC_REASONS = frozenset(UNMODELLED_REASONS.values())
+# (prefix of an internal reason, what the client is told)
+PUBLIC_PREFIXES = (("mg controller unavailable", "mg controller unavailable"),
+                   ("deterministic verifier is not running", "deterministic verifier is not running"),
+                   ("verifier: [", "the deterministic verifier failed on this request"))
+INTERNAL_REASON = "mg could not verify this request (the server log has the details)"
 
 
 def unmodelled(req) -> str:
@@ -120,13 +138,13 @@ def unmodelled(req) -> str:
     the header), so such a request fails instead of getting a verdict about other tokens."""
     sp = req.sampling_params
     if req.grammar is not None:
-        return "grammar-constrained decoding is not verified (the verifier decodes unconstrained)"
+        return UNMODELLED_REASONS["grammar"]
     if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1 or sp.min_new_tokens or sp.logit_bias:
-        return "penalties, logit_bias and min_new_tokens are not verified (the verifier does not apply them)"
+        return UNMODELLED_REASONS["penalties"]
     if req.return_logprob:
-        return "logprobs are not served (mg forces the logits of every deterministic step)"
+        return UNMODELLED_REASONS["logprobs"]
     if req.lora_id:
-        return "LoRA adapters are not verified (the verifier runs the base model)"
+        return UNMODELLED_REASONS["lora"]
     return ""
 
 
@@ -170,29 +188,72 @@ class ControllerLink:
         self.info = self.client.hello()
         self.policy = Policy(self.info.mode, self.info.tau)  # the controller's own policy (pure)
         self.slots = SlotBuffer.attach(self.info.shm) if self.info.shm is not None else None
-        self.tracked: dict[str, Tracked] = {}  # rid -> state, until its Finish is sent
+        self.tracked: dict[str, Tracked] = {}  # instance key -> state, until its Finish is sent
         self.lock = threading.Lock()  # guards `tracked`
         self.rpc_lock = threading.Lock()  # guards `client`
+        self.beat_path, self._last_beat, self.watch_error = seam_beat_path(config.controller_ipc), 0.0, ""
         threading.Thread(target=self._watch_finished, name="mg-finish-watch", daemon=True).start()
 
     def _watch_finished(self) -> None:
-        """A request's last token is never the input of a forward; report ends from here."""
-        client = self.client
+        """A request's last token is never the input of a forward; report ends from here.
+
+        The thread must outlive any error (without it every deterministic response would wait
+        for a Finish that never comes): each round is guarded, and the thread beats a file that
+        the front's /health reads (a stale beat or an error status makes /health a 503)."""
         while True:
             time.sleep(0.005)
-            with self.lock:
-                done = [(rid, t.req) for rid, t in self.tracked.items() if t.req.finished()]
-                for rid, _ in done:
+            try:
+                self._report_finished()
+                self.watch_error = ""
+            except Exception as e:  # noqa: BLE001 - survive, say so in the beat, try again
+                if not self.watch_error:
+                    log.exception("mg: the finish watcher failed (retrying)")
+                self.watch_error = f"{type(e).__name__}: {e}"[:200]
+            self._beat()
+
+    def _beat(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or self.watch_error or now - self._last_beat >= BEAT_PERIOD_S:
+            self._last_beat = now
+            try:
+                write_beat(self.beat_path, f"error {self.watch_error}" if self.watch_error else "ok")
+            except OSError:  # run folder removed at shutdown
+                pass
+
+    def _finish(self, rid: str, output: list[int], aborted: bool, reason: str, end: dict | None = None) -> None:
+        msg = P.Finish(rid=rid, output=output, aborted=aborted, reason=reason, **(end or {}))
+        # rpc_lock may be held by a long verify step: keep beating while waiting for it
+        while not self.rpc_lock.acquire(timeout=BEAT_PERIOD_S):
+            self._beat(force=True)
+        try:
+            self.client.finish(msg)
+        finally:
+            self.rpc_lock.release()
+
+    def _report_finished(self) -> None:
+        broken: list[str] = []  # reported as cut short: never `verified`
+        with self.lock:
+            done = []
+            for rid, t in list(self.tracked.items()):
+                try:
+                    finished = t.req.finished()
+                except Exception as e:  # noqa: BLE001 - a broken entry must not block the others
+                    log.error("mg: %s ends here: its state cannot be read (%s)", rid, e)
                     del self.tracked[rid]
-            for rid, req in done:
+                    broken.append(rid)
+                    continue
+                if finished:
+                    done.append((rid, t.req))
+                    del self.tracked[rid]
+        for rid, req in done:
+            try:
                 aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
                 reason = str(getattr(req.finished_reason, "message", "")) if aborted else ""
-                try:
-                    with self.rpc_lock:
-                        client.finish(P.Finish(rid=rid, output=list(req.output_ids), aborted=aborted, reason=reason,
-                                               **end_rules(req)))
-                except Exception as e:  # noqa: BLE001 - the verdict then stays "running" and says so
-                    log.error("mg: could not report the end of %s: %s", rid, e)
+                self._finish(rid, list(req.output_ids), aborted, reason, end_rules(req))
+            except Exception as e:  # noqa: BLE001 - the verdict then stays "running" and says so
+                log.error("mg: could not report the end of %s: %s", rid, e)
+        for rid in broken:
+            self._finish(rid, [], True, "mg lost track of the request")
 
 
 class StepSeam:
@@ -212,18 +273,18 @@ class StepSeam:
             return None
         t0 = time.perf_counter()
         logits = args[0].next_token_logits  # [bs, vocab] on the model's device, pre-sampling
-        idx = torch.tensor([i for i, _ in rows], dtype=torch.int64, device=logits.device)
+        idx = torch.tensor([i for i, _, _ in rows], dtype=torch.int64, device=logits.device)
         sub = logits.index_select(0, idx)  # [rows, vocab], the protected rows' logits
         margin, fast = top2(sub)  # [rows] fp32, [rows] int64
         pos = args[5].to(logits.device).index_select(0, idx)  # [rows] positions from the forward batch
         # One device-to-host copy for all three; fp64 holds every token id and position exactly.
         packed = torch.stack([margin.double(), fast.double(), pos.double()], dim=1).tolist()
-        steps = [(i, req, int(p), m, int(f)) for (i, req), (m, f, p) in zip(rows, packed)]
-        for k, (i, req, p, _, _) in enumerate(steps):
+        steps = [(i, req, int(p), m, int(f), key) for (i, req, key), (m, f, p) in zip(rows, packed)]
+        for k, (i, req, p, _, _, key) in enumerate(steps):
             temperature, seed = sampling_rule(req)
             if temperature > 0:  # seeded sampling: the perturbed scores decide (module doc)
                 tok, m = sampled_choice(sub[k], temperature, seed, p)
-                steps[k] = (i, req, p, m, tok)
+                steps[k] = (i, req, p, m, tok, key)
         if self.link is None:
             # Mode off: count, and leave greedy rows' logits alone. Without mg's own token list, a
             # row is a step once its position reaches the prompt's last.
@@ -244,10 +305,10 @@ class StepSeam:
         protected request is its runner-up, presented as the fast path's argmax with a huge
         margin, so it is fast-committed and only the audit can find it: a missed flip on demand."""
         k, out = self.config.fault_missed_flip, []
-        for i, req, pos, margin, fast in steps:
+        for i, req, pos, margin, fast, key in steps:
             if pos - len(req.origin_input_ids) + 1 == k:
                 fast, margin = int(logits[i].float().topk(2).indices[1]), 1e9
-            out.append((i, req, pos, margin, fast))
+            out.append((i, req, pos, margin, fast, key))
         return out
 
     def _count(self, steps) -> None:
@@ -258,10 +319,10 @@ class StepSeam:
     def _classify(self, steps):
         """Split rows into steps for the controller and failures (caller holds the lock)."""
         live, fails = [], []
-        for i, req, pos, margin, fast in steps:
-            t = self.link.tracked.get(req.rid)
+        for i, req, pos, margin, fast, key in steps:
+            t = self.link.tracked.get(key)
             if t is not None and t.req is not req:
-                fails.append((req, f"request id {req.rid!r} is already in use"))
+                fails.append((req, key, f"request id {req.rid!r} is already in use"))
                 continue
             if t is not None and t.failed:
                 continue
@@ -270,12 +331,12 @@ class StepSeam:
                 continue  # a non-final prefill chunk: SGLang discards this row's token
             why = unmodelled(req) if t is None else ""
             if why:
-                fails.append((req, why))
+                fails.append((req, key, why))
                 continue
             if pos > n - 1:
-                fails.append((req, f"mg missed a step: position {pos}, but it holds {n} tokens"))
+                fails.append((req, key, f"mg missed a step: position {pos}, but it holds {n} tokens"))
                 continue
-            live.append((i, req, pos, margin, fast, t is None))
+            live.append((i, req, pos, margin, fast, t is None, key))
         return live, fails
 
     def _control(self, logits: Tensor, steps) -> bool:
@@ -292,9 +353,9 @@ class StepSeam:
         self._count(live)
         decisions: list[P.StepDecision] = []
         if live:
-            rows = [P.StepRow(rid=req.rid, pos=pos, prompt=list(req.origin_input_ids) if first else [],
-                              margin=margin, fast_token=fast) for _, req, pos, margin, fast, first in live]
-            for r, (_, req, *_, first) in zip(rows, live):
+            rows = [P.StepRow(rid=key, pos=pos, prompt=list(req.origin_input_ids) if first else [],
+                              margin=margin, fast_token=fast) for _, req, pos, margin, fast, first, key in live]
+            for r, (_, req, *_, first, _) in zip(rows, live):
                 if first:  # the decoding rule travels with the prompt
                     r.temperature, r.seed = sampling_rule(req)
             try:
@@ -309,10 +370,10 @@ class StepSeam:
                 decisions = [P.StepDecision(rid=r.rid, error=f"mg controller unavailable: {e}") for r in rows]
         force_rows, force_toks, any_verified = [], [], False
         with link.lock:
-            for (i, req, pos, *_), d in zip(live, decisions):
-                t = link.tracked.setdefault(req.rid, Tracked(req, list(req.origin_input_ids)))
+            for (i, req, pos, *_, key), d in zip(live, decisions):
+                t = link.tracked.setdefault(key, Tracked(req, list(req.origin_input_ids)))
                 if d.error:
-                    fails.append((req, d.error))
+                    fails.append((req, key, d.error))
                     continue
                 t.tokens.append(d.token)
                 force_rows.append(i)
@@ -323,14 +384,14 @@ class StepSeam:
                         write_kv_column(self.runner.token_to_kv_pool, self.runner.req_to_token_pool.req_to_token,
                                         req.req_pool_idx, pos, link.slots.read(d.slot, d.gen))
                     except Exception as e:  # noqa: BLE001
-                        fails.append((req, f"deterministic K/V repair failed: {e}"))
-            for req, _ in fails:
-                t = link.tracked.get(req.rid)
+                        fails.append((req, key, f"deterministic K/V repair failed: {e}"))
+            for req, key, _ in fails:
+                t = link.tracked.get(key)
                 if t is not None and t.req is req:
                     t.failed = True
         if force_rows:
             force_tokens(logits, force_rows, force_toks)
-        for req, why in fails:
+        for req, _, why in fails:
             self._fail(req, why)
         return any_verified
 
@@ -339,8 +400,12 @@ class StepSeam:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         log.error("mg: deterministic request %s failed: %s", req.rid, why)
+        # The client learns what it can act on (a parameter, its request id); mg's internal
+        # state (positions, token counts, controller and verifier errors) stays in the log.
+        public = why if why in PUBLIC_REASONS or why.startswith("request id ") else next(
+            (short for prefix, short in PUBLIC_PREFIXES if why.startswith(prefix)), INTERNAL_REASON)
         if req.to_finish is None:  # the first reason is the one the client gets
-            req.to_finish = FINISH_ABORT(f"deterministic decoding failed: {why}", HTTPStatus.SERVICE_UNAVAILABLE,
+            req.to_finish = FINISH_ABORT(f"deterministic decoding failed: {public}", HTTPStatus.SERVICE_UNAVAILABLE,
                                          "ServiceUnavailable")
 
 
@@ -354,11 +419,21 @@ def check_runner(runner) -> None:
                            f"{type(pool).__name__} (serve it with --mg-mode off)")
 
 
+def check_dtype(runner, verifier_dtype: str) -> None:
+    """Refuse, at start-up, a K/V pool whose dtype is not the verifier's (no silent cast)."""
+    pool_dtype = str(runner.token_to_kv_pool.k_buffer[0].dtype).removeprefix("torch.")
+    if pool_dtype != verifier_dtype:
+        raise RuntimeError(f"mg: SGLang's K/V cache is {pool_dtype} but the verifier's is {verifier_dtype}; "
+                           f"serve with --dtype {verifier_dtype} (or --mg-mode off)")
+
+
 def make_hook(config: dict):
     """Factory named in SGLang's --forward-hooks spec: attaches the seam, registers no module hook."""
     runner = find_model_runner()
     check_runner(runner)
     seam = StepSeam(HookConfig.from_json_dict(config), runner)
+    if seam.link is not None and seam.link.info.shm is not None:
+        check_dtype(runner, seam.link.info.shm.dtype)
     runner.sampler.register_forward_pre_hook(seam)
     log.info("mg: step seam attached to %s.sampler (controller: %s); no module hook is needed",
              type(runner).__name__, config.get("controller_ipc") or "none")

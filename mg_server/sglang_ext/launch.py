@@ -97,6 +97,26 @@ def refuse_unsupported(server_args, mode: str) -> None:
                          + "\n  - ".join(problems))
 
 
+def refuse_dtype_mismatch(server_args, mode: str, verifier_dtype: str = "bfloat16") -> None:
+    """The dtype SGLang will run the model in (its own rule for --dtype auto: the config's dtype,
+    float32 configs downcast) must be the verifier's: mg never casts K/V columns or compares
+    logits across dtypes silently."""
+    if mode == "off":
+        return
+    from sglang.srt.configs.model_config import _get_and_verify_dtype
+
+    try:
+        conf = json.loads((Path(server_args.model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # not a local checkpoint: the seam checks the runner's pool at start-up
+    conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else conf
+    served = str(_get_and_verify_dtype(conf, server_args.dtype)).removeprefix("torch.")
+    if served != verifier_dtype:
+        raise ValueError(f"SGLang would run this model in {served} (--dtype {server_args.dtype}, the model's config "
+                         f"says {conf.get('dtype') or conf.get('torch_dtype')}); mg's verifier runs {verifier_dtype}: "
+                         f"pass --dtype {verifier_dtype}, or serve with --mg-mode off")
+
+
 def refuse_on_host(server_args, profile: str) -> None:
     """Configurations that would let one request stop the server on this host (any mg mode)."""
     if profile == "cpu" and server_args.grammar_backend == "xgrammar":
@@ -111,14 +131,28 @@ def _fresh_metrics_dir(path: str) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # before any process creates a metric
 
 
-def start_runtime(cfg: ServeConfig):
-    """Start the controller (which starts the verifier) and wait until both report ready.
+def served_context(server_args, model_path: str) -> int:
+    """The longest sequence SGLang serves: --context-length, else the model's own limit."""
+    if server_args.context_length:
+        return int(server_args.context_length)
+    try:
+        conf = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 4096
+    conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else conf
+    return int(conf.get("max_position_embeddings") or 4096)
+
+
+def start_runtime(cfg: ServeConfig, context_len: int = 4096):
+    """Start the controller (which starts the verifier) and wait until both report ready. The
+    verifier accepts sequences as long as SGLang's (`context_len`), its pool holds two of them.
 
     Returns (controller ipc path, ControllerInfo), or ("", None) in mode "off".
     """
     if cfg.mg_mode == "off":
         return "", None
     from mg_server.runtime.channel import RpcError
+    from mg_server.runtime.cleanup import shm_base
     from mg_server.runtime.controller.client import ControllerClient
     from mg_server.runtime.controller.server import ControllerConfig, start_controller
     from mg_server.runtime.liveness import beat_path, stale_reason
@@ -128,11 +162,13 @@ def start_runtime(cfg: ServeConfig):
     tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile)
     verifier = VerifierConfig(
         model_path=cfg.model_path, ipc_path=str(Path(cfg.run_dir) / "verifier.sock"),
+        shm_name=shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),
         device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
-        memory_gb=cfg.verifier_memory_gb or 0.0,
+        memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=max(16384, 2 * context_len),
     )
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
-                            metrics_dir=cfg.metrics_dir, verifier=verifier)
+                            metrics_dir=cfg.metrics_dir, verifier=verifier, verify_timeout_s=cfg.verify_timeout_s,
+                            catchup_chunk=cfg.catchup_chunk)
     proc = start_controller(ccfg)
 
     def controller_gone() -> str:  # a dead or stopped controller fails the start now, not after start_timeout_s
@@ -159,6 +195,7 @@ def start_runtime(cfg: ServeConfig):
              f"{info.verifier_memory_bytes / (1 << 30):.2f} GB of device memory held"
              + (f" (budget {cfg.verifier_memory_gb:g} GB)" if cfg.verifier_memory_gb else "")
              if info.verifier_memory_bytes else "host memory")
+    # atexit runs last-registered first: the runtime stops, then its files go
     atexit.register(_stop_runtime, proc, ccfg.ipc_path)
     threading.Thread(target=_watch_runtime, args=(proc,), name="mg-runtime-watch", daemon=True).start()
     return ccfg.ipc_path, info
@@ -185,9 +222,32 @@ def _watch_runtime(proc) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _instance_files(cfg: ServeConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(folders, shared-memory names) this server instance owns (runtime.cleanup)."""
+    from mg_server.runtime.cleanup import shm_base
+
+    return (cfg.run_dir, cfg.metrics_dir), (shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),)
+
+
+def _vocab_size(model_path: str) -> int:
+    """The model's vocabulary size from its config.json (0 if it has none: ids go unchecked)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    size = text.get("vocab_size", 0)
+    return size if isinstance(size, int) and size > 0 else 0
+
+
 def serve(cfg: ServeConfig) -> None:
+    from mg_server.runtime.cleanup import remove_instance
     from mg_server.sglang_ext import compat
 
+    def cleanup() -> None:
+        remove_instance(*_instance_files(cfg))
+
+    atexit.register(cleanup)  # registered first, so it runs after the runtime has stopped
     log.info("SGLang compatibility: %s", compat.install(cfg.profile).summary())
     _fresh_metrics_dir(cfg.metrics_dir)
 
@@ -203,20 +263,30 @@ def serve(cfg: ServeConfig) -> None:
     parsed = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg)))
     refuse_on_host(parsed, cfg.profile)
     refuse_unsupported(parsed, cfg.mg_mode)
-    controller_ipc, info = start_runtime(cfg)
+    refuse_dtype_mismatch(parsed, cfg.mg_mode)
+    from mg_server.sglang_ext import shutdown
+
+    shutdown.install(cleanup, cfg.drain_timeout_s)
+    context_len = served_context(parsed, cfg.model_path)
+    controller_ipc, info = start_runtime(cfg, context_len)
 
     from mg_server.front.middleware import DeterministicMiddleware
     from mg_server.runtime.fingerprint import system_fingerprint
     from mg_server.sglang_ext.processor import serialized
 
-    hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc, fault_missed_flip=env.fault_missed_flip())
+    # A step may wait for a whole context's catch-up, one verify timeout per chunk (a dead or
+    # stopped controller is noticed from its beat within seconds, whatever this bound).
+    chunks = -(-context_len // cfg.catchup_chunk) + 1
+    hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
+                      step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s), fault_missed_flip=env.fault_missed_flip())
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(
         DeterministicMiddleware,
         config=FrontConfig(noop_processor=serialized(), metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
                            kernel_config_id=info.kernel_config_id if info else "", model_path=cfg.model_path,
                            system_fingerprint=system_fingerprint(info.weights_digest, info.kernel_config_id)
-                           if info else ""),
+                           if info else "", api_key=server_args.api_key or "",
+                           verdict_wait_s=cfg.verdict_wait_s, vocab_size=_vocab_size(cfg.model_path)),
     )
     log.info("mg-server: SGLang %s, model %s, http://%s:%d", version, cfg.model_path, cfg.host, cfg.port)
     launch_server(server_args)

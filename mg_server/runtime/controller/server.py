@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 import zmq
 
 from mg_server.runtime import protocol as P
+from mg_server.runtime.controller.catchup import catch_up
 from mg_server.runtime.controller.correct import can_correct, complete_answer
 from mg_server.runtime.controller.state import ReqState
 from mg_server.runtime.liveness import Lifeline, beat_path, stale_reason
@@ -44,7 +45,10 @@ class ControllerConfig:
     tau: float
     metrics_dir: str  # prometheus multiprocess folder (set in the env before metrics exist)
     verifier: "object | None" = None  # VerifierConfig of the worker to spawn (None: mode "off")
-    verify_timeout_s: float = 30.0  # a live, beating verifier that does not answer (wedged)
+    verify_timeout_s: float = 30.0  # per verify call: a live, beating verifier that does not answer (wedged)
+    # Catch-up (prompt prefill, unverified stretches) goes to the verifier in calls of at most
+    # this many tokens, so verify_timeout_s bounds one chunk, not a whole long prompt.
+    catchup_chunk: int = 256
     start_timeout_s: float = 300.0  # verifier model load
     verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept
     parent_pid: int = 0  # mg-server's pid: the controller exits once it is gone (0: no watch)
@@ -193,9 +197,18 @@ class Controller:
                                            temperature=row.temperature, seed=row.seed)
         return st
 
+    def _catch_up(self, rid: str, st: ReqState, pos: int) -> str:
+        """All but the last chunk of what the verifier has not seen before pos (controller.catchup)."""
+        return catch_up(self.vclient, lambda end: self._item(rid, st, end), lambda res: self._audit(rid, st, res),
+                        st, pos, self.cfg.catchup_chunk)
+
     def _verify(self, batch, decisions: list[P.StepDecision]) -> None:
         from mg_server.runtime.verifier.client import VerifierError
 
+        for i, row, st in batch:  # errors fail the row like a failed verify below
+            st.error = decisions[i].error = self._catch_up(row.rid, st, row.pos)
+        if not (batch := [(i, row, st) for i, row, st in batch if not st.error]):
+            return
         items = [self._item(row.rid, st, row.pos) for _, row, st in batch]
         t0 = time.perf_counter()
         try:
@@ -278,6 +291,9 @@ class Controller:
 
         if not self.verifier_up():
             st.error = "deterministic verifier is not running (final audit)"
+            return
+        st.error = self._catch_up(rid, st, n - 2)
+        if st.error:
             return
         try:
             (res,) = self.vclient.verify_many([self._item(rid, st, n - 2)])
@@ -369,7 +385,10 @@ def run_controller(cfg: ControllerConfig) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = cfg.metrics_dir  # before the first metric exists
     logging.basicConfig(level=logging.INFO, format="[mg-controller %(asctime)s] %(message)s")
     # Orphaned (mg-server killed): exit; the verifier's own lifeline then stops it.
-    lifeline = Lifeline(beat_path(cfg.ipc_path), cfg.parent_pid, name="mg-controller-life").start()
+    from mg_server.runtime.cleanup import remove_instance  # orphaned (kill -9): nobody else removes its files
+    lifeline = Lifeline(beat_path(cfg.ipc_path), cfg.parent_pid, lambda: remove_instance(
+        (os.path.dirname(cfg.ipc_path), cfg.metrics_dir), (cfg.verifier.shm_base,) if cfg.verifier else ()),
+        name="mg-controller-life").start()
     ctl = Controller(cfg, lifeline)
     try:
         try:

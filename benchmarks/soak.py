@@ -1,0 +1,161 @@
+"""Bounded soak of a real mg-server (not in CI): mixed Locust traffic for >= 5 minutes.
+
+Starts `mg-server serve` (loopback), computes the verifier-alone references of a small
+deterministic prompt set, runs benchmarks/soak_locustfile.py headless (deterministic requests,
+plain chat and penalty requests, random client disconnects, /abort_request aborts, bad bodies
+and grammar requests) and samples the server meanwhile: /health, its shared-memory segments,
+its temp folders (and the files in them), the open files of its process tree. Writes JSON and
+exits non-zero if any check fails:
+- 0 unexpected statuses (any 5xx; any status a request kind must not get),
+- 0 `verified` answers that differ from their reference,
+- /health 200 at every sample, the server process alive throughout,
+- no growth of /dev/shm segments, temp folders or open files (last sample vs the first after
+  warm-up, open files with a small slack for connection churn).
+
+    python benchmarks/soak.py --minutes 5 --out benchmarks/results/soak_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import requests
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from mg_server.evaluation.server_process import ServerProcess  # noqa: E402
+
+FD_SLACK = 16  # open files may differ by in-flight connections at the moment of sampling
+
+
+def sample(srv: ServerProcess) -> dict:
+    pid = srv.proc.pid
+    try:
+        health = requests.get(srv.url + "/health", timeout=10).status_code
+    except requests.RequestException:
+        health = 0
+    dirs = glob.glob(os.path.join(tempfile.gettempdir(), f"mg-*-{srv.port}-{pid}-*"))
+    by_proc: dict[str, int] = {}
+    try:
+        procs = [psutil.Process(pid)] + psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            name = (p.cmdline() or ["?"])[0].rsplit("/", 1)[-1]
+            by_proc[name] = by_proc.get(name, 0) + p.num_fds()
+        except psutil.Error:
+            pass
+    fds = sum(by_proc.values())
+    return {"t": round(time.monotonic(), 1), "health": health, "alive": srv.proc.poll() is None,
+            "shm": len(glob.glob(f"/dev/shm/mgv_{pid}_*")), "temp_dirs": len(dirs),
+            "temp_files": sum(len(files) for d in dirs for _, _, files in os.walk(d)), "open_files": fds,
+            "open_files_by_process": by_proc, "processes": len(procs)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--minutes", type=float, default=5.0)
+    ap.add_argument("--users", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=6)
+    ap.add_argument("--max-new", type=int, default=12)
+    ap.add_argument("--server-args", default="")
+    ap.add_argument("--out", type=Path, default=Path("bench-out/soak.json"))
+    args = ap.parse_args()
+
+    from mg_server.evaluation.determinism import build_workload
+    from mg_server.model.prepare import prepare_model
+    from mg_server.prompts import sharegpt_prompts
+
+    model = str(prepare_model(progress=False))
+    t0 = time.monotonic()
+    w = build_workload(model, args.prompts, args.max_new)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    work = tempfile.mkdtemp(prefix="mg-soak-")
+    wl = Path(work) / "workload.json"
+    wl.write_text(json.dumps({"det": w.det, "refs": w.refs, "max_new": args.max_new, "vocab": vocab,
+                              "other_texts": sharegpt_prompts(16, seed=3)}))
+    print(f"references of {args.prompts} prompts in {time.monotonic() - t0:.0f}s", flush=True)
+
+    srv = ServerProcess(args.server_args.split(), Path(work) / "server.log")
+    samples: list[dict] = []
+    stop = threading.Event()
+    try:
+        srv.wait_ready()
+        print("server ready", flush=True)
+        requests.post(srv.url + "/generate", json={"input_ids": w.det[0], "sampling_params": {"max_new_tokens": 2}},
+                      headers={"X-Deterministic": "1"}, timeout=120)  # warm-up: segments and files exist
+
+        def sampler():
+            while not stop.wait(2.0):
+                samples.append(sample(srv))
+
+        time.sleep(15)  # idle after the warm-up, as at the end
+        first = sample(srv)
+        threading.Thread(target=sampler, daemon=True).start()
+        result = Path(work) / "locust.json"
+        env = {**os.environ, "MG_SOAK_WORKLOAD": str(wl), "MG_SOAK_RESULT": str(result)}
+        locust = Path(sys.executable).with_name("locust")
+        cmd = [str(locust), "-f", str(HERE / "soak_locustfile.py"), "--headless", "-u", str(args.users),
+               "-r", str(args.users), "--run-time", f"{int(args.minutes * 60)}s", "--stop-timeout", "30",
+               "--host", srv.url, "--csv", str(Path(work) / "soak"), "--only-summary", "--loglevel", "WARNING"]
+        t1 = time.monotonic()
+        subprocess.run(cmd, env=env, check=False, timeout=args.minutes * 60 + 300)
+        ran_s = time.monotonic() - t1
+        time.sleep(15)  # idle: aborted/disconnected requests end, kept-alive connections close
+        last = sample(srv)
+        stop.set()
+        traffic = json.loads(result.read_text())
+        stats_csv = (Path(work) / "soak_stats.csv").read_text()
+    finally:
+        stop.set()
+        srv.stop()
+    samples = [first] + samples + [last]
+    half = samples[len(samples) // 2]
+    unexpected = sum(traffic["unexpected"].values())
+    fivexx = sum(n for k, n in traffic["status"].items() if k.split()[-1].startswith("5"))
+    checks = {
+        "unexpected_statuses": unexpected == 0,
+        "unexpected_5xx": fivexx == 0,
+        "verified_equal_reference": traffic["verified_mismatch"] == 0 and traffic["verified_compared"] > 0,
+        "server_up_throughout": all(s["health"] == 200 and s["alive"] for s in samples),
+        "no_shm_growth": last["shm"] <= first["shm"],
+        "no_temp_growth": last["temp_dirs"] <= first["temp_dirs"] and last["temp_files"] <= first["temp_files"],
+        # thread pools and connections warm up in the first minutes: growth is judged over the
+        # second half of the run (the whole run's first -> last is reported too)
+        "no_open_file_growth": last["open_files"] <= half["open_files"] + FD_SLACK,
+        "ran_at_least_5_min": ran_s >= 300 or args.minutes < 5,
+    }
+    report = {
+        "command": " ".join(["python", *sys.argv]), "minutes": args.minutes, "users": args.users,
+        "locust_seconds": round(ran_s, 1), "checks": checks, "passed": all(checks.values()),
+        "requests_by_kind_and_status": traffic["status"], "unexpected": traffic["unexpected"],
+        "unexpected_examples": traffic["examples"], "deterministic_verdicts": traffic["verdicts"],
+        "verified_compared": traffic["verified_compared"], "verified_mismatch": traffic["verified_mismatch"],
+        "five_xx": fivexx,
+        "resources": {"first": first, "half": half, "last": last,
+                      "open_files_timeline": [[round(s["t"] - first["t"]), s["open_files"]] for s in samples[::5]],
+                      "max": {k: max(s[k] for s in samples) for k in ("shm", "temp_dirs", "temp_files",
+                                                                       "open_files", "processes")}},
+        "samples": len(samples), "locust_stats_csv": stats_csv,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print(json.dumps({k: report[k] for k in ("checks", "passed", "five_xx", "verified_compared",
+                                             "verified_mismatch", "unexpected")}, indent=1))
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

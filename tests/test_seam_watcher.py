@@ -1,0 +1,103 @@
+"""The step seam's finish watcher (issue 12, item 10): it survives errors, and /health says when
+it cannot work (its beat file goes stale or reports an error). No server, no SGLang import."""
+
+import threading
+import time
+
+import pytest
+
+from mg_server.config import FrontConfig
+from mg_server.front.verdict import RuntimeView
+from mg_server.runtime.liveness import seam_beat_path, write_beat
+
+
+@pytest.fixture(scope="module")
+def hook_mod():
+    from mg_server.sglang_ext import compat
+
+    compat.install("cpu")
+    from mg_server.sglang_ext import hook
+
+    return hook
+
+
+class Req:
+    def __init__(self, rid, fail=0):
+        self.rid, self.output_ids, self.finished_reason, self.fail = rid, [7, 8], None, fail
+
+    def finished(self):
+        if self.fail:
+            self.fail -= 1
+            raise RuntimeError("injected fault")
+        return True
+
+
+class Client:
+    def __init__(self, fail_first=0):
+        self.finished, self.fail_first = [], fail_first
+
+    def finish(self, rid, output, aborted, reason):
+        if self.fail_first:
+            self.fail_first -= 1
+            raise ConnectionError("injected controller fault")
+        self.finished.append((rid, output, aborted))
+
+
+def start_link(hook_mod, tmp_path, client):
+    """A ControllerLink without a controller: its watcher thread over a fake client."""
+    link = object.__new__(hook_mod.ControllerLink)
+    link.client, link.tracked = client, {}
+    link.lock, link.rpc_lock = threading.Lock(), threading.Lock()
+    link.beat_path, link._last_beat, link.watch_error = seam_beat_path(str(tmp_path / "controller.sock")), 0.0, ""
+    threading.Thread(target=link._watch_finished, daemon=True).start()
+    return link
+
+
+def wait_for(cond, timeout=5.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_watcher_survives_a_broken_request_and_a_failing_controller(hook_mod, tmp_path):
+    client = Client(fail_first=1)
+    link = start_link(hook_mod, tmp_path, client)
+    with link.lock:  # a request whose state raises when read, and one the controller first refuses
+        link.tracked["broken"] = hook_mod.Tracked(Req("broken", fail=100), [1])
+        link.tracked["lost"] = hook_mod.Tracked(Req("lost"), [1])
+    assert wait_for(lambda: not link.tracked)
+    with link.lock:  # the watcher still runs: a request finishing later is reported
+        link.tracked["later"] = hook_mod.Tracked(Req("later"), [1])
+    assert wait_for(lambda: ("later", [7, 8], False) in client.finished)
+    # the broken request is reported as cut short (never verified), not left running forever
+    assert ("broken", [], True) in client.finished
+
+
+def test_watcher_beats_and_reports_its_errors(hook_mod, tmp_path, monkeypatch):
+    link = start_link(hook_mod, tmp_path, Client())
+    view = RuntimeView(FrontConfig(noop_processor="", metrics_dir="", controller_ipc=str(tmp_path / "controller.sock")))
+    write_beat(str(tmp_path / "controller.sock.beat"), "verifier up")
+    assert wait_for(lambda: (tmp_path / "seam.beat").exists())
+    assert view.problem() == ""
+
+    def boom():
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(link, "_report_finished", boom)
+    assert wait_for(lambda: "finish watcher is failing: RuntimeError: injected fault" in view.problem())
+    monkeypatch.undo()
+    assert wait_for(lambda: view.problem() == "")
+
+
+def test_health_says_when_the_watcher_is_gone(tmp_path):
+    ipc = str(tmp_path / "controller.sock")
+    view = RuntimeView(FrontConfig(noop_processor="", metrics_dir="", controller_ipc=ipc))
+    write_beat(ipc + ".beat", "verifier up")
+    write_beat(seam_beat_path(ipc), "ok")
+    assert view.problem() == ""
+    with open(seam_beat_path(ipc), "w") as f:  # its last beat, 10 s ago: the thread is gone
+        f.write(f"{time.monotonic() - 10:.3f} ok")
+    assert view.problem() == "mg finish watcher is not running (no heartbeat for 10s)"
