@@ -46,13 +46,13 @@ def test_seeded_request_moves_its_rule_into_custom_params_and_sglang_decodes_gre
     ({"temperature": 0.8, "n": 2}, "n"),  # no seed: n > 1 stays refused
     ({"temperature": 0.8, "seed": 1, "best_of": 2}, "best_of"),
 ])
-def test_refusals_name_the_parameter(client, params, param):
+def test_refusals_name_the_parameter(client, params, param):  # noqa: F811 - the fixture
     r = client.post("/v1/chat/completions", json={**CHAT, **params}, headers=DET)
     assert r.status_code == 400 and r.json()["param"] == param, r.json()
     assert param in r.json()["message"]
 
 
-def test_generate_n_becomes_a_batch_of_single_samples(client):
+def test_generate_n_becomes_a_batch_of_single_samples(client):  # noqa: F811 - the fixture
     r = client.post("/generate", json={"text": "x", "rid": "r", "sampling_params": {
         "temperature": 0.8, "sampling_seed": 10, "n": 3, "max_new_tokens": 4}}, headers=DET)
     sent = json.loads(r.json()["raw"])
@@ -75,7 +75,7 @@ async def fake_completion(request: Request):
 
 
 def test_openai_n_is_fanned_out_merged_and_fingerprinted(tmp_path):
-    client = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path), system_fingerprint="fp_abc"),
+    client = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path), system_fingerprint="fp_abc"),  # noqa: F811
                       [Route("/v1/completions", fake_completion, methods=["POST"])])
     req = {"model": "m", "prompt": "hi", "temperature": 0.8, "seed": 5, "n": 3}
     r = client.post("/v1/completions", json=req, headers=DET)
