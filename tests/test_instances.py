@@ -34,9 +34,9 @@ def front(tmp_path, monkeypatch):
     asked, bodies = [], []
     known = {}
 
-    async def verdicts(self, rids):
+    async def verdicts(self, rids, correct=False):
         asked.extend(rids)
-        return [known.get(r, "unknown") for r in rids]
+        return [(known.get(r, "unknown"), None) for r in rids]
 
     monkeypatch.setattr(RuntimeView, "verdicts", verdicts)
 
@@ -93,7 +93,7 @@ class Req:
         self.output_ids, self.to_finish, self.finished_reason = [], None, None
         self.grammar, self.return_logprob, self.lora_id = None, False, None
         self.sampling_params = SimpleNamespace(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0,
-                                               min_new_tokens=0, logit_bias=None)
+                                               min_new_tokens=0, logit_bias=None, custom_params=None)
 
     def finished(self):
         return False

@@ -2,6 +2,7 @@
 it cannot work (its beat file goes stale or reports an error). No server, no SGLang import."""
 
 import threading
+from types import SimpleNamespace
 import time
 
 import pytest
@@ -24,6 +25,8 @@ def hook_mod():
 class Req:
     def __init__(self, rid, fail=0):
         self.rid, self.output_ids, self.finished_reason, self.fail = rid, [7, 8], None, fail
+        self.sampling_params = SimpleNamespace(ignore_eos=True, stop_token_ids=None, stop_strs=[], max_new_tokens=8)
+        self.eos_token_ids, self.grammar = None, None
 
     def finished(self):
         if self.fail:
@@ -36,11 +39,11 @@ class Client:
     def __init__(self, fail_first=0):
         self.finished, self.fail_first = [], fail_first
 
-    def finish(self, rid, output, aborted, reason):
+    def finish(self, msg):
         if self.fail_first:
             self.fail_first -= 1
             raise ConnectionError("injected controller fault")
-        self.finished.append((rid, output, aborted))
+        self.finished.append((msg.rid, msg.output, msg.aborted))
 
 
 def start_link(hook_mod, tmp_path, client):
