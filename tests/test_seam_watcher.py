@@ -4,6 +4,7 @@ it cannot work (its beat file goes stale or reports an error). No server, no SGL
 import threading
 from types import SimpleNamespace
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -104,3 +105,18 @@ def test_health_says_when_the_watcher_is_gone(tmp_path):
     with open(seam_beat_path(ipc), "w") as f:  # its last beat, 10 s ago: the thread is gone
         f.write(f"{time.monotonic() - 10:.3f} ok")
     assert view.problem() == "mg finish watcher is not running (no heartbeat for 10s)"
+
+
+def test_a_verdict_wait_ends_when_the_watcher_stays_gone(tmp_path, monkeypatch):
+    import mg_server.front.verdict as verdict
+
+    ipc = str(tmp_path / "controller.sock")
+    view = RuntimeView(FrontConfig(noop_processor="", metrics_dir="", controller_ipc=ipc, verdict_wait_s=60))
+    view._local.client = SimpleNamespace(verdict=lambda rid: SimpleNamespace(state="running"))  # never finishes
+    monkeypatch.setattr(verdict, "PROBLEM_LOOKS", 2)
+    write_beat(ipc + ".beat", "verifier up")
+    with open(seam_beat_path(ipc), "w") as f:  # the watcher's last beat, long ago
+        f.write(f"{time.monotonic() - 100:.3f} ok")
+    t0 = time.monotonic()
+    assert view._verdicts_blocking(["x#1"]) == ["audit-timeout"]
+    assert time.monotonic() - t0 < 10  # not the 60 s wait

@@ -34,6 +34,7 @@ Send = Callable[[dict], Awaitable[None]]
 # string a quote is escaped.
 STREAM_ERROR = b'data: {"error"'
 UNREACHABLE, AUDIT_TIMEOUT = "controller-unreachable", "audit-timeout"
+PROBLEM_LOOKS = 5  # a verdict wait ends after the runtime had a health problem at 5 looks, 1 s apart
 
 
 def verdict_headers(states: list[str], kernel_config_id: str) -> list[tuple[bytes, bytes]]:
@@ -63,7 +64,7 @@ class RuntimeView:
             client = self._local.client = ControllerClient(self.config.controller_ipc,
                                                            timeout_s=self.config.verdict_wait_s, client_name="front")
         deadline = time.monotonic() + self.config.verdict_wait_s
-        next_look = time.monotonic() + 1.0
+        next_look, troubled = time.monotonic() + 1.0, 0
         states = []
         for rid in rids:
             correction = None
@@ -77,7 +78,9 @@ class RuntimeView:
                     break
                 if time.monotonic() > next_look:  # a dead runtime will never end the wait
                     next_look = time.monotonic() + 1.0
-                    if self.problem():
+                    # a problem seen at PROBLEM_LOOKS looks in a row (not a beat late on a busy host)
+                    troubled = troubled + 1 if self.problem() else 0
+                    if troubled >= PROBLEM_LOOKS:
                         break
                 time.sleep(0.01)
             states.append((AUDIT_TIMEOUT if state == S.RUNNING else state, correction))
