@@ -2,7 +2,6 @@
 it cannot work (its beat file goes stale or reports an error). No server, no SGLang import."""
 
 import threading
-from types import SimpleNamespace
 import time
 from types import SimpleNamespace
 
@@ -118,5 +117,5 @@ def test_a_verdict_wait_ends_when_the_watcher_stays_gone(tmp_path, monkeypatch):
     with open(seam_beat_path(ipc), "w") as f:  # the watcher's last beat, long ago
         f.write(f"{time.monotonic() - 100:.3f} ok")
     t0 = time.monotonic()
-    assert view._verdicts_blocking(["x#1"]) == ["audit-timeout"]
+    assert view._verdicts_blocking(["x#1"], False) == [("audit-timeout", None)]
     assert time.monotonic() - t0 < 10  # not the 60 s wait
