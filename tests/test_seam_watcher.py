@@ -111,7 +111,8 @@ def test_a_verdict_wait_ends_when_the_watcher_stays_gone(tmp_path, monkeypatch):
 
     ipc = str(tmp_path / "controller.sock")
     view = RuntimeView(FrontConfig(noop_processor="", metrics_dir="", controller_ipc=ipc, verdict_wait_s=60))
-    view._local.client = SimpleNamespace(verdict=lambda rid: SimpleNamespace(state="running"))  # never finishes
+    view._local.client = SimpleNamespace(  # never finishes
+        verdict=lambda rid, correct=False: SimpleNamespace(state="running", correction=None))
     monkeypatch.setattr(verdict, "PROBLEM_LOOKS", 2)
     write_beat(ipc + ".beat", "verifier up")
     with open(seam_beat_path(ipc), "w") as f:  # the watcher's last beat, long ago
