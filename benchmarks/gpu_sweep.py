@@ -38,18 +38,21 @@ def tau_for_rate(margins: list[float], rate: float) -> float:
 
 
 def metrics(url: str) -> dict:
+    """mg's step counters (evaluation.determinism.scrape) and the verify/control histograms' sums."""
     import requests
 
+    from mg_server.evaluation.determinism import scrape
+
+    c = scrape(url)
     text = requests.get(url + "/metrics", timeout=30).text
 
-    def val(pattern: str) -> float:
-        m = re.search(pattern + r" ([0-9.e+-]+)$", text, re.M)
+    def val(name: str) -> float:
+        m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
         return float(m.group(1)) if m else 0.0
 
-    return {"fast": val(r'^mg_steps_total\{decision="fast"\}'), "verify": val(r'^mg_steps_total\{decision="verify"\}'),
-            "repair": val(r"^mg_repair_total"), "vsum": val(r"^mg_verify_seconds_sum"),
-            "vcount": val(r"^mg_verify_seconds_count"), "csum": val(r"^mg_control_seconds_sum"),
-            "ccount": val(r"^mg_control_seconds_count")}
+    return {"fast": c["steps_fast"], "verify": c["steps_verify"], "repair": c["mg_repair_total"],
+            "vsum": val("mg_verify_seconds_sum"), "vcount": val("mg_verify_seconds_count"),
+            "csum": val("mg_control_seconds_sum"), "ccount": val("mg_control_seconds_count")}
 
 
 def rates(before: dict, after: dict) -> dict:

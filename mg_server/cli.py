@@ -82,6 +82,15 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _model_path(model: str | None) -> str:
+    """The --model folder, else the embedded SmolLM2 (prepared on first use)."""
+    if model is not None:
+        return model
+    from mg_server.model.prepare import prepare_model
+
+    return str(prepare_model())
+
+
 def _profile(device: str) -> str:
     """The SGLang host profile (sglang_ext.compat): cpu, or cuda with or without SGLang's kernels."""
     import torch
@@ -118,11 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"mg-server: {e}", file=sys.stderr)
             return 2
-    model = args.model
-    if model is None:
-        from mg_server.model.prepare import prepare_model
-
-        model = str(prepare_model())
+    model = _model_path(args.model)
     if not args.mg_drain_timeout >= 0:
         _parser().error("--mg-drain-timeout must be >= 0")
     if not (args.mg_verify_timeout > 0 and args.mg_verdict_wait > 0 and args.mg_catchup_chunk >= 1):
@@ -211,11 +216,7 @@ def _calibrate(args, passthrough: list[str], argv: list[str]) -> int:
     except ValueError as e:
         print(f"mg-server calibrate: {e}", file=sys.stderr)
         return 2
-    model = args.model
-    if model is None:
-        from mg_server.model.prepare import prepare_model
-
-        model = str(prepare_model())
+    model = _model_path(args.model)
     from dataclasses import replace
 
     from mg_server.calibration.run import calibrate

@@ -67,11 +67,11 @@ class RuntimeView:
         next_look, troubled = time.monotonic() + 1.0, 0
         states = []
         for rid in rids:
-            correction = None
+            corr = None
             while True:
                 try:
                     reply = client.verdict(rid, correct)
-                    state, correction = reply.state, reply.correction
+                    state, corr = reply.state, reply.correction
                 except Exception:  # noqa: BLE001 - no answer is no verification
                     state = UNREACHABLE
                 if state != S.RUNNING or time.monotonic() > deadline:
@@ -83,7 +83,7 @@ class RuntimeView:
                     if troubled >= PROBLEM_LOOKS:
                         break
                 time.sleep(0.01)
-            states.append((AUDIT_TIMEOUT if state == S.RUNNING else state, correction))
+            states.append((AUDIT_TIMEOUT if state == S.RUNNING else state, corr))
         return states
 
     async def verdicts(self, rids: list[str], correct: bool = False) -> list[tuple[str, Correction | None]]:
