@@ -38,6 +38,9 @@ class HookConfig:
     controller_ipc: str = ""  # "" = no controller: only count steps and margins
     step_timeout_s: float = 60.0  # a forward waits this long for the controller's decisions
     fault_missed_flip: int = -1  # tests only (env MG_FAULT_MISSED_FLIP): commit this answer token's runner-up
+    # CUDA with the overlap scheduler: decide one forward late behind a device-side gate
+    # (sglang_ext/lagged.py, experimental: see its doc); False: read the margins before sampling
+    lagged_commit: bool = False
 
     def to_json_dict(self) -> dict:
         return asdict(self)
@@ -81,6 +84,7 @@ class ServeConfig:
     verify_timeout_s: float = 30.0  # one verifier call (a catch-up chunk or a verify step)
     catchup_chunk: int = 256  # tokens per verifier call when it catches up
     verdict_wait_s: float = 120.0  # a response's longest wait for its verdict
+    lagged_commit: bool = False  # CUDA: the experimental one-forward-late seam (sglang_ext/lagged.py)
 
     @property
     def cpu(self) -> bool:

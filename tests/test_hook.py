@@ -69,9 +69,9 @@ class Columns:
     def __init__(self):
         self.col = torch.randn(LAYERS, 2, HEADS, DIM).to(torch.bfloat16)
 
-    def read(self, slot, gen):
+    def read(self, slot, gen, out=None):
         assert (slot, gen) == (5, 9)
-        return self.col.clone()
+        return self.col.clone() if out is None else out.copy_(self.col)
 
 
 def make_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy=Policy("always", 0.0)):
@@ -84,8 +84,12 @@ def make_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy=Policy("al
 
 def sampler_args(reqs_flags, logits, positions):
     """The Sampler.forward positional args the seam reads: (logits_output, sampling_info, ..., positions)."""
+    from mg_server.sglang_ext.processor import MgFlagProcessor
+
     params = [({DETERMINISTIC_PARAM: flag, "__req__": req} if flag is not None else None) for req, flag in reqs_flags]
-    info = SimpleNamespace(has_custom_logit_processor=any(p is not None for p in params), custom_params=params)
+    flagged = any(p is not None for p in params)
+    info = SimpleNamespace(has_custom_logit_processor=flagged, custom_params=params,
+                           custom_logit_processor={1: (MgFlagProcessor(), None)} if flagged else None)
     return (SimpleNamespace(next_token_logits=logits), info, False, [], [], torch.tensor(positions))
 
 

@@ -61,6 +61,13 @@ def protected_rows(sampling_info) -> list[tuple[int, object, str]]:
             for i, p in enumerate(params) if p and p.get(DETERMINISTIC_PARAM)]
 
 
+def only_mg_processors(sampling_info) -> bool:
+    """True if every custom logit processor of the batch is mg's no-op flag carrier."""
+    procs = getattr(sampling_info, "custom_logit_processor", None) or {}
+    return bool(procs) and all(type(p).__name__ == "MgFlagProcessor" and type(p).__module__.startswith("mg_server")
+                               for p, _ in procs.values())
+
+
 def end_rules(req) -> dict:
     """How SGLang ends `req` (Req.check_finished): max_new_tokens, then its stop token ids unless
     ignore_eos; stop strings, regexes and grammars are text rules mg does not model."""
@@ -178,6 +185,10 @@ class ControllerLink:
     last steps (two sockets would be read in either order).
     """
 
+    # the lagged control path's drain(wait) (lagged.py): a Finish follows the reports of every
+    # forward launched before it (the overlap scheduler's look-ahead forward included)
+    before_finish = None
+
     def __init__(self, config: HookConfig):
         from mg_server.runtime.controller.client import ControllerClient
         from mg_server.runtime.policy import Policy
@@ -203,6 +214,8 @@ class ControllerLink:
         while True:
             time.sleep(0.005)
             try:
+                if self.before_finish is not None:
+                    self.before_finish(False)  # forwards whose values are ready (a gate may be holding)
                 self._report_finished()
                 self.watch_error = ""
             except Exception as e:  # noqa: BLE001 - survive, say so in the beat, try again
@@ -245,6 +258,8 @@ class ControllerLink:
                 if finished:
                     done.append((rid, t.req))
                     del self.tracked[rid]
+        if (done or broken) and self.before_finish is not None:
+            self.before_finish(True)
         for rid, req in done:
             try:
                 aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
@@ -264,12 +279,40 @@ class StepSeam:
         self.runner = runner
         self.steps, self.margin, self.control = metrics.hook_metrics(config.margin_buckets)
         self.link = ControllerLink(config) if config.controller_ipc else None
+        self.lagged = None  # CUDA: the one-forward-late control path (lagged.py)
+        self._bypassed = None  # the SamplingBatchInfo whose no-op processor this forward skips
+        # Without the overlap scheduler the lagged path gains nothing (SGLang reads each forward's
+        # tokens before preparing the next one) and only the watcher thread could open a gate.
+        overlap = not getattr(getattr(runner, "server_args", None), "disable_overlap_schedule", True)
+        if (self.link is not None and config.lagged_commit and overlap
+                and str(getattr(runner, "device", "cpu")).startswith("cuda")):
+            from mg_server.sglang_ext.lagged import LaggedControl
+
+            self.lagged = LaggedControl(self, torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)))
+            self.link.before_finish = self.lagged.drain
 
     def __call__(self, module, args):
         # Sampler.forward(logits_output, sampling_info, return_logprob, top_logprobs_nums,
         #                 token_ids_logprobs, positions); checked by seams.check().
+        if self.lagged is not None:
+            self.lagged.drain(wait=True)  # earlier forwards first: their tokens set this one's positions
         rows = protected_rows(args[1])
         if not rows:
+            return None
+        if self.lagged is not None and only_mg_processors(args[1]):
+            # SGLang applies custom logit processors through a boolean row mask, which waits for
+            # the device (a gated forward would never get there); mg's is a no-op, so a lagged
+            # forward skips it. The post-hook (`restore`) sets the flag back: the next forward's
+            # seam reads custom_params. (On the synchronous path this skip measured no gain.)
+            args[1].has_custom_logit_processor = False
+            self._bypassed = args[1]
+        # The lagged path needs a sampler that does not wait for the gated stream: only mg's
+        # processor (skipped above) may be in the batch; seeded rows take the synchronous path.
+        if self._bypassed is not None and self.lagged is not None and self.config.fault_missed_flip < 0 and not any(
+                sampling_rule(req)[0] > 0 for _, req, _ in rows):
+            t0 = time.perf_counter()
+            self.lagged.launch(args[0].next_token_logits, args[5], rows)
+            self.control.observe(time.perf_counter() - t0)
             return None
         t0 = time.perf_counter()
         logits = args[0].next_token_logits  # [bs, vocab] on the model's device, pre-sampling
@@ -299,6 +342,12 @@ class StepSeam:
         if not self._control(logits, steps):
             self.control.observe(time.perf_counter() - t0)
         return None  # the logits were edited in place
+
+    def restore(self, module, args, output) -> None:
+        """Sampler post-hook (always called, also after an exception): undo the bypass above."""
+        if self._bypassed is not None:
+            self._bypassed.has_custom_logit_processor = True
+            self._bypassed = None
 
     def _inject_missed_flip(self, logits: Tensor, steps):
         """Test-only fault (HookConfig.fault_missed_flip = k): the k-th answer token of every
@@ -353,11 +402,7 @@ class StepSeam:
         self._count(live)
         decisions: list[P.StepDecision] = []
         if live:
-            rows = [P.StepRow(rid=key, pos=pos, prompt=list(req.origin_input_ids) if first else [],
-                              margin=margin, fast_token=fast) for _, req, pos, margin, fast, first, key in live]
-            for r, (_, req, *_, first, _) in zip(rows, live):
-                if first:  # the decoding rule travels with the prompt
-                    r.temperature, r.seed = sampling_rule(req)
+            rows = self.step_rows(live)
             try:
                 if any(link.policy.should_verify(r.margin) for r in rows):
                     with link.rpc_lock:
@@ -371,7 +416,7 @@ class StepSeam:
         force_rows, force_toks, any_verified = [], [], False
         with link.lock:
             for (i, req, pos, *_, key), d in zip(live, decisions):
-                t = link.tracked.setdefault(key, Tracked(req, list(req.origin_input_ids)))
+                t = link.tracked.setdefault(key, self.new_tracked(req))
                 if d.error:
                     fails.append((req, key, d.error))
                     continue
@@ -381,8 +426,7 @@ class StepSeam:
                 any_verified |= d.verified
                 if d.repair:
                     try:
-                        write_kv_column(self.runner.token_to_kv_pool, self.runner.req_to_token_pool.req_to_token,
-                                        req.req_pool_idx, pos, link.slots.read(d.slot, d.gen))
+                        self.repair(req, pos, d)
                     except Exception as e:  # noqa: BLE001
                         fails.append((req, key, f"deterministic K/V repair failed: {e}"))
             for req, key, _ in fails:
@@ -394,6 +438,28 @@ class StepSeam:
         for req, _, why in fails:
             self._fail(req, why)
         return any_verified
+
+    @staticmethod
+    def new_tracked(req) -> Tracked:
+        return Tracked(req, list(req.origin_input_ids))
+
+    @staticmethod
+    def step_rows(live) -> list[P.StepRow]:
+        """The controller's rows for classified step rows (the prompt and rule on a first step)."""
+        rows = []
+        for _, req, pos, margin, fast, first, key in live:
+            r = P.StepRow(rid=key, pos=pos, prompt=list(req.origin_input_ids) if first else [],
+                          margin=margin, fast_token=fast)
+            if first:  # the decoding rule travels with the prompt
+                r.temperature, r.seed = sampling_rule(req)
+            rows.append(r)
+        return rows
+
+    def repair(self, req, pos: int, d: P.StepDecision, out: Tensor | None = None) -> None:
+        """Write the verifier's K/V column of pos (slot d.slot, read into `out` if given) into
+        SGLang's pool, on the current stream."""
+        write_kv_column(self.runner.token_to_kv_pool, self.runner.req_to_token_pool.req_to_token,
+                        req.req_pool_idx, pos, self.link.slots.read(d.slot, d.gen, out=out))
 
     @staticmethod
     def _fail(req, why: str) -> None:
@@ -435,6 +501,7 @@ def make_hook(config: dict):
     if seam.link is not None and seam.link.info.shm is not None:
         check_dtype(runner, seam.link.info.shm.dtype)
     runner.sampler.register_forward_pre_hook(seam)
+    runner.sampler.register_forward_hook(seam.restore, always_call=True)
     log.info("mg: step seam attached to %s.sampler (controller: %s); no module hook is needed",
              type(runner).__name__, config.get("controller_ipc") or "none")
     return None

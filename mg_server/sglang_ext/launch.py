@@ -279,7 +279,7 @@ def serve(cfg: ServeConfig) -> None:
     chunks = -(-context_len // cfg.catchup_chunk) + 1
     hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
                       step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
-                      fault_missed_flip=env.fault_missed_flip())
+                      fault_missed_flip=env.fault_missed_flip(), lagged_commit=cfg.lagged_commit)
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(
         DeterministicMiddleware,

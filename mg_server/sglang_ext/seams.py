@@ -76,6 +76,9 @@ def check() -> str:
          ("self.frequency_penalty", "self.presence_penalty", "self.repetition_penalty", "self.min_new_tokens",
           "self.logit_bias", "self.stop_strs", "self.stop_regex_strs")),
         ("Sampler.forward", Sampler.forward, ("self._preprocess_logits(logits, sampling_info)",)),
+        # the seam skips mg's no-op processor for a forward by clearing this flag (hook.py)
+        ("Sampler._preprocess_logits", Sampler._preprocess_logits,
+         ("if sampling_info.has_custom_logit_processor:", "apply_custom_logit_processor(logits, sampling_info)")),
     ]
     for what, obj, needles in sources:
         try:
