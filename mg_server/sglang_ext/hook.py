@@ -400,20 +400,33 @@ class StepSeam:
         with link.lock:
             live, fails = self._classify(steps)
         self._count(live)
-        decisions: list[P.StepDecision] = []
-        if live:
-            rows = self.step_rows(live)
-            try:
-                if any(link.policy.should_verify(r.margin) for r in rows):
-                    with link.rpc_lock:
-                        decisions = link.client.step(rows)
-                else:
-                    with link.rpc_lock:
-                        link.client.report(rows)
-                    decisions = [P.StepDecision(rid=r.rid, token=r.fast_token) for r in rows]
-            except Exception as e:  # noqa: BLE001 - controller unreachable: fail these requests loudly
-                decisions = [P.StepDecision(rid=r.rid, error=f"mg controller unavailable: {e}") for r in rows]
-        force_rows, force_toks, any_verified = [], [], False
+        decisions = self.decide(live, any(link.policy.should_verify(margin) for _, _, _, margin, *_ in live))
+        done = self.commit(live, decisions, fails, self.repair)
+        if done:
+            force_tokens(logits, [i for i, _ in done], [d.token for _, d in done])
+        return any(d.verified for _, d in done)
+
+    def decide(self, live, verify: bool) -> list[P.StepDecision]:
+        """The controller's decisions for classified step rows: a verify step if `verify`, else a
+        one-way report of the fast tokens (the controller applies the same pure policy)."""
+        link = self.link
+        if not live:
+            return []
+        rows = self.step_rows(live)
+        try:
+            with link.rpc_lock:
+                if verify:
+                    return link.client.step(rows)
+                link.client.report(rows)
+            return [P.StepDecision(rid=r.rid, token=r.fast_token) for r in rows]
+        except Exception as e:  # noqa: BLE001 - controller unreachable: fail these requests loudly
+            return [P.StepDecision(rid=r.rid, error=f"mg controller unavailable: {e}") for r in rows]
+
+    def commit(self, live, decisions: list[P.StepDecision], fails: list, repair) -> list[tuple[int, P.StepDecision]]:
+        """Apply the decisions: mg's token lists, K/V repairs (`repair(req, pos, decision)`), and
+        the failures (`fails` plus errors here: marked in mg's state, the requests aborted).
+        Returns (batch row, decision) of every committed row."""
+        link, done = self.link, []
         with link.lock:
             for (i, req, pos, *_, key), d in zip(live, decisions):
                 t = link.tracked.setdefault(key, self.new_tracked(req))
@@ -421,23 +434,19 @@ class StepSeam:
                     fails.append((req, key, d.error))
                     continue
                 t.tokens.append(d.token)
-                force_rows.append(i)
-                force_toks.append(d.token)
-                any_verified |= d.verified
+                done.append((i, d))
                 if d.repair:
                     try:
-                        self.repair(req, pos, d)
+                        repair(req, pos, d)
                     except Exception as e:  # noqa: BLE001
                         fails.append((req, key, f"deterministic K/V repair failed: {e}"))
             for req, key, _ in fails:
                 t = link.tracked.get(key)
                 if t is not None and t.req is req:
                     t.failed = True
-        if force_rows:
-            force_tokens(logits, force_rows, force_toks)
         for req, _, why in fails:
             self._fail(req, why)
-        return any_verified
+        return done
 
     @staticmethod
     def new_tracked(req) -> Tracked:

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from mg_server.kernels import gate as device_gate
 from mg_server.runtime import protocol as P
+from mg_server.sglang_ext.hook import top2
 
 
 # A holding gate opens by itself after this long (the device has no other way out if the host
@@ -132,8 +133,7 @@ class LaggedControl:
         meta = meta.to(dev, non_blocking=True)  # [2, rows]: batch row, expected position
         idx, exp = meta[0], meta[1]
         sub = logits.index_select(0, idx)  # [rows, vocab]
-        top = sub.float().topk(2, dim=-1)
-        margin, fast = top.values[:, 0] - top.values[:, 1], top.indices[:, 0]  # [rows] fp32, int64
+        margin, fast = top2(sub)  # [rows] fp32, int64 (the synchronous seam's own function)
         pos = positions.index_select(0, idx).to(torch.int64)  # [rows]
         step = pos == exp
         if link.policy.mode == "always":
@@ -180,36 +180,24 @@ class LaggedControl:
         values = f.host.tolist()
         steps = [(i, req, int(p), m, int(tok), key) for (i, req, key), (m, tok, p, _) in zip(f.rows, values)]
         need = {i: bool(n) for (i, _, _), (*_, n) in zip(f.rows, values)}
-        fast = {i: int(tok) for (i, _, _), (_, tok, _, _) in zip(f.rows, values)}
         gated = any(need.values())
-        tokens = dict(fast)  # what the gate lets through: fast unless a decision replaces it
+        # what the gate lets through: the fast token unless a decision replaces it
+        tokens = {i: int(tok) for (i, _, _), (_, tok, _, _) in zip(f.rows, values)}
         try:
             with link.lock:
                 live, fails = seam._classify(steps)
             seam._count(live)
-            decisions = self._decide(live, need)
-            with link.lock:
-                for (i, req, pos, margin, tok, _, key), d in zip(live, decisions):
-                    if not d.error and not need[i] and d.token != tok:
-                        d.error = "mg's control path disagreed with the device's policy"  # never expected
-                    t = link.tracked.setdefault(key, seam.new_tracked(req))
-                    if d.error:
-                        fails.append((req, key, d.error))
-                        continue
-                    t.tokens.append(d.token)
-                    tokens[i] = d.token
-                    if d.repair:
-                        try:
-                            with torch.cuda.stream(self.side):
-                                seam.repair(req, pos, d, out=self.column)
-                        except Exception as e:  # noqa: BLE001
-                            fails.append((req, key, f"deterministic K/V repair failed: {e}"))
-                for req, key, _ in fails:
-                    t = link.tracked.get(key)
-                    if t is not None and t.req is req:
-                        t.failed = True
-            for req, _, why in fails:
-                seam._fail(req, why)
+            decisions = seam.decide(live, any(need[i] for i, *_ in live))
+            for (i, _, _, _, tok, _, _), d in zip(live, decisions):
+                if not d.error and not need[i] and d.token != tok:
+                    d.error = "mg's control path disagreed with the device's policy"  # never expected
+
+            def repair(req, pos: int, d: P.StepDecision) -> None:
+                with torch.cuda.stream(self.side):
+                    seam.repair(req, pos, d, out=self.column)
+
+            for i, d in seam.commit(live, decisions, fails, repair):
+                tokens[i] = d.token
         finally:
             if gated:  # always open a holding gate, with fast tokens if anything above failed
                 for k, (i, _, _) in enumerate(f.rows):
@@ -219,19 +207,3 @@ class LaggedControl:
                     device_gate.release(self.flag, f.target)
                 if self.cuda:
                     self.side.synchronize()  # `staged` and the repair column are free again
-
-    def _decide(self, live, need: dict[int, bool]) -> list[P.StepDecision]:
-        """The controller's decisions for the live step rows (a report when none needs it)."""
-        link = self.link
-        if not live:
-            return []
-        rows = self.seam.step_rows(live)
-        try:
-            if any(need[i] for i, *_ in live):
-                with link.rpc_lock:
-                    return link.client.step(rows)
-            with link.rpc_lock:
-                link.client.report(rows)
-            return [P.StepDecision(rid=r.rid, token=r.fast_token) for r in rows]
-        except Exception as e:  # noqa: BLE001 - controller unreachable: fail these requests loudly
-            return [P.StepDecision(rid=r.rid, error=f"mg controller unavailable: {e}") for r in rows]
