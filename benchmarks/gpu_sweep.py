@@ -77,7 +77,8 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
     margins = [m for key in ("det_margins", "prefix_margins") for row in refs[key] for m in row]
     mem = ["--mem-fraction-static", "0.85", "--max-total-tokens", str(E.POOL_TOKENS[name])]
     res = {"model": name, "shape": E.SHAPES[name], "batches": args.batches, "decode_tokens": args.decode_tokens,
-           "reps": args.reps, "mixed_share": MIXED, "configs": []}
+           "reps": args.reps, "mixed_share": MIXED, "seam": args.seam, "configs": []}
+    seam = ["--mg-lagged-commit"] if args.seam == "lagged" else []
     path = out / f"gpu_sweep-{name}.json"
     base = E.start(mdir, name, "off", out, mem, args.device)
     others = prompts["other"]
@@ -94,7 +95,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             always = rate == "always"
             tau = None if always else tau_for_rate(margins, float(rate))
             flags = [] if always else ["--mg-tau", f"{tau:.6g}"]
-            srv = E.start(mdir, name, "always" if always else "margin", out, [*flags, *mem], args.device)
+            srv = E.start(mdir, name, "always" if always else "margin", out, [*flags, *seam, *mem], args.device)
             try:
                 cfg = {"target": rate, "tau": tau,
                        "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0),
@@ -115,7 +116,7 @@ def pct(v: float, b: float) -> str:
 
 
 def summarize(r: dict) -> str:
-    lines = [f"## {r['model']}: ms per decode step (overhead vs plain SGLang timed alternately in the same minutes)",
+    lines = [f"## {r['model']} (mg seam: {r.get('seam', 'sync')}): ms per decode step (overhead vs plain SGLang timed alternately in the same minutes)",
              "", "| config | tau | trigger (measured) | repair | verify call ms | fast-commit ms | "
              + " | ".join(f"bs {b} all det." for b in r["batches"]) + " | "
              + " | ".join(f"bs {b} 25 % det." for b in r["batches"] if b >= 4) + " |",
@@ -186,6 +187,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--sglang-det", action="store_true", help="also time SGLang's --enable-deterministic-inference")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--seam", choices=["sync", "lagged"], default="sync",
+                    help="mg's control path: sync (margins read before sampling) or lagged (--mg-lagged-commit)")
     ap.add_argument("--limit", type=int, default=0)
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]

@@ -32,6 +32,12 @@ def hook_metrics(buckets: tuple[float, ...] = MARGIN_BUCKETS) -> tuple[Counter, 
     return steps, margin, control
 
 
+@lru_cache(maxsize=None)
+def gate_timeouts() -> Counter:
+    """The lagged path's step gates that the device opened by itself (no host answer in time)."""
+    return Counter("mg_gate_timeouts", "Step gates (lagged commit) that timed out; their verified rows failed")
+
+
 def render(metrics_dir: str) -> bytes:
     """Prometheus text exposition of every process's mg metrics."""
     registry = CollectorRegistry()

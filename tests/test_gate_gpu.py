@@ -1,4 +1,5 @@
-"""The device-side stream gate (mg_server/kernels/gate.py) on a real GPU; skipped without CUDA."""
+"""The step gate's CUDA kernel (mg_server/kernels/gate.py) on a real GPU, against its CPU
+reference; skipped without CUDA."""
 
 import threading
 import time
@@ -8,65 +9,143 @@ import torch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
+L, H, D, N = 4, 3, 64, 5  # layers, kv heads, head dim, rows
 
-def _setup():
-    from mg_server.kernels.gate import gate, release
+
+def _setup(timeout_s=10.0):
+    from mg_server.kernels.gate import ReferenceStepGate, StepGate
 
     dev = torch.device("cuda")
-    flag = torch.zeros(1, dtype=torch.int64, device=dev)
-    status = torch.full((1,), -1, dtype=torch.int32, device=dev)
-    return gate, release, flag, status, dev
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randn(8, L, 2, H, D, generator=g).to(torch.bfloat16)
+    r2t = torch.arange(4 * 32, dtype=torch.int32).reshape(4, 32) + 7  # request r, position p -> slot 7 + 32r + p
+    ref_k = [torch.zeros(200, H, D, dtype=torch.bfloat16) for _ in range(L)]
+    ref_v = [torch.zeros(200, H, D, dtype=torch.bfloat16) for _ in range(L)]
+    ref = ReferenceStepGate(16, ref_k, ref_v, slots, r2t)
+    k = [b.to(dev) for b in ref_k]
+    v = [b.to(dev) for b in ref_v]
+    gpu = StepGate(16, k, v, slots.to(dev), r2t.to(dev), timeout_s)
+    gpu.pools = (k, v)  # the test's handle on what the kernel writes
+    return gpu, ref, dev
 
 
-def test_pass_through_when_nothing_needs_the_host():
-    gate, _, flag, status, dev = _setup()
-    x = torch.zeros(1, device=dev)
-    gate(flag, torch.zeros(1, dtype=torch.int32, device=dev), 5, int(10e9), status)
-    x += 1
-    t0 = time.perf_counter()
+def _inputs(dev, need):
+    margin = torch.tensor([0.5, 0.01, 3.0, 0.0, 1.25], dtype=torch.float32)
+    fast = torch.tensor([11, 12, 13, 14, 15], dtype=torch.int64)
+    pos = torch.tensor([3, 4, 5, 6, 7], dtype=torch.int64)
+    need = torch.tensor(need, dtype=torch.int32)
+    return [t.to(dev) for t in (margin, fast, pos, need)]
+
+
+def _answer(gate, target, repairs):
+    """The host's side: wait for the values, answer with fast + 100 and the repairs."""
+    t0 = time.monotonic()
+    while not gate.published(target, N):
+        assert time.monotonic() - t0 < 10, "no values published"
+        time.sleep(1e-4)
+    tokens = [int(f) + 100 for _, f, _, _ in gate.values(N)]
+    gate.release(target, tokens, repairs)
+    return tokens
+
+
+def test_pass_through_publishes_and_chooses_the_fast_tokens():
+    gpu, ref, dev = _setup()
+    chosen = torch.full((N,), -1, dtype=torch.int64, device=dev)
+    gpu.launch(*_inputs(dev, [0] * N), chosen, 1)
     torch.cuda.synchronize()
-    assert time.perf_counter() - t0 < 1.0 and int(status) == 0 and float(x) == 1.0
+    ref_chosen = torch.full((N,), -1, dtype=torch.int64)
+    ref.launch(*_inputs("cpu", [0] * N), ref_chosen, 1)
+    assert gpu.published(1, N) and gpu.values(N) == ref.values(N)
+    assert gpu.acked(1) == 0 == ref.acked(1) and chosen.cpu().tolist() == ref_chosen.tolist() == [11, 12, 13, 14, 15]
 
 
-def test_holds_the_stream_until_released_from_another_thread():
-    gate, release, flag, status, dev = _setup()
-    side = torch.cuda.Stream()
-    out = torch.zeros(1, dtype=torch.int64, device=dev)
-    override = torch.zeros(1, dtype=torch.int64, device=dev)
-    gate(flag, torch.ones(1, dtype=torch.int32, device=dev), 1, int(10e9), status)
-    out.copy_(override)  # must read the value written before the release
+@pytest.mark.parametrize("allocate", [False, True])
+def test_holds_until_the_host_answers_from_memory_then_copies_the_repairs(allocate):
+    gpu, ref, dev = _setup()
+    need = [0, 1, 0, 1, 0]
+    repairs = [(5 * gpu.slot_numel, 1, 9), (2 * gpu.slot_numel, 3, 0)]
+    chosen = torch.full((N,), -1, dtype=torch.int64, device=dev)
+    # CUDA loads a kernel's module on first use (lazy loading), and that load waits for the device
+    # like an allocation: warm the op used behind the gate, or this thread blocks until the timeout
+    after = chosen + 0
+    torch.cuda.synchronize()
+    gpu.launch(*_inputs(dev, need), chosen, 1)
+    after = chosen + 0  # enqueued after the gate: must see the host's tokens
     done = torch.cuda.Event()
     done.record()
     time.sleep(0.05)
-    assert not done.query()  # held
-
-    def opener():
-        time.sleep(0.1)
-        with torch.cuda.stream(side):
-            override.fill_(42)
-            release(flag, 1)
-
-    th = threading.Thread(target=opener)
+    assert not done.query() and gpu.published(1, N), gpu.ack.tolist()  # values out, stream held
+    th = threading.Thread(target=lambda: (time.sleep(0.1), _answer(gpu, 1, repairs)))
     t0 = time.perf_counter()
     th.start()
-    done.synchronize()  # the main thread waits in a CUDA sync while the opener needs the GIL
+    if allocate:  # implicit synchronization: waits for the gated stream, which the host thread opens
+        torch.empty(3 << 20, dtype=torch.uint8, pin_memory=True)
+    done.synchronize()
     waited = time.perf_counter() - t0
     th.join()
-    assert int(status) == 1 and int(out) == 42, (int(status), int(out))
-    assert 0.09 < waited < 5.0, waited
+    ref_chosen = torch.full((N,), -1, dtype=torch.int64)
+    ref.launch(*_inputs("cpu", need), ref_chosen, 1)
+    ref.release(1, [int(f) + 100 for _, f, _, _ in ref.values(N)], repairs)
+    assert gpu.acked(1) == 1 == ref.acked(1) and 0.09 < waited < 5.0, waited
+    assert after.cpu().tolist() == ref_chosen.tolist() == [11, 112, 13, 114, 15]
+    gk, gv = ([b.cpu() for b in bufs] for bufs in gpu.pools)
+    for layer in range(L):
+        assert torch.equal(gk[layer], ref.k_buffers[layer]) and torch.equal(gv[layer], ref.v_buffers[layer])
+        assert torch.equal(gk[layer][7 + 32 + 9], ref.slots[5, layer, 0])  # request 1, position 9 <- slot 5
+        assert torch.equal(gv[layer][7 + 96], ref.slots[2, layer, 1])  # request 3, position 0 <- slot 2
 
 
-def test_times_out_without_a_release():
-    gate, _, flag, status, dev = _setup()
+def test_times_out_without_an_answer_and_repairs_nothing():
+    gpu, _, dev = _setup(timeout_s=0.3)
+    chosen = torch.full((N,), -1, dtype=torch.int64, device=dev)
     t0 = time.perf_counter()
-    gate(flag, torch.ones(1, dtype=torch.int32, device=dev), 7, int(0.3e9), status)
+    gpu.launch(*_inputs(dev, [1] * N), chosen, 1)
     torch.cuda.synchronize()
-    assert int(status) == 2 and 0.25 < time.perf_counter() - t0 < 5.0
+    assert gpu.acked(1) == 2 and 0.25 < time.perf_counter() - t0 < 5.0
+    assert chosen.cpu().tolist() == [11, 12, 13, 14, 15]
+    assert not any(b.any() for b in gpu.pools[0] + gpu.pools[1])
 
 
-def test_monotonic_flag_opens_earlier_gates():
-    gate, release, flag, status, dev = _setup()
-    release(flag, 9)
-    gate(flag, torch.ones(1, dtype=torch.int32, device=dev), 9, int(10e9), status)
+def test_many_forwards_in_a_row_keep_the_protocol():
+    """Back-to-back gates of 100 rows (all 4 warps store values), every third one holding,
+    answered by a host thread: each forward's values, tokens and acknowledgement are its own
+    (a tag visible before the values would show the previous forward's positions here)."""
+    from mg_server.kernels.gate import StepGate
+
+    gpu0, _, dev = _setup()
+    rows, rounds, seen = 100, 300, []
+    gpu = StepGate(128, *gpu0.pools, gpu0.slots, gpu0.req_to_token, 10.0)
+    base = torch.arange(rows, dtype=torch.int64, device=dev)
+    outs = torch.zeros(rounds, rows, dtype=torch.int64, device=dev)
+
+    def host():
+        for t in range(1, rounds + 1):
+            t0 = time.monotonic()
+            while not gpu.published(t, rows):
+                if time.monotonic() - t0 > 20:
+                    seen.append(None)  # lost: the main thread's check fails
+                    return
+                time.sleep(0)
+            vals = gpu.values(rows)
+            if any(n for *_, n in vals):
+                gpu.release(t, [int(f) + t for _, f, _, _ in vals], [])
+                while gpu.acked(t) is None:
+                    time.sleep(0)
+            seen.append([int(p) for _, _, p, _ in vals])  # processed: the next forward may launch
+
+    th = threading.Thread(target=host)
+    th.start()
+    for t in range(1, rounds + 1):
+        need = torch.full((rows,), int(t % 3 == 0), dtype=torch.int32, device=dev)
+        chosen = torch.empty(rows, dtype=torch.int64, device=dev)
+        t0 = time.monotonic()
+        while t > 1 and len(seen) < t - 1:  # as lagged.py: launch only after the host processed the last one
+            assert time.monotonic() - t0 < 30 and None not in seen, (t, seen[-3:])
+            time.sleep(0)
+        gpu.launch(base.float(), base + 1000, base + 7 * t, need, chosen, t)
+        outs[t - 1] = chosen
     torch.cuda.synchronize()
-    assert int(status) == 1
+    th.join()
+    assert seen == [[p + 7 * t for p in range(rows)] for t in range(1, rounds + 1)]
+    want = [[f + 1000 + (t if t % 3 == 0 else 0) for f in range(rows)] for t in range(1, rounds + 1)]
+    assert outs.cpu().tolist() == want

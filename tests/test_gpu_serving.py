@@ -29,7 +29,8 @@ def model(tmp_path_factory):
     return gpu_e2e.write_model("smol", tmp_path_factory.mktemp("m") / "smol", Path(tok))
 
 
-def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path):
+@pytest.mark.parametrize("seam", [[], ["--mg-lagged-commit"]], ids=["sync", "lagged"])
+def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, seam):
     from mg_server.evaluation.determinism import DeterminismConfig, noop_processor, run
     from mg_server.runtime.verifier.reference import greedy_reference, load_engine
 
@@ -38,16 +39,19 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path):
     engine = load_engine(str(model), device="cuda", max_seq_len=1024, pool_tokens=8192)
     refs = [r.tokens for r in greedy_reference(engine, det, 32)]
     del engine
-    srv = ServerProcess(["--model", str(model), "--device", "cuda", "--mg-mode", "always"], tmp_path / "server.log")
+    srv = ServerProcess(["--model", str(model), "--device", "cuda", "--mg-mode", "always", *seam],
+                        tmp_path / "server.log")
     try:
         srv.wait_ready(timeout=600)
         log = srv.log_path.read_text()
         assert "disable_cuda_graph=False" in log and "disable_overlap_schedule=False" in log
+        assert ("mg: lagged commit on" in log) == bool(seam)
         rep = run(DeterminismConfig(url=srv.url, max_new=32, phases=("alone", "mixed")), det, refs, other,
                   noop_processor())
     finally:
         srv.stop()
-    assert not rep.mismatches, rep.mismatches
+    errors = [ln for ln in srv.log_path.read_text().splitlines() if "mg:" in ln and ("failed" in ln or "Error" in ln)]
+    assert not rep.mismatches, (rep.mismatches, errors[:10])
     assert all(o.verdict == "verified" for o in rep.outcomes)
     c = rep.counters
     assert c["mg_deterministic_steps_total"] - c["mg_lookahead_steps_total"] == rep.det_tokens > 0

@@ -2,11 +2,11 @@
 """The lagged control path's host logic (mg_server/sglang_ext/lagged.py) on CPU tensors: what the
 device is told (which rows need the verifier, the gate), what the host does one forward later
 (reports, verify steps, repairs, the tokens written before the gate opens, failures). The device
-gate itself is tested on a GPU (tests/test_gate_gpu.py); here it is recorded."""
+gate is kernels.gate's CPU reference here (its CUDA kernel is checked against that reference in
+tests/test_gate_gpu.py)."""
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from mg_server.runtime import protocol as P
@@ -14,22 +14,38 @@ from mg_server.runtime.policy import Policy
 from test_hook import LAYERS, VOCAB, FakeReq, fast, hook_mod, make_seam, runner, sampler_args  # noqa: F401 - fixtures
 
 
-@pytest.fixture()
-def gates(monkeypatch):
-    from mg_server.kernels import gate as device_gate
+class Slots:
+    """The verifier's slot buffer as the lagged path reads it: data [n, L, 2, Hkv, D], gens [n]."""
 
-    log = SimpleNamespace(gates=[], releases=[])
-    monkeypatch.setattr(device_gate, "gate", lambda flag, need_any, target, timeout_ns, status:
-                        log.gates.append((int(need_any), target)))
-    monkeypatch.setattr(device_gate, "release", lambda flag, target: log.releases.append(target))
-    return log
+    def __init__(self, col):
+        self.data = torch.zeros(8, *col.shape, dtype=col.dtype)
+        self.data[5] = col
+        self.gens = torch.full((8,), -1, dtype=torch.int64)
+        self.gens[5] = 9
 
 
 def lagged_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy):
+    """A seam on the lagged path with the CPU reference gate, its launches and answers recorded
+    in seam.gates = SimpleNamespace(gates=[(need_any, target)], releases=[target])."""
     from mg_server.sglang_ext.lagged import LaggedControl
 
     seam = make_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy=policy)
+    seam.link.slots = Slots(seam.link.slots.col)
     seam.lagged = LaggedControl(seam, torch.device("cpu"))
+    log = seam.gates = SimpleNamespace(gates=[], releases=[])
+    gate = seam.lagged.gate
+    launch, release = gate.launch, gate.release
+
+    def rec_launch(margin, fast, pos, need, chosen, target):
+        log.gates.append((int(need.any()), target))
+        launch(margin, fast, pos, need, chosen, target)
+
+    def rec_release(target, tokens, repairs):
+        log.releases.append(target)
+        release(target, tokens, repairs)
+
+    monkeypatch.setattr(gate, "launch", rec_launch)
+    monkeypatch.setattr(gate, "release", rec_release)
     return seam
 
 
@@ -39,8 +55,9 @@ def logits_with(top: int, margin: float) -> torch.Tensor:
     return row
 
 
-def test_fast_steps_are_reported_one_forward_late_and_never_gate(hook_mod, runner, tmp_path, monkeypatch, gates):
+def test_fast_steps_are_reported_one_forward_late_and_never_gate(hook_mod, runner, tmp_path, monkeypatch):
     seam = lagged_seam(hook_mod, runner, fast, tmp_path, monkeypatch, Policy("margin", 0.5))
+    gates = seam.gates
     req = FakeReq("f", [1, 2, 3])
     client = seam.link.client
     logits = logits_with(7, 2.0)
@@ -55,27 +72,30 @@ def test_fast_steps_are_reported_one_forward_late_and_never_gate(hook_mod, runne
 
 
 def test_a_low_margin_step_holds_the_gate_until_the_verified_token_is_written(hook_mod, runner, tmp_path,
-                                                                              monkeypatch, gates):
+                                                                              monkeypatch):
     def verify(row):
         return P.StepDecision(rid=row.rid, token=(row.fast_token + 1) % VOCAB, verified=True, repair=True,
                               slot=5, gen=9)
 
     seam = lagged_seam(hook_mod, runner, verify, tmp_path, monkeypatch, Policy("margin", 0.5))
+    gates = seam.gates
     req = FakeReq("v", [4, 5])
     seam(None, sampler_args([(req, True)], logits_with(20, 0.1), [1]))
     assert gates.gates == [(1, 1)] and gates.releases == []  # the device holds; nothing released yet
-    f = seam.lagged.pending[0]
+    assert seam.lagged.gate.acked(1) is None  # holding
     seam.lagged.drain(wait=True)
     assert [r.pos for r in seam.link.client.rows] == [1] and gates.releases == [1]
-    assert f.override.tolist() == [21]  # the verifier's token, written before the gate opened
+    assert seam.lagged.chosen[:1].tolist() == [21] and seam.lagged.gate.acked(1) == 1  # the verifier's token
     assert seam.link.tracked["v"].tokens == [4, 5, 21]
     pool = runner.token_to_kv_pool
     for layer in range(LAYERS):  # position 1 of pool row 0 is slot 11
-        assert torch.equal(pool.k_buffer[layer][11], seam.link.slots.col[layer, 0])
+        assert torch.equal(pool.k_buffer[layer][11], seam.link.slots.data[5, layer, 0])
+        assert torch.equal(pool.v_buffer[layer][11], seam.link.slots.data[5, layer, 1])
 
 
-def test_always_gates_every_step_but_not_prefill_chunks(hook_mod, runner, tmp_path, monkeypatch, gates):
+def test_always_gates_every_step_but_not_prefill_chunks(hook_mod, runner, tmp_path, monkeypatch):
     seam = lagged_seam(hook_mod, runner, fast, tmp_path, monkeypatch, Policy("always", 0.0))
+    gates = seam.gates
     req = FakeReq("a", [1, 2, 3, 4])
     seam(None, sampler_args([(req, True)], logits_with(3, 9.0), [1]))  # a non-final prefill chunk
     seam.lagged.drain(wait=True)
@@ -87,20 +107,20 @@ def test_always_gates_every_step_but_not_prefill_chunks(hook_mod, runner, tmp_pa
 
 
 def test_a_missed_step_and_a_failed_controller_fail_the_request_and_open_the_gate(hook_mod, runner, tmp_path,
-                                                                                   monkeypatch, gates):
+                                                                                   monkeypatch):
     def broken(row):
         return P.StepDecision(rid=row.rid, error="verifier: [internal] boom")
 
     seam = lagged_seam(hook_mod, runner, broken, tmp_path, monkeypatch, Policy("margin", 0.5))
+    gates = seam.gates
     skip = FakeReq("s", [1, 2])
     seam(None, sampler_args([(skip, True)], logits_with(3, 9.0), [5]))  # position 5, mg holds 2 tokens
     seam.lagged.drain(wait=True)
     assert skip.to_finish is not None and gates.gates == [(0, 1)]
     low = FakeReq("l", [1, 2])
     seam(None, sampler_args([(low, True)], logits_with(8, 0.0), [1]))
-    f = seam.lagged.pending[0]
     seam.lagged.drain(wait=True)
-    assert gates.releases == [2] and f.override.tolist() == [8]  # opened, with the fast token
+    assert gates.releases == [2] and seam.lagged.chosen[:1].tolist() == [8]  # opened, with the fast token
     assert low.to_finish is not None and "failed" in low.to_finish.message
     # later forwards of a failed request are not steps: no gate holds for them
     seam(None, sampler_args([(low, True)], logits_with(8, 0.0), [2]))
@@ -108,7 +128,7 @@ def test_a_missed_step_and_a_failed_controller_fail_the_request_and_open_the_gat
     assert gates.gates[-1] == (0, 3)
 
 
-def test_the_finish_watcher_drains_before_it_reports_an_end(hook_mod, runner, tmp_path, monkeypatch, gates):
+def test_the_finish_watcher_drains_before_it_reports_an_end(hook_mod, runner, tmp_path, monkeypatch):
     seam = lagged_seam(hook_mod, runner, fast, tmp_path, monkeypatch, Policy("margin", 0.5))
     req = FakeReq("w", [1, 2])
     seam(None, sampler_args([(req, True)], logits_with(6, 4.0), [1]))
@@ -123,9 +143,30 @@ def test_the_finish_watcher_drains_before_it_reports_an_end(hook_mod, runner, tm
     assert order == [("report", 1), ("finish", "w")]
 
 
-def test_mg_processor_is_skipped_for_the_forward_and_a_foreign_one_keeps_the_synchronous_path(
-        hook_mod, runner, tmp_path, monkeypatch, gates):
+def test_a_finished_requests_last_forward_is_processed_while_mg_still_tracks_it(hook_mod, runner, tmp_path,
+                                                                                monkeypatch):
+    """The watcher sees a request finished while its last forward is still pending: that forward
+    is processed as the request's step (not as a new request's), then the Finish goes out."""
     seam = lagged_seam(hook_mod, runner, fast, tmp_path, monkeypatch, Policy("margin", 0.5))
+    req = FakeReq("z", [1, 2])
+    seam(None, sampler_args([(req, True)], logits_with(6, 4.0), [1]))
+    seam(None, sampler_args([(req, True)], logits_with(9, 4.0), [2]))  # processes the first
+    assert len(seam.lagged.pending) == 1
+    finished = []
+    seam.link.before_finish = seam.lagged.drain
+    seam.link._finish = lambda rid, *rest: finished.append(rid)
+    req.finished = lambda: True
+    req.finished_reason, req.output_ids = None, [6, 9]
+    monkeypatch.setattr(hook_mod, "end_rules", lambda req: {})
+    hook_mod.ControllerLink._report_finished(seam.link)
+    assert req.to_finish is None and finished == ["z"] and "z" not in seam.link.tracked
+    assert [r.pos for r in seam.link.client.reported] == [1, 2]  # both steps of z, none refused
+
+
+def test_mg_processor_is_skipped_for_the_forward_and_a_foreign_one_keeps_the_synchronous_path(
+        hook_mod, runner, tmp_path, monkeypatch):
+    seam = lagged_seam(hook_mod, runner, fast, tmp_path, monkeypatch, Policy("margin", 0.5))
+    gates = seam.gates
     req = FakeReq("p", [1, 2])
     args = sampler_args([(req, True)], logits_with(4, 3.0), [1])
     seam(None, args)
@@ -140,3 +181,93 @@ def test_mg_processor_is_skipped_for_the_forward_and_a_foreign_one_keeps_the_syn
     seam(None, args)
     assert args[1].has_custom_logit_processor is True and not seam.lagged.pending
     assert [r.rid for r in seam.link.client.reported] == ["p", "q"] and len(gates.gates) == 1
+
+
+def _verify(row):
+    """The controller with tau 0.5: a low-margin row verified (the verifier disagrees), others fast."""
+    if row.margin >= 0.5:
+        return P.StepDecision(rid=row.rid, token=row.fast_token)
+    return P.StepDecision(rid=row.rid, token=(row.fast_token + 1) % VOCAB, verified=True, repair=True, slot=5, gen=9)
+
+
+def test_a_gate_that_timed_out_fails_the_rows_it_held(hook_mod, runner, tmp_path, monkeypatch):
+    seam = lagged_seam(hook_mod, runner, _verify, tmp_path, monkeypatch, Policy("margin", 0.5))
+    gate = seam.lagged.gate
+    monkeypatch.setattr(gate, "release", lambda target, tokens, repairs: gate.ack[:2].copy_(torch.tensor([target, 2])))
+    low, high = FakeReq("t", [4, 5]), FakeReq("h", [4, 5], pool_idx=1)
+    logits = torch.cat([logits_with(20, 0.1), logits_with(30, 4.0)])
+    seam(None, sampler_args([(low, True), (high, True)], logits, [1, 1]))
+    before = seam.lagged.timeouts._value.get()
+    seam.lagged.drain(wait=True)
+    assert seam.lagged.timeouts._value.get() == before + 1
+    assert low.to_finish is not None and "status" not in low.to_finish.message  # internal detail stays in the log
+    assert seam.link.tracked["t"].failed and high.to_finish is None  # the fast row passed the gate untouched
+    assert not runner.token_to_kv_pool.k_buffer[0][11].any()  # nothing repaired
+
+
+def test_a_slot_reused_during_the_repair_fails_the_request(hook_mod, runner, tmp_path, monkeypatch):
+    seam = lagged_seam(hook_mod, runner, _verify, tmp_path, monkeypatch, Policy("margin", 0.5))
+    gate, slots = seam.lagged.gate, seam.link.slots
+    release = gate.release
+
+    def racing(target, tokens, repairs):
+        release(target, tokens, repairs)
+        slots.gens[5] = 10  # the verifier wrote the slot again before the copy was acknowledged
+
+    monkeypatch.setattr(gate, "release", racing)
+    req = FakeReq("r", [4, 5])
+    seam(None, sampler_args([(req, True)], logits_with(20, 0.1), [1]))
+    seam.lagged.drain(wait=True)
+    assert req.to_finish is not None and seam.link.tracked["r"].failed
+
+
+def test_a_stale_slot_is_never_copied(hook_mod, runner, tmp_path, monkeypatch):
+    seam = lagged_seam(hook_mod, runner, _verify, tmp_path, monkeypatch, Policy("margin", 0.5))
+    seam.link.slots.gens[5] = 11
+    req = FakeReq("s", [4, 5])
+    seam(None, sampler_args([(req, True)], logits_with(20, 0.1), [1]))
+    seam.lagged.drain(wait=True)
+    assert req.to_finish is not None and seam.gates.releases == [1]
+    assert not runner.token_to_kv_pool.k_buffer[0][11].any()
+
+
+def test_a_released_requests_lookahead_step_is_not_repaired(hook_mod, runner, tmp_path, monkeypatch):
+    """Processed one forward late, the overlap scheduler's step after a request's last token can
+    find the request already released by SGLang (req_pool_idx None): nothing to repair, no failure."""
+    seam = lagged_seam(hook_mod, runner, _verify, tmp_path, monkeypatch, Policy("margin", 0.5))
+    req = FakeReq("e", [4, 5])
+    seam(None, sampler_args([(req, True)], logits_with(20, 0.1), [1]))
+    req.req_pool_idx = None
+    seam.lagged.drain(wait=True)
+    assert req.to_finish is None and seam.gates.releases == [1] and seam.lagged.chosen[:1].tolist() == [21]
+    assert not runner.token_to_kv_pool.k_buffer[0][11].any()
+
+
+def test_the_schedulers_drain_waits_for_a_forward_the_watcher_is_processing(hook_mod, runner, tmp_path, monkeypatch):
+    """The next launch reads mg's token counts: a forward the finish watcher has taken up must be
+    finished before the scheduler's drain returns."""
+    import threading
+
+    seam = lagged_seam(hook_mod, runner, fast, tmp_path, monkeypatch, Policy("margin", 0.5))
+    req = FakeReq("c", [1, 2])
+    seam(None, sampler_args([(req, True)], logits_with(6, 4.0), [1]))
+    entered, go = threading.Event(), threading.Event()
+    report = seam.link.client.report
+
+    def slow(rows):
+        entered.set()
+        go.wait(5)
+        report(rows)
+
+    seam.link.client.report = slow
+    watcher = threading.Thread(target=seam.lagged.drain, args=(False,))
+    watcher.start()
+    assert entered.wait(5)
+    scheduler = threading.Thread(target=seam.lagged.drain, args=(True,))
+    scheduler.start()
+    scheduler.join(0.2)
+    assert scheduler.is_alive()  # waiting for the watcher's forward
+    go.set()
+    watcher.join(5)
+    scheduler.join(5)
+    assert not scheduler.is_alive() and seam.link.tracked["c"].tokens == [1, 2, 6] and not seam.lagged.pending

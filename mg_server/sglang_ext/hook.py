@@ -257,9 +257,14 @@ class ControllerLink:
                     continue
                 if finished:
                     done.append((rid, t.req))
-                    del self.tracked[rid]
         if (done or broken) and self.before_finish is not None:
+            # the lagged path's forwards launched before these requests finished (the last
+            # steps, the look-ahead one) are processed first, while mg still tracks them
             self.before_finish(True)
+        with self.lock:
+            for rid, req in done:
+                if rid in self.tracked and self.tracked[rid].req is req:
+                    del self.tracked[rid]
         for rid, req in done:
             try:
                 aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
@@ -290,6 +295,7 @@ class StepSeam:
 
             self.lagged = LaggedControl(self, torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)))
             self.link.before_finish = self.lagged.drain
+            log.warning("mg: lagged commit on (step gate capacity %d rows)", self.lagged.capacity)
 
     def __call__(self, module, args):
         # Sampler.forward(logits_output, sampling_info, return_logprob, top_logprobs_nums,
@@ -309,7 +315,7 @@ class StepSeam:
         # The lagged path needs a sampler that does not wait for the gated stream: only mg's
         # processor (skipped above) may be in the batch; seeded rows take the synchronous path.
         if self._bypassed is not None and self.lagged is not None and self.config.fault_missed_flip < 0 and not any(
-                sampling_rule(req)[0] > 0 for _, req, _ in rows):
+                sampling_rule(req)[0] > 0 for _, req, _ in rows) and self.lagged.fits(rows):
             t0 = time.perf_counter()
             self.lagged.launch(args[0].next_token_logits, args[5], rows)
             self.control.observe(time.perf_counter() - t0)

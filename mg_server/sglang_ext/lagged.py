@@ -1,11 +1,9 @@
 """One-forward-late control of deterministic rows on CUDA: the fast path never waits for the GPU.
 
-Status: experimental, off by default (`serve --mg-lagged-commit`). Measured on an H100: correct
-once warm, but a page-locked or device memory allocation anywhere in this process while a gate
-holds (SGLang's first batches of a shape allocate) is ordered by CUDA after the gated forward,
-so the release queued on the side stream waits for it and the gate times out (the request then
-fails; it is never called verified). The fix is a release that issues no CUDA command: the gate
-polling a host-mapped flag and copying the tokens and the repair column itself.
+Status: experimental, off by default (`serve --mg-lagged-commit`). Measured on an H100 (README,
+"GPU performance"): correct, and a forward that needs nothing costs ~nothing (batch 1: -1..+3 %),
+but a holding gate spins on an SM while the verifier process needs the GPU, and verify calls
+take 23-51 ms instead of 6-19, so at batch 8/32 it is slower than the synchronous seam.
 
 Why: the synchronous seam (hook.StepSeam._control) reads every deterministic forward's margins
 on the host before sampling. That read waits for the GPU to finish the forward, so the overlap
@@ -18,103 +16,99 @@ Here the decision is split between the device and the host:
   fast token, whether the row is a step (its position equals the one mg expects: the host's
   token count, current because every earlier forward was processed first) and whether the step
   needs the verifier (the policy: margin < tau in fp64, as `Policy.should_verify`, or every step
-  in mode always). It copies those to pinned host memory without waiting, then enqueues the
-  stream gate (kernels.gate): a no-op unless some row needs the verifier, in which case the
-  stream holds there. After the gate, every protected row's logits are forced to its token: the
-  fast token, or for a row that needed the verifier the token the host wrote before releasing.
-- one forward later (`drain`, from the next sampler call, or from the finish watcher thread
-  while the scheduler waits elsewhere): the host reads those values (by then the GPU has the
-  next forward queued, so this wait leaves no bubble), reports fast steps to the controller one
-  way, or, for a forward whose gate is holding, asks the controller (which verifies), writes the
-  K/V repairs and the verified tokens on a side stream and raises the gate's flag.
+  in mode always). One kernel (kernels.gate.StepGate) publishes those values to page-locked
+  host memory and, only if some row needs the verifier, holds the stream until the host answers
+  there. After it, every protected row's logits are forced to the chosen token: the fast token,
+  or for a row that needed the verifier the token the host wrote.
+- one forward later (`drain`: from the next sampler call, or from the finish watcher thread
+  every 5 ms while the scheduler is busy elsewhere): the host reads those values (by then the
+  GPU has the next forward queued, so this wait leaves no bubble), reports fast steps to the
+  controller one way, or, for a forward whose gate is holding, asks the controller (which
+  verifies) and writes the verified tokens and the K/V repair descriptors; the kernel copies
+  the verifier's columns into SGLang's pool itself and acknowledges.
+
+The host's answer is stores to host memory, never a CUDA command: CUDA orders a device or
+page-locked memory allocation (SGLang's first batches of a shape make some) after all earlier
+work, so a release queued on a stream could wait behind the gate it should open (measured: 15 s
+gate timeouts with a side-stream release). With host stores, such an allocation in the
+scheduler thread just waits until the watcher thread has answered.
 
 So a deterministic token is never sampled from a low-margin row before the verifier decided it,
-and a forward with only fast steps costs a few small kernels. A gate that nobody releases (a
-lost host thread) times out on the device after GATE_TIMEOUT_S; the fast token is then
-sampled, and the controller's end-of-request check against its own decisions fails the request.
+and a forward with only fast steps costs a few small kernels. A gate that nobody answers (a
+lost host thread) times out on the device after GATE_TIMEOUT_S; the fast tokens are then
+sampled, nothing is repaired, and the host fails the rows that needed the verifier.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from mg_server.kernels import gate as device_gate
+from mg_server import metrics
+from mg_server.kernels.gate import ReferenceStepGate, StepGate
 from mg_server.runtime import protocol as P
 from mg_server.sglang_ext.hook import top2
-
 
 # A holding gate opens by itself after this long (the device has no other way out if the host
 # never answers); a verify step, prompt catch-up included, takes well under a second on a GPU.
 GATE_TIMEOUT_S = 15.0
+# The host gives up waiting for a forward's values (or a gate's acknowledgement) after this.
+HOST_WAIT_S = GATE_TIMEOUT_S + 15.0
 
 
 @dataclass
 class Forward:
     """One deterministic forward whose rows the host has not processed yet."""
 
-    target: int  # the flag value that releases this forward's gate
+    target: int  # this forward's tag in the gate's mailboxes
     rows: list[tuple[int, object, str]]  # (batch row, SGLang Req, instance key)
-    host: Tensor  # [rows, 4] fp64 pinned: margin, fast token, position, needs the verifier (0/1)
-    ready: object  # torch.cuda.Event: `host` holds the values
-    override: Tensor  # [rows] int64 cuda: tokens the host writes before releasing the gate
-    staged: Tensor  # [rows] int64 pinned: the host's tokens, copied into `override` on the side stream
 
 
-class _Done:
-    """A CPU stand-in for a recorded CUDA event (unit tests run this path on CPU tensors, where
-    every op has finished when it returns; `gate` is then the test's)."""
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
+def _wait(cond, what: str) -> None:
+    """Poll a host-memory condition (no CUDA call: see module doc); sleeping releases the GIL."""
+    t0 = time.monotonic()
+    while not cond():
+        waited = time.monotonic() - t0
+        if waited > HOST_WAIT_S:
+            raise TimeoutError(f"mg: no {what} after {waited:.0f} s")
+        time.sleep(0 if waited < 1e-4 else 2e-5)
 
 
 class LaggedControl:
-    """The seam's control path on CUDA (see module doc). `seam` is the hook's StepSeam."""
+    """The seam's control path on CUDA (see module doc). `seam` is the hook's StepSeam; on a CPU
+    device (unit tests) the gate is kernels.gate.ReferenceStepGate."""
 
     def __init__(self, seam, device: torch.device):
         self.seam = seam
         self.link = seam.link
         self.device = device
-        self.cuda = device.type == "cuda"
-        # repairs and releases go on a side stream: it never waits for the gated one
-        self.side = torch.cuda.Stream(device) if self.cuda else None
-        self.flag = torch.zeros(1, dtype=torch.int64, device=device)  # [1] raised by the host only
-        self.status = torch.zeros(1, dtype=torch.int32, device=device)  # [1] last gate's outcome
-        self.timeout_ns = int(GATE_TIMEOUT_S * 1e9)
+        runner = seam.runner
+        pool, r2t = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+        self.capacity = r2t.shape[0]  # rows of one forward <= requests SGLang can hold
+        slots = getattr(self.link.slots, "data", None)  # [n, L, 2, Hkv, D] the verifier's columns
+        if device.type == "cuda":
+            if slots is None or not slots.is_cuda:
+                raise RuntimeError("mg's lagged commit needs the verifier's K/V slots in CUDA memory")
+            self.gate = StepGate(self.capacity, pool.k_buffer, pool.v_buffer, slots, r2t, GATE_TIMEOUT_S)
+        else:
+            self.gate = ReferenceStepGate(self.capacity, pool.k_buffer, pool.v_buffer, slots, r2t)
+        pinned = device.type == "cuda"
+        # [2 * cap] int64: n batch rows, then n expected positions (contiguous for n < cap)
+        self.meta_host = torch.zeros(2 * self.capacity, dtype=torch.int64, pin_memory=pinned)
+        self.meta = torch.zeros(2 * self.capacity, dtype=torch.int64, device=device)
+        self.chosen = torch.zeros(self.capacity, dtype=torch.int64, device=device)  # [cap] the gate's tokens
         self.last_target = 0
+        self.timeouts = metrics.gate_timeouts()  # gates the device opened by itself
         self.pending: deque[Forward] = deque()
         self.lock = threading.Lock()  # processing order; taken before the link's locks
-        # While a gate holds, the host must not allocate device or page-locked memory: CUDA
-        # orders such an allocation after all earlier work of every stream (implicit
-        # synchronization), the gated forward included, so the release behind it would never run.
-        # Hence everything the release path writes is allocated before any gate exists.
-        spec = getattr(self.link.slots, "spec", None)
-        self.column = (torch.empty(spec.shape[1:], dtype=getattr(torch, spec.dtype), device=device)
-                       if spec is not None and self.cuda else None)  # [L, 2, Hkv, D]: a repair's column
-        if self.cuda:
-            self._warm_side_stream(seam.runner)
 
-    def _warm_side_stream(self, runner) -> None:
-        """Run one repair's ops on the side stream at start-up (into SGLang's padding slot 0,
-        which padded rows overwrite anyway), so their memory is cached there before any gate."""
-        pool, col = runner.token_to_kv_pool, self.column
-        with torch.cuda.stream(self.side):
-            loc = torch.zeros(1, dtype=torch.int64, device=self.device)
-            if col is not None and col.shape[0] == len(pool.k_buffer):
-                col.zero_()
-                for layer in range(len(pool.k_buffer)):
-                    pool.set_kv_buffer(None, loc, col[layer, 0][None], col[layer, 1][None], layer_id_override=layer)
-            self.flag.fill_(0)
-        self.side.synchronize()
+    def fits(self, rows) -> bool:
+        return len(rows) <= self.capacity
 
     def expected(self, req, key: str) -> int:
         """The position of the request's next step (-2: none; caller holds link.lock)."""
@@ -125,64 +119,72 @@ class LaggedControl:
 
     def launch(self, logits: Tensor, positions: Tensor, rows: list[tuple[int, object, str]]) -> None:
         """At the sampler: enqueue this forward's decision and gate; no host sync (module doc).
-        The caller drained every earlier forward first, so `expected` is current."""
-        link, dev = self.link, logits.device
+        The caller drained every earlier forward first, so `expected` and the reused buffers
+        (meta_host, chosen, the gate's mailboxes) are free."""
+        link, n = self.link, len(rows)
         with link.lock:
             expected = [self.expected(req, key) for _, req, key in rows]
-        meta = torch.tensor([[i for i, _, _ in rows], expected], dtype=torch.int64, pin_memory=self.cuda)
-        meta = meta.to(dev, non_blocking=True)  # [2, rows]: batch row, expected position
-        idx, exp = meta[0], meta[1]
-        sub = logits.index_select(0, idx)  # [rows, vocab]
-        margin, fast = top2(sub)  # [rows] fp32, int64 (the synchronous seam's own function)
-        pos = positions.index_select(0, idx).to(torch.int64)  # [rows]
+        mh = self.meta_host.numpy()
+        mh[:n], mh[n:2 * n] = [i for i, _, _ in rows], expected
+        meta = self.meta[:2 * n]
+        meta.copy_(self.meta_host[:2 * n], non_blocking=True)
+        idx, exp = meta[:n], meta[n:]  # [n] batch rows, [n] expected positions
+        margin, fast = top2(logits.index_select(0, idx))  # [n] fp32, int64 (the synchronous seam's own)
+        pos = positions.to(logits.device).index_select(0, idx).to(torch.int64)  # [n]
         step = pos == exp
         if link.policy.mode == "always":
             need = step
         else:  # fp64 as Policy.should_verify compares the margin; NaN margins are verified
             need = step & ~(margin.double() >= link.policy.tau)
-        # the host's tokens, written on the side stream before the gate opens; the fast tokens
-        # until then (a timed-out gate must still index the vocabulary). Before `ready`: the
-        # host writes only after that event, so this copy can never land over its tokens.
-        override = fast.clone()
-        staged = torch.empty(len(rows), dtype=torch.int64, pin_memory=self.cuda)  # before the gate: see __init__
-        packed = torch.stack([margin.double(), fast.double(), pos.double(), need.double()], dim=1)
-        host = torch.empty(packed.shape, dtype=torch.float64, pin_memory=self.cuda)
-        host.copy_(packed, non_blocking=True)
-        ready = torch.cuda.Event() if self.cuda else _Done()
-        if self.cuda:
-            ready.record()
         self.last_target += 1
-        need_any = need.any().to(torch.int32).reshape(1)  # [1] int32 cuda
-        device_gate.gate(self.flag, need_any, self.last_target, self.timeout_ns, self.status)
-        chosen = torch.where(need, override, fast)  # read after the gate
+        chosen = self.chosen[:n]
+        self.gate.launch(margin, fast, pos, need.to(torch.int32), chosen, self.last_target)
         logits.index_fill_(0, idx, float("-inf"))
-        logits.index_put_((idx, chosen), torch.zeros((), dtype=logits.dtype, device=dev))
+        logits.index_put_((idx, chosen), torch.zeros((), dtype=logits.dtype, device=logits.device))
         with self.lock:
-            self.pending.append(Forward(self.last_target, rows, host, ready, override, staged))
+            self.pending.append(Forward(self.last_target, rows))
 
     def drain(self, wait: bool) -> None:
         """Process pending forwards in order; wait=False stops at the first whose values are not
-        on the host yet. A pending forward depends on no host action before its values are ready
-        (its gate comes after the copy), so waiting here never deadlocks."""
+        published yet. A forward's values never depend on a host action (its gate comes after
+        them), so waiting here never deadlocks. A forward leaves `pending` only once processed:
+        the scheduler's drain before a launch must also wait for one the watcher is processing."""
         if not self.pending:
             return
-        with self.lock, torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():
+        with self.lock:
             while self.pending:
                 f = self.pending[0]
-                if not wait and not f.ready.query():
+                if not wait and not self.gate.published(f.target, len(f.rows)):
                     return
-                f.ready.synchronize()
-                self.pending.popleft()
-                self._process(f)
+                try:
+                    _wait(lambda: self.gate.published(f.target, len(f.rows)), "step values from the device")
+                    self._process(f)
+                except TimeoutError as e:
+                    self._fail_rows(f.rows, str(e))
+                finally:
+                    self.pending.popleft()
+
+    def _fail_rows(self, rows, why: str) -> None:
+        with self.link.lock:
+            for _, req, key in rows:
+                t = self.link.tracked.get(key)
+                if t is not None and t.req is req:
+                    t.failed = True
+        for _, req, _ in rows:
+            self.seam._fail(req, why)
 
     def _process(self, f: Forward) -> None:
-        seam, link = self.seam, self.link
-        values = f.host.tolist()
+        seam, link, gate = self.seam, self.link, self.gate
+        values = gate.values(len(f.rows))
         steps = [(i, req, int(p), m, int(tok), key) for (i, req, key), (m, tok, p, _) in zip(f.rows, values)]
         need = {i: bool(n) for (i, _, _), (*_, n) in zip(f.rows, values)}
         gated = any(need.values())
-        # what the gate lets through: the fast token unless a decision replaces it
-        tokens = {i: int(tok) for (i, _, _), (_, tok, _, _) in zip(f.rows, values)}
+        tokens = [int(tok) for _, tok, _, _ in values]  # what the gate lets through unless replaced
+        slot_of = {i: k for k, (i, _, _) in enumerate(f.rows)}
+        key_of = {id(req): key for _, req, key in f.rows}
+        repairs: list[tuple[int, int, int]] = []  # (slot's first element, req_pool_idx, position)
+        checks: list[tuple[object, str, int, int]] = []  # (req, key, slot, gen) to re-check after the copy
+        released = False
         try:
             with link.lock:
                 live, fails = seam._classify(steps)
@@ -193,17 +195,47 @@ class LaggedControl:
                     d.error = "mg's control path disagreed with the device's policy"  # never expected
 
             def repair(req, pos: int, d: P.StepDecision) -> None:
-                with torch.cuda.stream(self.side):
-                    seam.repair(req, pos, d, out=self.column)
+                if req.req_pool_idx is None:
+                    # SGLang already released the request: this was the overlap scheduler's
+                    # look-ahead step after its last token (dropped at Finish), whose column the
+                    # request never reads. (Not None: the kernel reads req_to_token in stream
+                    # order, i.e. as this forward saw it, even if the row is freed meanwhile.)
+                    return
+                if int(link.slots.gens[d.slot]) != d.gen:
+                    raise RuntimeError(f"verifier slot {d.slot} no longer holds generation {d.gen}")
+                repairs.append((d.slot * gate.slot_numel, int(req.req_pool_idx), pos))
+                checks.append((req, key_of[id(req)], d.slot, d.gen))
 
-            for i, d in seam.commit(live, decisions, fails, repair):
-                tokens[i] = d.token
+            committed = seam.commit(live, decisions, fails, repair)
+            for i, d in committed:
+                tokens[slot_of[i]] = d.token
+            if gated:
+                gate.release(f.target, tokens, repairs)
+                released = True
         finally:
-            if gated:  # always open a holding gate, with fast tokens if anything above failed
-                for k, (i, _, _) in enumerate(f.rows):
-                    f.staged[k] = tokens[i]
-                with torch.cuda.stream(self.side):
-                    f.override.copy_(f.staged, non_blocking=True)
-                    device_gate.release(self.flag, f.target)
-                if self.cuda:
-                    self.side.synchronize()  # `staged` and the repair column are free again
+            if gated and not released:  # something above failed: open the gate with the fast tokens
+                gate.release(f.target, [int(tok) for _, tok, _, _ in values], [])
+        if gated:
+            self._settle(f, need, checks)
+
+    def _settle(self, f: Forward, need: dict[int, bool], checks) -> None:
+        """After answering a holding gate: wait for its acknowledgement (the copy is done), then
+        fail what it could not do: a timed-out gate sampled the fast tokens and repaired
+        nothing; a slot the verifier reused during the copy gave a torn column (seqlock)."""
+        gate = self.gate
+        try:
+            _wait(lambda: gate.acked(f.target) is not None, "acknowledgement from the step gate")
+            status = gate.acked(f.target)
+        except TimeoutError:
+            status = 2
+        if status != 1:  # 2: timed out; 0 would be a gate that never held (a bug): fail either way
+            self.timeouts.inc()
+            self._fail_rows([r for r in f.rows if need[r[0]]], f"the step gate did not wait for mg (status {status})")
+            return
+        gens = self.link.slots.gens
+        torn = [(req, key) for req, key, slot, gen in checks if int(gens[slot]) != gen]
+        if torn:
+            self._fail_rows([(None, req, key) for req, key in torn], "verifier slot reused during a K/V repair")
+
+
+__all__ = ["LaggedControl", "GATE_TIMEOUT_S"]
