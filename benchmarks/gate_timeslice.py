@@ -1,0 +1,121 @@
+"""Does a held stream gate slow down another process's GPU work? (issue 10, lagged seam)
+
+The lagged seam holds SGLang's stream while the verifier, a separate process, verifies on the
+same GPU. This times a stand-in for the verifier (another process: 100 small kernels, then a
+sync, repeated) while this process holds one stream in each of three ways:
+  idle  - nothing held (baseline);
+  spin  - mg's step gate kernel (kernels/gate.py) spinning on an SM until the host answers;
+  wait  - cuStreamWaitValue64 on a page-locked host flag (the GPU's front end waits; no SM busy).
+
+    python benchmarks/gate_timeslice.py --out DIR
+
+Prints a table (median / p90 ms per victim round) and writes DIR/gate_timeslice.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import multiprocessing as mp
+import statistics
+import time
+from pathlib import Path
+
+HOLD_S = 2.0
+
+
+def victim(q, seconds: float) -> None:
+    import torch
+
+    x = torch.randn(512, 512, device="cuda")
+    for _ in range(20):
+        x = (x @ x).tanh_()
+    torch.cuda.synchronize()
+    q.put("ready")
+    rounds, end = [], time.monotonic() + seconds
+    while time.monotonic() < end:
+        t0 = time.perf_counter()
+        for _ in range(50):
+            x = (x @ x).tanh_()
+        torch.cuda.synchronize()
+        rounds.append(1e3 * (time.perf_counter() - t0))
+    q.put(rounds)
+
+
+def hold(mode: str) -> None:
+    """Hold the current stream for HOLD_S in `mode`, then let it go."""
+    import torch
+
+    if mode == "idle":
+        time.sleep(HOLD_S)
+        return
+    dev = torch.device("cuda")
+    if mode == "spin":
+        from mg_server.kernels.gate import StepGate
+
+        slots = torch.zeros(2, 1, 2, 1, 8, dtype=torch.bfloat16, device=dev)
+        pool = [torch.zeros(4, 1, 8, dtype=torch.bfloat16, device=dev)]
+        gate = StepGate(4, pool, pool, slots, torch.zeros(1, 4, dtype=torch.int32, device=dev), timeout_s=30)
+        one = torch.ones(1, device=dev)
+        chosen = torch.zeros(1, dtype=torch.int64, device=dev)
+        gate.launch(one, chosen + 1, chosen, torch.ones(1, dtype=torch.int32, device=dev), chosen, 1)
+        time.sleep(HOLD_S)
+        gate.release(1, [1], [])
+    else:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        fn = cuda.cuStreamWaitValue64_v2
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+        rc = fn(stream, flag.data_ptr(), 1, 0)  # 0: CU_STREAM_WAIT_VALUE_GEQ
+        if rc != 0:
+            raise RuntimeError(f"cuStreamWaitValue64 returned {rc}")
+        torch.zeros(1, device=dev).add_(1)  # work behind the wait
+        time.sleep(HOLD_S)
+        flag.numpy()[0] = 1
+    t0 = time.monotonic()
+    torch.cuda.synchronize()
+    if time.monotonic() - t0 > 5:
+        raise RuntimeError(f"{mode}: the stream did not resume")
+
+
+def run(mode: str) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=victim, args=(q, HOLD_S))
+    import torch
+
+    torch.zeros(1, device="cuda")
+    p.start()
+    assert q.get(timeout=120) == "ready"
+    hold(mode)
+    rounds = q.get(timeout=60)
+    p.join()
+    rounds.sort()
+    return {"mode": mode, "rounds": len(rounds), "median_ms": statistics.median(rounds),
+            "p90_ms": rounds[int(0.9 * (len(rounds) - 1))]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("bench-out/gate-timeslice"))
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    res = []
+    for mode in ("idle", "spin", "wait", "idle"):
+        try:
+            res.append(run(mode))
+        except Exception as e:  # noqa: BLE001 - report what could not be measured
+            res.append({"mode": mode, "error": f"{type(e).__name__}: {e}"})
+        print(res[-1], flush=True)
+    (args.out / "gate_timeslice.json").write_text(json.dumps(res, indent=2))
+    print("| held by | victim rounds | median ms / round | p90 ms |\n|---|---|---|---|")
+    for r in res:
+        print(f"| {r['mode']} | {r.get('rounds', '')} | {r.get('median_ms', float('nan')):.2f} | "
+              f"{r.get('p90_ms', float('nan')):.2f} |" if "error" not in r else f"| {r['mode']} | error: {r['error']} | | |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
