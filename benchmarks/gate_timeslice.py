@@ -2,7 +2,8 @@
 
 The lagged seam holds SGLang's stream while the verifier, a separate process, verifies on the
 same GPU. This times a stand-in for the verifier (another process: 100 small kernels, then a
-sync, repeated) while this process holds one stream in each of three ways:
+sync, repeated; or with a sync after every kernel pair, as a verify call's host round trips)
+while this process holds one stream in each of three ways:
   idle  - nothing held (baseline);
   spin  - mg's step gate kernel (kernels/gate.py) spinning on an SM until the host answers;
   wait  - cuStreamWaitValue64 on a page-locked host flag (the GPU's front end waits; no SM busy).
@@ -25,7 +26,7 @@ from pathlib import Path
 HOLD_S = 2.0
 
 
-def victim(q, seconds: float) -> None:
+def victim(q, seconds: float, sync_each: bool) -> None:
     import torch
 
     x = torch.randn(512, 512, device="cuda")
@@ -38,6 +39,8 @@ def victim(q, seconds: float) -> None:
         t0 = time.perf_counter()
         for _ in range(50):
             x = (x @ x).tanh_()
+            if sync_each:
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
         rounds.append(1e3 * (time.perf_counter() - t0))
     q.put(rounds)
@@ -80,10 +83,10 @@ def hold(mode: str) -> None:
         raise RuntimeError(f"{mode}: the stream did not resume")
 
 
-def run(mode: str) -> dict:
+def run(mode: str, sync_each: bool) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=victim, args=(q, HOLD_S))
+    p = ctx.Process(target=victim, args=(q, HOLD_S, sync_each))
     import torch
 
     torch.zeros(1, device="cuda")
@@ -93,7 +96,7 @@ def run(mode: str) -> dict:
     rounds = q.get(timeout=60)
     p.join()
     rounds.sort()
-    return {"mode": mode, "rounds": len(rounds), "median_ms": statistics.median(rounds),
+    return {"mode": mode, "sync_each": sync_each, "rounds": len(rounds), "median_ms": statistics.median(rounds),
             "p90_ms": rounds[int(0.9 * (len(rounds) - 1))]}
 
 
@@ -103,17 +106,19 @@ def main() -> int:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     res = []
-    for mode in ("idle", "spin", "wait", "idle"):
-        try:
-            res.append(run(mode))
-        except Exception as e:  # noqa: BLE001 - report what could not be measured
-            res.append({"mode": mode, "error": f"{type(e).__name__}: {e}"})
-        print(res[-1], flush=True)
+    for sync_each in (False, True):
+        for mode in ("idle", "spin", "wait", "idle"):
+            try:
+                res.append(run(mode, sync_each))
+            except Exception as e:  # noqa: BLE001 - report what could not be measured
+                res.append({"mode": mode, "sync_each": sync_each, "error": f"{type(e).__name__}: {e}"})
+            print(res[-1], flush=True)
     (args.out / "gate_timeslice.json").write_text(json.dumps(res, indent=2))
-    print("| held by | victim rounds | median ms / round | p90 ms |\n|---|---|---|---|")
+    print("| held by | victim syncs | victim rounds | median ms / round | p90 ms |\n|---|---|---|---|---|")
     for r in res:
-        print(f"| {r['mode']} | {r.get('rounds', '')} | {r.get('median_ms', float('nan')):.2f} | "
-              f"{r.get('p90_ms', float('nan')):.2f} |" if "error" not in r else f"| {r['mode']} | error: {r['error']} | | |")
+        syncs = "every kernel pair" if r["sync_each"] else "per round"
+        print(f"| {r['mode']} | {syncs} | {r.get('rounds', '')} | {r.get('median_ms', float('nan')):.2f} | "
+              f"{r.get('p90_ms', float('nan')):.2f} |" if "error" not in r else f"| {r['mode']} | {syncs} | error: {r['error']} | | |")
     return 0
 
 

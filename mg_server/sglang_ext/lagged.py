@@ -2,9 +2,9 @@
 
 Status: experimental, off by default (`serve --mg-lagged-commit`). Measured on an H100 (README,
 "GPU performance"): correct, and a forward that needs nothing costs ~nothing (batch 1: -1..+3 %),
-but verify calls made while a gate holds take 23-51 ms instead of 6-19 (cause not found yet; not
-the spinning gate: benchmarks/gate_timeslice.py), so at batch 8/32 it is slower than the
-synchronous seam.
+but verify calls made while a gate holds take 23-51 ms instead of 6-19: the spinning gate makes
+the GPU time-slice against the verifier process at every one of its host syncs
+(benchmarks/gate_timeslice.py), so at batch 8/32 it is slower than the synchronous seam.
 
 Why: the synchronous seam (hook.StepSeam._control) reads every deterministic forward's margins
 on the host before sampling. That read waits for the GPU to finish the forward, so the overlap
