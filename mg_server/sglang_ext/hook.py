@@ -446,13 +446,20 @@ class StepSeam:
                         repair(req, pos, d)
                     except Exception as e:  # noqa: BLE001
                         fails.append((req, key, f"deterministic K/V repair failed: {e}"))
+        self.fail(fails)
+        return done
+
+    def fail(self, fails: list) -> None:
+        """Fail (req, key, why) rows: marked in mg's state (later forwards are not steps), the
+        requests aborted with a reason the client may see."""
+        link = self.link
+        with link.lock:
             for req, key, _ in fails:
                 t = link.tracked.get(key)
                 if t is not None and t.req is req:
                     t.failed = True
         for req, _, why in fails:
             self._fail(req, why)
-        return done
 
     @staticmethod
     def new_tracked(req) -> Tracked:
@@ -470,11 +477,11 @@ class StepSeam:
             rows.append(r)
         return rows
 
-    def repair(self, req, pos: int, d: P.StepDecision, out: Tensor | None = None) -> None:
-        """Write the verifier's K/V column of pos (slot d.slot, read into `out` if given) into
-        SGLang's pool, on the current stream."""
+    def repair(self, req, pos: int, d: P.StepDecision) -> None:
+        """Write the verifier's K/V column of pos (slot d.slot) into SGLang's pool, on the current
+        stream."""
         write_kv_column(self.runner.token_to_kv_pool, self.runner.req_to_token_pool.req_to_token,
-                        req.req_pool_idx, pos, self.link.slots.read(d.slot, d.gen, out=out))
+                        req.req_pool_idx, pos, self.link.slots.read(d.slot, d.gen))
 
     @staticmethod
     def _fail(req, why: str) -> None:

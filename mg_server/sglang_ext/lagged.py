@@ -104,7 +104,7 @@ class LaggedControl:
         self.meta = torch.zeros(2 * self.capacity, dtype=torch.int64, device=device)
         self.chosen = torch.zeros(self.capacity, dtype=torch.int64, device=device)  # [cap] the gate's tokens
         self.last_target = 0
-        self.timeouts = metrics.gate_timeouts()  # gates the device opened by itself
+        self.timeouts = metrics.gate_timeouts()  # gates that did not wait for mg's answer
         self.pending: deque[Forward] = deque()
         self.lock = threading.Lock()  # processing order; taken before the link's locks
 
@@ -166,13 +166,7 @@ class LaggedControl:
                     self.pending.popleft()
 
     def _fail_rows(self, rows, why: str) -> None:
-        with self.link.lock:
-            for _, req, key in rows:
-                t = self.link.tracked.get(key)
-                if t is not None and t.req is req:
-                    t.failed = True
-        for _, req, _ in rows:
-            self.seam._fail(req, why)
+        self.seam.fail([(req, key, why) for _, req, key in rows])
 
     def _process(self, f: Forward) -> None:
         seam, link, gate = self.seam, self.link, self.gate
