@@ -5,8 +5,9 @@ same GPU. This times a stand-in for the verifier (another process: 100 small ker
 sync, repeated; or with a sync after every kernel pair, as a verify call's host round trips)
 while this process holds one stream in each of three ways:
   idle  - nothing held (baseline);
-  spin  - mg's step gate kernel (kernels/gate.py) spinning on an SM until the host answers;
-  wait  - cuStreamWaitValue64 on a page-locked host flag (the GPU's front end waits; no SM busy).
+  spin  - a kernel spinning on an SM until a page-locked host flag is raised (mg's first gate);
+  wait  - mg's step gate (kernels/gate.py, holding: cuStreamWaitValue64 on a page-locked host
+          flag, the GPU's front end waits, no SM busy) until the host answers.
 
     python benchmarks/gate_timeslice.py --out DIR
 
@@ -16,7 +17,6 @@ Prints a table (median / p90 ms per victim round) and writes DIR/gate_timeslice.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import multiprocessing as mp
 import statistics
@@ -24,6 +24,19 @@ import time
 from pathlib import Path
 
 HOLD_S = 2.0
+
+
+def _spin_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def spin(flag_ptr):
+        v = tl.load(flag_ptr, volatile=True)
+        while v == 0:
+            v = tl.load(flag_ptr, volatile=True)
+
+    return spin
 
 
 def victim(q, seconds: float, sync_each: bool) -> None:
@@ -55,28 +68,21 @@ def hold(mode: str) -> None:
         return
     dev = torch.device("cuda")
     if mode == "spin":
+        flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+        _spin_kernel()[(1,)](flag)
+        time.sleep(HOLD_S)
+        flag.numpy()[0] = 1
+    else:
         from mg_server.kernels.gate import StepGate
 
         slots = torch.zeros(2, 1, 2, 1, 8, dtype=torch.bfloat16, device=dev)
         pool = [torch.zeros(4, 1, 8, dtype=torch.bfloat16, device=dev)]
-        gate = StepGate(4, pool, pool, slots, torch.zeros(1, 4, dtype=torch.int32, device=dev), timeout_s=30)
+        gate = StepGate(4, pool, pool, slots, torch.zeros(1, 4, dtype=torch.int32, device=dev))
         one = torch.ones(1, device=dev)
         chosen = torch.zeros(1, dtype=torch.int64, device=dev)
         gate.launch(one, chosen + 1, chosen, torch.ones(1, dtype=torch.int32, device=dev), chosen, 1)
         time.sleep(HOLD_S)
         gate.release(1, [1], [])
-    else:
-        cuda = ctypes.CDLL("libcuda.so.1")
-        flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        fn = cuda.cuStreamWaitValue64_v2
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-        rc = fn(stream, flag.data_ptr(), 1, 0)  # 0: CU_STREAM_WAIT_VALUE_GEQ
-        if rc != 0:
-            raise RuntimeError(f"cuStreamWaitValue64 returned {rc}")
-        torch.zeros(1, device=dev).add_(1)  # work behind the wait
-        time.sleep(HOLD_S)
-        flag.numpy()[0] = 1
     t0 = time.monotonic()
     torch.cuda.synchronize()
     if time.monotonic() - t0 > 5:

@@ -12,7 +12,7 @@ import gpu_e2e
 gpu_e2e.write_model('smol', Path('/tmp/smol'), Path('.cache/gpu-tokenizer'))
 "
 MODE=${MODE:-always}
-EXTRA=${EXTRA:---mg-lagged-commit}
+EXTRA=${EXTRA:-}
 python3 -m mg_server serve --model /tmp/smol --device cuda --mg-mode $MODE --port 31000 $EXTRA > $OUT/server.log 2>&1 &
 for i in $(seq 1 150); do curl -sf localhost:31000/health >/dev/null && break; sleep 2; done
 curl -s -m 5 localhost:31000/health; echo

@@ -78,7 +78,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
     mem = ["--mem-fraction-static", "0.85", "--max-total-tokens", str(E.POOL_TOKENS[name])]
     res = {"model": name, "shape": E.SHAPES[name], "batches": args.batches, "decode_tokens": args.decode_tokens,
            "reps": args.reps, "mixed_share": MIXED, "seam": args.seam, "configs": []}
-    seam = ["--mg-lagged-commit"] if args.seam == "lagged" else []
+    seam = ["--mg-seam", args.seam]
     path = out / f"gpu_sweep-{name}.json"
     base = E.start(mdir, name, "off", out, mem, args.device)
     others = prompts["other"]
@@ -187,8 +187,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--sglang-det", action="store_true", help="also time SGLang's --enable-deterministic-inference")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--seam", choices=["sync", "lagged"], default="sync",
-                    help="mg's control path: sync (margins read before sampling) or lagged (--mg-lagged-commit)")
+    ap.add_argument("--seam", choices=["sync", "lagged"], default="lagged",
+                    help="mg's control path (serve --mg-seam): lagged (default) or sync (margins read before sampling)")
     ap.add_argument("--limit", type=int, default=0)
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]

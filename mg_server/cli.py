@@ -52,9 +52,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="longest wait for one verifier call (one catch-up chunk or one verify step; default 30)")
     s.add_argument("--mg-catchup-chunk", type=int, default=256, metavar="N",
                    help="tokens per verifier call when it catches up (long prompts; default 256)")
-    s.add_argument("--mg-lagged-commit", action="store_true",
-                   help="CUDA, experimental: decide deterministic rows one forward late behind a device-side "
-                        "gate instead of reading their margins before sampling (see docs/ARCHITECTURE.md)")
+    s.add_argument("--mg-seam", choices=["lagged", "sync"], default="lagged",
+                   help="CUDA with the overlap scheduler: 'lagged' (default) decides deterministic rows one "
+                        "forward late behind a device-side step gate; 'sync' reads their margins before "
+                        "sampling (slower: README, GPU performance). CPU and no-overlap runs always use sync")
     s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
                    help="longest wait of a response for its verdict (the final audit; default 120)")
 
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         verify_timeout_s=args.mg_verify_timeout,
         catchup_chunk=args.mg_catchup_chunk,
         verdict_wait_s=args.mg_verdict_wait,
-        lagged_commit=args.mg_lagged_commit,
+        lagged_commit=args.mg_seam == "lagged",
         verifier_memory_gb=args.mg_verifier_memory_gb,
     )
     from mg_server.sglang_ext.launch import serve

@@ -39,8 +39,8 @@ class HookConfig:
     step_timeout_s: float = 60.0  # a forward waits this long for the controller's decisions
     fault_missed_flip: int = -1  # tests only (env MG_FAULT_MISSED_FLIP): commit this answer token's runner-up
     # CUDA with the overlap scheduler: decide one forward late behind a device-side gate
-    # (sglang_ext/lagged.py, experimental: see its doc); False: read the margins before sampling
-    lagged_commit: bool = False
+    # (sglang_ext/lagged.py); False: read the margins before sampling (--mg-seam sync)
+    lagged_commit: bool = True
 
     def to_json_dict(self) -> dict:
         return asdict(self)
@@ -84,7 +84,7 @@ class ServeConfig:
     verify_timeout_s: float = 30.0  # one verifier call (a catch-up chunk or a verify step)
     catchup_chunk: int = 256  # tokens per verifier call when it catches up
     verdict_wait_s: float = 120.0  # a response's longest wait for its verdict
-    lagged_commit: bool = False  # CUDA: the experimental one-forward-late seam (sglang_ext/lagged.py)
+    lagged_commit: bool = True  # CUDA + overlap: the one-forward-late seam (sglang_ext/lagged.py; --mg-seam)
 
     @property
     def cpu(self) -> bool:

@@ -34,7 +34,7 @@ def hook_metrics(buckets: tuple[float, ...] = MARGIN_BUCKETS) -> tuple[Counter, 
 
 @lru_cache(maxsize=None)
 def gate_timeouts() -> Counter:
-    """The lagged path's step gates that did not wait for mg's answer (timed out, or never held)."""
+    """The lagged path's step gates that did not wait for mg's answer (opened by the watchdog, or never held)."""
     return Counter("mg_gate_timeouts", "Step gates (lagged commit) that did not wait for mg's answer; "
                    "their rows that needed the verifier failed")
 

@@ -271,3 +271,64 @@ def test_the_schedulers_drain_waits_for_a_forward_the_watcher_is_processing(hook
     watcher.join(5)
     scheduler.join(5)
     assert not scheduler.is_alive() and seam.link.tracked["c"].tokens == [1, 2, 6] and not seam.lagged.pending
+
+
+def test_the_watchdog_opens_a_gate_left_unanswered(hook_mod, runner, tmp_path, monkeypatch):
+    from mg_server.sglang_ext import lagged
+
+    seam = lagged_seam(hook_mod, runner, _verify, tmp_path, monkeypatch, Policy("margin", 0.5))
+    req = FakeReq("g", [4, 5])
+    seam(None, sampler_args([(req, True)], logits_with(20, 0.1), [1]))
+    now = [100.0]
+    with monkeypatch.context() as m:
+        m.setattr(lagged.time, "monotonic", lambda: now[0])
+        seam.lagged.watchdog()  # first sight
+        limit = seam.lagged.gate_timeout_s
+        assert limit == max(lagged.GATE_TIMEOUT_S, seam.config.step_timeout_s)  # a verify call's own bound
+        now[0] += limit / 2
+        seam.lagged.watchdog()
+        assert seam.lagged.gate.acked(1) is None  # still held
+        now[0] += limit
+        seam.lagged.watchdog()
+    assert seam.lagged.gate.acked(1) == 2 and seam.lagged.chosen[:1].tolist() == [20]  # opened, fast token
+    seam.lagged.drain(wait=True)
+    assert req.to_finish is not None and seam.link.tracked["g"].failed
+    assert not runner.token_to_kv_pool.k_buffer[0][11].any()
+
+
+def test_a_forward_is_pending_before_its_gate_is_enqueued(hook_mod, runner, tmp_path, monkeypatch):
+    """Once a holding gate is enqueued, the scheduler thread's next CUDA call may block until it
+    opens; only a forward in `pending` gets answered, so it must be there first."""
+    seam = lagged_seam(hook_mod, runner, _verify, tmp_path, monkeypatch, Policy("margin", 0.5))
+    gate = seam.lagged.gate
+    launch, seen = gate.launch, []
+
+    def check(margin, fast, pos, need, chosen, target):
+        seen.append([f.target for f in seam.lagged.pending])
+        launch(margin, fast, pos, need, chosen, target)
+
+    monkeypatch.setattr(gate, "launch", check)
+    seam(None, sampler_args([(FakeReq("p", [4, 5]), True)], logits_with(20, 0.1), [1]))
+    assert seen == [[1]]
+    monkeypatch.setattr(gate, "launch", lambda *a: (_ for _ in ()).throw(RuntimeError("launch failed")))
+    try:
+        seam.lagged.launch(logits_with(20, 0.1), torch.tensor([2]), [(0, FakeReq("q", [4, 5]), "q")])
+    except RuntimeError:
+        pass
+    assert [f.target for f in seam.lagged.pending] == [1]  # the failed launch left nothing to wait for
+
+
+def test_a_host_failure_opens_the_gate_unanswered_and_fails_the_forwards_rows(hook_mod, runner, tmp_path,
+                                                                            monkeypatch):
+    """An exception while the host processes a holding forward must not leave the stream held nor
+    let the fast tokens through as an answer: status 2 (opened unanswered), every row failed."""
+    seam = lagged_seam(hook_mod, runner, _verify, tmp_path, monkeypatch, Policy("margin", 0.5))
+    low, high = FakeReq("x", [4, 5]), FakeReq("y", [4, 5], pool_idx=1)
+    seam(None, sampler_args([(low, True), (high, True)], torch.cat([logits_with(20, 0.1), logits_with(30, 4.0)]),
+                            [1, 1]))
+    monkeypatch.setattr(seam, "decide", lambda *a: (_ for _ in ()).throw(RuntimeError("controller link broke")))
+    seam.lagged.drain(wait=True)
+    assert seam.lagged.gate.acked(1) == 2 and seam.gates.releases == [] and not seam.lagged.pending
+    assert seam.lagged.chosen[:2].tolist() == [20, 30]  # the fast tokens, nothing the host wrote
+    assert low.to_finish is not None and high.to_finish is not None  # both aborted, loudly
+    assert not {"x", "y"} & set(seam.link.tracked)  # never committed: nothing to mark

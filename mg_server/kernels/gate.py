@@ -9,22 +9,26 @@ release queued on a stream can wait behind the very gate it should open. Here th
 with plain stores to page-locked host memory, which the kernel reads (UVA: the pointer of a
 cudaHostAlloc'd buffer is valid on the device), so no CUDA call is on the release path at all.
 
-One kernel per forward (`StepGate.launch`), one program:
-  1. publish: write each row's (margin, fast token, position, needs-the-verifier, target) to
-     `out` (the row's tag after a system fence by the thread that wrote its values), then
+Per forward (`StepGate.launch`), on the sampler's stream:
+  1. publish kernel: write each row's (margin, fast token, position, needs-the-verifier, target)
+     to `out` (the row's tag after a system fence by the thread that wrote its values), then
      `out[0] = target`; the host trusts the values once the forward's and every row's tag are
-     there (measured: one tag after a block barrier could land before other threads' values);
-  2. if no row needs the verifier: chosen = fast tokens, done;
-  3. else spin on `inbox[0] == target` (the host writes its tokens, repair descriptors and then
-     the tag), with a GPU-clock timeout as a last resort against a lost host;
-  4. chosen[k] = the host's token for rows that needed the verifier, else the fast token; for
-     each repair, copy the verifier's K/V column (slot buffer -> SGLang's per-layer pool, loc
-     from req_to_token) itself, so it is ordered before every later forward on the stream;
-  5. `ack = (target, status, ns held)`: status 0 passed, 1 released, 2 timed out (then the fast tokens are
-     chosen and nothing is repaired; the host fails the rows that needed the verifier).
+     there (measured: one tag after a block barrier could land before other threads' values).
+     If no row needs the verifier, the kernel raises `flag` to target itself;
+  2. cuStreamWaitValue64(flag >= target): the GPU's front end holds the stream, no SM spins.
+     (Measured: a spinning kernel makes the GPU time-slice against the verifier process at each
+     of its host syncs, 119.8 vs 2.47 ms per round in benchmarks/gate_timeslice.py.) The host
+     writes its tokens, repair descriptors and the inbox tag, then raises `flag`;
+  3. apply kernel: released iff the inbox holds this target; chosen[k] = the host's token for
+     rows that needed the verifier, else the fast token; for each repair, copy the verifier's
+     K/V column (slot buffer -> SGLang's per-layer pool, loc from req_to_token) itself, so it is
+     ordered before every later forward on the stream; `ack = (target, status)`: 0 passed, 1
+     released, 2 opened without an answer (`open`, the host's watchdog: fast tokens, nothing
+     repaired; the host fails the rows that needed the verifier).
 The host reads `out` after it sees the tag and writes `inbox` only then, and the next forward's
-kernel is launched only after the host processed this one (lagged.py), so one set of mailboxes
-is reused: no allocation per forward, which is what the implicit synchronization punishes.
+kernels are launched only after the host processed this one (lagged.py), so one set of
+mailboxes is reused: no allocation per forward, which is what the implicit synchronization
+punishes.
 
 `ReferenceStepGate` is the same protocol on CPU tensors, run synchronously (the device's part at
 `launch`, or at `release` for a holding gate): the host logic's unit tests use it, and the GPU
@@ -33,18 +37,14 @@ tests check the kernel against it.
 
 from __future__ import annotations
 
+import ctypes
+import threading
+
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
-
-
-@triton.jit
-def _now_ns(dummy):
-    # %globaltimer: the GPU's nanosecond wall clock (one dummy operand: the asm needs a shape)
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,l", [dummy], dtype=tl.int64,
-                                     is_pure=False, pack=1)
 
 
 @triton.jit
@@ -56,12 +56,10 @@ def _fence_sys(x):
                                      is_pure=False, pack=1)
 
 
-@triton.jit(do_not_specialize=["n", "cap", "target", "timeout_ns", "r2t_stride"])
-def _step_gate_kernel(margin_ptr, fast_ptr, pos_ptr, need_ptr, chosen_ptr,  # [n] device
-                      out_ptr, in_ptr, ack_ptr,  # page-locked host mailboxes (module doc)
-                      slots_ptr, k_off_ptr, v_off_ptr, r2t_ptr, r2t_stride,
-                      n, cap, target, timeout_ns,
-                      COL: tl.constexpr, LAYERS: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
+@triton.jit(do_not_specialize=["n", "target"])
+def _publish_kernel(margin_ptr, fast_ptr, pos_ptr, need_ptr,  # [n] device
+                    out_ptr, flag_ptr,  # page-locked host memory (module doc)
+                    n, target, RB: tl.constexpr):
     r = tl.arange(0, RB)
     need_any = tl.zeros((), dtype=tl.int32)
     for s in range(0, n, RB):
@@ -81,23 +79,28 @@ def _step_gate_kernel(margin_ptr, fast_ptr, pos_ptr, need_ptr, chosen_ptr,  # [n
     tag = _fence_sys(target.to(tl.int64))
     tl.debug_barrier()
     tl.store(out_ptr, tag.to(tl.float64))
+    if need_any == 0:  # nothing for the host to decide: open the stream wait ourselves
+        tl.store(flag_ptr, _fence_sys(target.to(tl.int64)))
+
+
+@triton.jit(do_not_specialize=["n", "cap", "target", "r2t_stride"])
+def _apply_kernel(fast_ptr, need_ptr, chosen_ptr,  # [n] device
+                  in_ptr, ack_ptr,  # page-locked host memory (module doc)
+                  slots_ptr, k_off_ptr, v_off_ptr, r2t_ptr, r2t_stride,
+                  n, cap, target,
+                  COL: tl.constexpr, LAYERS: tl.constexpr, RB: tl.constexpr, CB: tl.constexpr):
+    r = tl.arange(0, RB)
+    need_any = tl.zeros((), dtype=tl.int32)
+    for s in range(0, n, RB):
+        need_any = need_any | tl.max(tl.load(need_ptr + s + r, mask=s + r < n, other=0), axis=0)
     released = tl.zeros((), dtype=tl.int32)
     status = tl.zeros((), dtype=tl.int64)
-    held = tl.zeros((), dtype=tl.int64)
     if need_any != 0:
-        v = tl.load(in_ptr, volatile=True)  # volatile: re-read host memory, never a cached copy
-        t0 = _now_ns(v)
-        waited = t0 - t0
-        while (v != target) & (waited < timeout_ns):
-            v = tl.load(in_ptr, volatile=True)
-            waited = _now_ns(v) - t0
-        tl.debug_barrier()
-        # one verdict for all threads: released only if every lane reads the tag now (the host
-        # never rewrites it before the ack, so a lane that saw it sees it again)
+        # one verdict for all threads: released only if every lane reads this target (the host
+        # writes the inbox tag before it raises the flag and never rewrites it before the ack)
         seen = tl.load(in_ptr + tl.zeros([RB], dtype=tl.int32), volatile=True)
         released = tl.min((_fence_sys(seen) == target).to(tl.int32), axis=0)
         status = tl.where(released != 0, 1, 2).to(tl.int64)
-        held = waited
     for s in range(0, n, RB):
         rows = s + r
         m = rows < n
@@ -119,11 +122,25 @@ def _step_gate_kernel(margin_ptr, fast_ptr, pos_ptr, need_ptr, chosen_ptr,  # [n
                 tl.store(slots_ptr + tl.load(k_off_ptr + layer) + loc + c, k, mask=cm)
                 v = tl.load(slots_ptr + src + (2 * layer + 1) * COL + c, mask=cm)
                 tl.store(slots_ptr + tl.load(v_off_ptr + layer) + loc + c, v, mask=cm)
-    held = _fence_sys(held)  # as for the tag: every thread's repair copies are done first
+    status = _fence_sys(status)  # as for the tag: every thread's repair copies are done first
     tl.debug_barrier()
-    tl.store(ack_ptr + 2, held)
     tl.store(ack_ptr + 1, status)
     tl.store(ack_ptr, _fence_sys(target.to(tl.int64)))  # the status before the target
+
+
+_WAIT_VALUE = []  # [cuStreamWaitValue64_v2], loaded on first use
+
+
+def _stream_wait_geq(stream: int, address: int, value: int) -> None:
+    """Enqueue on `stream`: wait until the 64-bit word at `address` (device-visible) is >= value."""
+    if not _WAIT_VALUE:
+        fn = ctypes.CDLL("libcuda.so.1").cuStreamWaitValue64_v2
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        _WAIT_VALUE.append(fn)
+    rc = _WAIT_VALUE[0](ctypes.c_void_p(stream), address, value, 0)  # 0: CU_STREAM_WAIT_VALUE_GEQ
+    if rc != 0:
+        raise RuntimeError(f"cuStreamWaitValue64 failed (CUresult {rc})")
 
 
 class _Mailboxes:
@@ -131,10 +148,15 @@ class _Mailboxes:
 
     def __init__(self, capacity: int, pinned: bool):
         self.capacity = capacity
+        # host writes of `flag` (release, the watchdog's open): check-then-raise under this lock, so
+        # the flag only grows (the device raises it past a target only once it is >= that target)
+        self._flag_lock = threading.Lock()
         self.out = torch.zeros(1 + 5 * capacity, dtype=torch.float64, pin_memory=pinned)  # tag, 4 values + tag/row
         self.inbox = torch.zeros(2 + 4 * capacity, dtype=torch.int64, pin_memory=pinned)  # tag, nrep, tokens, 3/repair
-        self.ack = torch.zeros(3, dtype=torch.int64, pin_memory=pinned)  # target, status, ns held
-        self._out, self._in, self._ack = self.out.numpy(), self.inbox.numpy(), self.ack.numpy()
+        self.flag = torch.zeros(1, dtype=torch.int64, pin_memory=pinned)  # the stream waits for flag >= target
+        self.ack = torch.zeros(2, dtype=torch.int64, pin_memory=pinned)  # target, status
+        self._out, self._in, self._flag, self._ack = (self.out.numpy(), self.inbox.numpy(), self.flag.numpy(),
+                                                      self.ack.numpy())
 
     def published(self, target: int, n: int) -> bool:
         """The forward's tag and each of its n rows' tags are there (then so are the values)."""
@@ -146,16 +168,25 @@ class _Mailboxes:
 
     def release(self, target: int, tokens: list[int], repairs: list[tuple[int, int, int]]) -> None:
         """Answer a holding gate: tokens[k] for row k, repairs (slot's first element in the slot
-        buffer, req_pool_idx, position); the tag last (x86 keeps stores in order)."""
+        buffer, req_pool_idx, position); the inbox tag, then the flag last (x86 keeps stores in
+        order: the lagged seam is used on x86-64 only)."""
         cap, box = self.capacity, self._in
         box[2:2 + len(tokens)] = np.asarray(tokens, dtype=np.int64)
         for j, desc in enumerate(repairs):
             box[2 + cap + 3 * j:5 + cap + 3 * j] = desc
         box[1] = len(repairs)
         box[0] = target
+        self.open(target)
+
+    def open(self, target: int) -> None:
+        """Let the stream go without an answer (the watchdog, a failed host): fast tokens,
+        status 2. A no-op for a gate already answered or opened."""
+        with self._flag_lock:
+            if int(self._flag[0]) < target:
+                self._flag[0] = target
 
     def acked(self, target: int) -> int | None:
-        """The gate's status once it has finished (0 passed, 1 released, 2 timed out), else None."""
+        """The gate's status once applied (0 passed, 1 released, 2 opened unanswered), else None."""
         return int(self._ack[1]) if self._ack[0] == target else None
 
 
@@ -165,7 +196,7 @@ class StepGate(_Mailboxes):
     and device); req_to_token: [reqs, ctx] int32."""
 
     def __init__(self, capacity: int, k_buffers: list[Tensor], v_buffers: list[Tensor], slots: Tensor,
-                 req_to_token: Tensor, timeout_s: float):
+                 req_to_token: Tensor):
         super().__init__(capacity, pinned=True)
         col = k_buffers[0][0].numel()
         for b in (*k_buffers, *v_buffers):
@@ -184,19 +215,33 @@ class StepGate(_Mailboxes):
             raise ValueError("pool and slot buffer are not element-aligned")
         self.slots, self.req_to_token, self.col, self.layers = slots, req_to_token, col, len(k_buffers)
         self.slot_numel = slots[0].numel()
-        self.timeout_ns = int(timeout_s * 1e9)
+        # compile and load both kernels now: a first launch (module load) queued behind a holding
+        # gate blocks the launching thread until the gate opens (measured: a deadlock when the
+        # thread that would answer it is the one launching). target 0: a pass-through of one row
+        def zeros(dtype):  # [1] fresh (aligned like the serving launches' tensors: same specialization)
+            return torch.zeros(1, dtype=dtype, device=slots.device)
+
+        self.launch(zeros(torch.float32), zeros(torch.int64), zeros(torch.int64), zeros(torch.int32),
+                    zeros(torch.int64), 0)
+        torch.cuda.synchronize(slots.device)
 
     def launch(self, margin: Tensor, fast: Tensor, pos: Tensor, need: Tensor, chosen: Tensor, target: int) -> None:
-        """Enqueue the gate on the current stream; returns at once. margin [n] fp32, fast [n] int64,
-        pos [n] int64, need [n] int32 (0/1), chosen [n] int64 (written), all on the device."""
+        """Enqueue publish, stream wait and apply on the current stream; returns at once.
+        margin [n] fp32, fast [n] int64, pos [n] int64, need [n] int32 (0/1), chosen [n] int64
+        (written), all on the device."""
         n = margin.numel()
         if n > self.capacity:
             raise ValueError(f"{n} rows exceed the gate's capacity {self.capacity}")
-        _step_gate_kernel[(1,)](margin, fast, pos, need, chosen, self.out, self.inbox, self.ack,
-                                self.slots, self.k_off, self.v_off, self.req_to_token, self.req_to_token.stride(0),
-                                n, self.capacity, int(target), self.timeout_ns,
-                                COL=self.col, LAYERS=self.layers, RB=32, CB=triton.next_power_of_2(self.col),
-                                num_warps=4)
+        if not chosen.is_contiguous():
+            raise ValueError("the step gate writes `chosen` densely: pass a contiguous tensor")
+        # the kernels index element k as ptr + k: a strided view (topk's indices[:, 0], measured on
+        # the H100) would hand row k another row's token
+        margin, fast, pos, need = (t.contiguous() for t in (margin, fast, pos, need))
+        _publish_kernel[(1,)](margin, fast, pos, need, self.out, self.flag, n, int(target), RB=32, num_warps=4)
+        _stream_wait_geq(torch.cuda.current_stream(margin.device).cuda_stream, self.flag.data_ptr(), int(target))
+        _apply_kernel[(1,)](fast, need, chosen, self.inbox, self.ack, self.slots, self.k_off, self.v_off,
+                            self.req_to_token, self.req_to_token.stride(0), n, self.capacity, int(target),
+                            COL=self.col, LAYERS=self.layers, RB=32, CB=triton.next_power_of_2(self.col), num_warps=4)
 
 
 class ReferenceStepGate(_Mailboxes):
@@ -224,8 +269,14 @@ class ReferenceStepGate(_Mailboxes):
         else:
             self.ack[1], self.ack[0] = 0, target
 
+    def open(self, target: int) -> None:
+        super().open(target)
+        if self.held is not None and self.held[0] == target and self._in[0] != target:  # unanswered
+            self.held = None
+            self.ack[1], self.ack[0] = 2, target
+
     def release(self, target: int, tokens: list[int], repairs: list[tuple[int, int, int]]) -> None:
-        super().release(target, tokens, repairs)
+        _Mailboxes.release(self, target, tokens, repairs)  # (its open() finds the inbox answered)
         if self.held is None or self.held[0] != target:
             return
         _, need, fast, chosen = self.held

@@ -32,6 +32,7 @@ logits mg forces to the decided token.
 from __future__ import annotations
 
 import logging
+import platform
 import sys
 import threading
 import time
@@ -188,6 +189,7 @@ class ControllerLink:
     # the lagged control path's drain(wait) (lagged.py): a Finish follows the reports of every
     # forward launched before it (the overlap scheduler's look-ahead forward included)
     before_finish = None
+    gate_watchdog = None  # the lagged path's watchdog (LaggedControl.watchdog), run every round
 
     def __init__(self, config: HookConfig):
         from mg_server.runtime.controller.client import ControllerClient
@@ -214,6 +216,8 @@ class ControllerLink:
         while True:
             time.sleep(0.005)
             try:
+                if self.gate_watchdog is not None:
+                    self.gate_watchdog()  # first: it takes no lock that a long verify may hold
                 if self.before_finish is not None:
                     self.before_finish(False)  # forwards whose values are ready (a gate may be holding)
                 self._report_finished()
@@ -289,12 +293,19 @@ class StepSeam:
         # Without the overlap scheduler the lagged path gains nothing (SGLang reads each forward's
         # tokens before preparing the next one) and only the watcher thread could open a gate.
         overlap = not getattr(getattr(runner, "server_args", None), "disable_overlap_schedule", True)
-        if (self.link is not None and config.lagged_commit and overlap
+        # x86-64 only: the host's answer relies on its stores reaching the device in program order
+        if (self.link is not None and config.lagged_commit and overlap and platform.machine() == "x86_64"
                 and str(getattr(runner, "device", "cpu")).startswith("cuda")):
             from mg_server.sglang_ext.lagged import LaggedControl
 
-            self.lagged = LaggedControl(self, torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)))
+            try:
+                self.lagged = LaggedControl(self, torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)))
+            except Exception as e:  # noqa: BLE001 - e.g. a driver without stream memory operations
+                log.warning("mg: lagged commit unavailable (%s: %s); deterministic rows use the synchronous seam",
+                            type(e).__name__, e)
+                return
             self.link.before_finish = self.lagged.drain
+            self.link.gate_watchdog = self.lagged.watchdog
             log.warning("mg: lagged commit on (step gate capacity %d rows)", self.lagged.capacity)
 
     def __call__(self, module, args):

@@ -1,10 +1,9 @@
 """One-forward-late control of deterministic rows on CUDA: the fast path never waits for the GPU.
 
-Status: experimental, off by default (`serve --mg-lagged-commit`). Measured on an H100 (README,
-"GPU performance"): correct, and a forward that needs nothing costs ~nothing (batch 1: -1..+3 %),
-but verify calls made while a gate holds take 23-51 ms instead of 6-19: the spinning gate makes
-the GPU time-slice against the verifier process at every one of its host syncs
-(benchmarks/gate_timeslice.py), so at batch 8/32 it is slower than the synchronous seam.
+Status: the default on CUDA with the overlap scheduler (`serve --mg-seam sync` turns it off).
+Measured on an H100 (README, "On a GPU"): correct under graphs and overlap, cheaper than the
+synchronous seam at every configuration measured, nearly free at batch 1 (+3 % on SmolLM2),
+but a forward whose gate holds costs a whole verify call (6-11 ms SmolLM2, ~25 ms 8B shape).
 
 Why: the synchronous seam (hook.StepSeam._control) reads every deterministic forward's margins
 on the host before sampling. That read waits for the GPU to finish the forward, so the overlap
@@ -17,10 +16,11 @@ Here the decision is split between the device and the host:
   fast token, whether the row is a step (its position equals the one mg expects: the host's
   token count, current because every earlier forward was processed first) and whether the step
   needs the verifier (the policy: margin < tau in fp64, as `Policy.should_verify`, or every step
-  in mode always). One kernel (kernels.gate.StepGate) publishes those values to page-locked
-  host memory and, only if some row needs the verifier, holds the stream until the host answers
-  there. After it, every protected row's logits are forced to the chosen token: the fast token,
-  or for a row that needed the verifier the token the host wrote.
+  in mode always). The step gate (kernels.gate.StepGate: a publish kernel, a stream wait, an
+  apply kernel) publishes those values to page-locked host memory and, only if some row needs
+  the verifier, holds the stream until the host answers there. After it, every protected row's
+  logits are forced to the chosen token: the fast token, or for a row that needed the verifier
+  the token the host wrote.
 - one forward later (`drain`: from the next sampler call, or from the finish watcher thread
   every 5 ms while the scheduler is busy elsewhere): the host reads those values (by then the
   GPU has the next forward queued, so this wait leaves no bubble), reports fast steps to the
@@ -35,13 +35,18 @@ gate timeouts with a side-stream release). With host stores, such an allocation 
 scheduler thread just waits until the watcher thread has answered.
 
 So a deterministic token is never sampled from a low-margin row before the verifier decided it,
-and a forward with only fast steps costs a few small kernels. A gate that nobody answers (a
-lost host thread) times out on the device after GATE_TIMEOUT_S; the fast tokens are then
-sampled, nothing is repaired, and the host fails the rows that needed the verifier.
+and a forward with only fast steps costs a few small kernels. A gate that nobody answers within
+`gate_timeout_s` (the hook's step timeout, which bounds a verify call: at least GATE_TIMEOUT_S)
+is opened by the watchdog (the finish watcher thread); the fast tokens are then
+sampled, nothing is repaired, and the host fails the rows that needed the verifier. (The
+watchdog needs the GIL: a thread blocked in a CUDA call behind the gate while holding it would
+stall the stream for good; none was seen since the two fixes in `launch` and StepGate's
+construction, but nothing rules it out.)
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -55,8 +60,10 @@ from mg_server.kernels.gate import ReferenceStepGate, StepGate
 from mg_server.runtime import protocol as P
 from mg_server.sglang_ext.hook import top2
 
-# A holding gate opens by itself after this long (the device has no other way out if the host
-# never answers); a verify step, prompt catch-up included, takes well under a second on a GPU.
+log = logging.getLogger(__name__)
+
+# The least time the watchdog leaves a gate unanswered before it opens it (the stream wait has
+# no timeout of its own); LaggedControl.gate_timeout_s raises it to the hook's step timeout.
 GATE_TIMEOUT_S = 15.0
 # The host gives up waiting for a forward's values (or a gate's acknowledgement) after this.
 HOST_WAIT_S = GATE_TIMEOUT_S + 15.0
@@ -68,6 +75,7 @@ class Forward:
 
     target: int  # this forward's tag in the gate's mailboxes
     rows: list[tuple[int, object, str]]  # (batch row, SGLang Req, instance key)
+    seen: float | None = None  # the watchdog's first sight of it published and unanswered
 
 
 def _wait(cond, what: str) -> None:
@@ -95,7 +103,7 @@ class LaggedControl:
         if device.type == "cuda":
             if slots is None or not slots.is_cuda:
                 raise RuntimeError("mg's lagged commit needs the verifier's K/V slots in CUDA memory")
-            self.gate = StepGate(self.capacity, pool.k_buffer, pool.v_buffer, slots, r2t, GATE_TIMEOUT_S)
+            self.gate = StepGate(self.capacity, pool.k_buffer, pool.v_buffer, slots, r2t)
         else:
             self.gate = ReferenceStepGate(self.capacity, pool.k_buffer, pool.v_buffer, slots, r2t)
         pinned = device.type == "cuda"
@@ -104,6 +112,9 @@ class LaggedControl:
         self.meta = torch.zeros(2 * self.capacity, dtype=torch.int64, device=device)
         self.chosen = torch.zeros(self.capacity, dtype=torch.int64, device=device)  # [cap] the gate's tokens
         self.last_target = 0
+        # the watchdog's limit: a holding gate waits for one verify call, which the hook's
+        # controller client allows step_timeout_s (launch: >= every catch-up chunk's verify timeout)
+        self.gate_timeout_s = max(GATE_TIMEOUT_S, float(getattr(seam.config, "step_timeout_s", 0.0)))
         self.timeouts = metrics.gate_timeouts()  # gates that did not wait for mg's answer
         self.pending: deque[Forward] = deque()
         self.lock = threading.Lock()  # processing order; taken before the link's locks
@@ -139,11 +150,21 @@ class LaggedControl:
             need = step & ~(margin.double() >= link.policy.tau)
         self.last_target += 1
         chosen = self.chosen[:n]
-        self.gate.launch(margin, fast, pos, need.to(torch.int32), chosen, self.last_target)
+        f = Forward(self.last_target, rows)
+        # pending first: once the gate is enqueued, this thread's next CUDA call may block until
+        # the gate opens (a lazy module load, an allocation: implicit synchronization), and only
+        # a forward in `pending` is answered by the watcher (measured: a deadlock on the H100)
+        with self.lock:
+            self.pending.append(f)
+        try:
+            self.gate.launch(margin, fast, pos, need.to(torch.int32), chosen, f.target)
+        except BaseException:
+            self.gate.open(f.target)  # whatever part of the gate was enqueued must not hold
+            with self.lock:
+                self.pending.remove(f)
+            raise
         logits.index_fill_(0, idx, float("-inf"))
         logits.index_put_((idx, chosen), torch.zeros((), dtype=logits.dtype, device=logits.device))
-        with self.lock:
-            self.pending.append(Forward(self.last_target, rows))
 
     def drain(self, wait: bool) -> None:
         """Process pending forwards in order; wait=False stops at the first whose values are not
@@ -160,10 +181,29 @@ class LaggedControl:
                 try:
                     _wait(lambda: self.gate.published(f.target, len(f.rows)), "step values from the device")
                     self._process(f)
-                except TimeoutError as e:
-                    self._fail_rows(f.rows, str(e))
+                except Exception as e:  # noqa: BLE001 - fail loudly, never leave the stream held
+                    self.gate.open(f.target)  # unanswered: status 2, fast tokens (no-op once answered)
+                    if not isinstance(e, TimeoutError):
+                        log.exception("mg: the lagged control path failed on a forward")
+                    self._fail_rows(f.rows, f"mg's control path: {e}")
                 finally:
                     self.pending.popleft()
+
+    def watchdog(self) -> None:
+        """From the finish watcher, without the lock (a long verify may hold it): open the oldest
+        forward's gate if it has stayed published and unanswered for gate_timeout_s. Its rows
+        that needed the verifier then fail when the host gets to it (ack status 2)."""
+        try:
+            f = self.pending[0]
+        except IndexError:
+            return
+        if self.gate.acked(f.target) is not None or not self.gate.published(f.target, len(f.rows)):
+            return
+        now = time.monotonic()
+        if f.seen is None:
+            f.seen = now
+        elif now - f.seen > self.gate_timeout_s:
+            self.gate.open(f.target)
 
     def _fail_rows(self, rows, why: str) -> None:
         self.seam.fail([(req, key, why) for _, req, key in rows])
@@ -179,51 +219,44 @@ class LaggedControl:
         key_of = {id(req): key for _, req, key in f.rows}
         repairs: list[tuple[int, int, int]] = []  # (slot's first element, req_pool_idx, position)
         checks: list[tuple[object, str, int, int]] = []  # (req, key, slot, gen) to re-check after the copy
-        released = False
-        try:
-            with link.lock:
-                live, fails = seam._classify(steps)
-            seam._count(live)
-            decisions = seam.decide(live, any(need[i] for i, *_ in live))
-            for (i, _, _, _, tok, _, _), d in zip(live, decisions):
-                if not d.error and not need[i] and d.token != tok:
-                    d.error = "mg's control path disagreed with the device's policy"  # never expected
+        with link.lock:
+            live, fails = seam._classify(steps)
+        seam._count(live)
+        decisions = seam.decide(live, any(need[i] for i, *_ in live))
+        for (i, _, _, _, tok, _, _), d in zip(live, decisions):
+            if not d.error and not need[i] and d.token != tok:
+                d.error = "mg's control path disagreed with the device's policy"  # never expected
 
-            def repair(req, pos: int, d: P.StepDecision) -> None:
-                if req.req_pool_idx is None:
-                    # SGLang already released the request: this was the overlap scheduler's
-                    # look-ahead step after its last token (dropped at Finish), whose column the
-                    # request never reads. (Not None: the kernel reads req_to_token in stream
-                    # order, i.e. as this forward saw it, even if the row is freed meanwhile.)
-                    return
-                if int(link.slots.gens[d.slot]) != d.gen:
-                    raise RuntimeError(f"verifier slot {d.slot} no longer holds generation {d.gen}")
-                repairs.append((d.slot * gate.slot_numel, int(req.req_pool_idx), pos))
-                checks.append((req, key_of[id(req)], d.slot, d.gen))
+        def repair(req, pos: int, d: P.StepDecision) -> None:
+            if req.req_pool_idx is None:
+                # SGLang already released the request: this was the overlap scheduler's
+                # look-ahead step after its last token (dropped at Finish), whose column the
+                # request never reads. (Not None: the kernel reads req_to_token in stream
+                # order, i.e. as this forward saw it, even if the row is freed meanwhile.)
+                return
+            if int(link.slots.gens[d.slot]) != d.gen:
+                raise RuntimeError(f"verifier slot {d.slot} no longer holds generation {d.gen}")
+            repairs.append((d.slot * gate.slot_numel, int(req.req_pool_idx), pos))
+            checks.append((req, key_of[id(req)], d.slot, d.gen))
 
-            committed = seam.commit(live, decisions, fails, repair)
-            for i, d in committed:
-                tokens[slot_of[i]] = d.token
-            if gated:
-                gate.release(f.target, tokens, repairs)
-                released = True
-        finally:
-            if gated and not released:  # something above failed: open the gate with the fast tokens
-                gate.release(f.target, [int(tok) for _, tok, _, _ in values], [])
-        if gated:
+        committed = seam.commit(live, decisions, fails, repair)
+        for i, d in committed:
+            tokens[slot_of[i]] = d.token
+        if gated:  # (if anything above raised, drain opens the gate unanswered and fails the rows)
+            gate.release(f.target, tokens, repairs)
             self._settle(f, need, checks)
 
     def _settle(self, f: Forward, need: dict[int, bool], checks) -> None:
         """After answering a holding gate: wait for its acknowledgement (the copy is done), then
-        fail what it could not do: a timed-out gate sampled the fast tokens and repaired
-        nothing; a slot the verifier reused during the copy gave a torn column (seqlock)."""
+        fail what it could not do: a gate the watchdog opened first sampled the fast tokens and
+        repaired nothing; a slot the verifier reused during the copy gave a torn column (seqlock)."""
         gate = self.gate
         try:
             _wait(lambda: gate.acked(f.target) is not None, "acknowledgement from the step gate")
             status = gate.acked(f.target)
         except TimeoutError:
             status = 2
-        if status != 1:  # 2: timed out; 0 would be a gate that never held (a bug): fail either way
+        if status != 1:  # 2: opened by the watchdog; 0 would be a gate that never held (a bug)
             self.timeouts.inc()
             self._fail_rows([r for r in f.rows if need[r[0]]], f"the step gate did not wait for mg (status {status})")
             return
