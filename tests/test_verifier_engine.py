@@ -9,9 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verifier_helpers import assert_same, drive, make_tiny, schedule, smollm2_shaped
+from verifier_helpers import Trace, assert_same, drive, make_tiny, schedule, smollm2_shaped
 
 from mg_server.runtime.protocol import ErrorCode, ErrorReply, VerifyItem
+from mg_server.runtime.verifier import ops
 from mg_server.runtime.verifier.engine import VerifierEngine
 from mg_server.runtime.verifier.model import VerifierModel
 
@@ -61,6 +62,74 @@ def test_cuda_graphs_equal_the_eager_forward(setup):
     got, _ = drive(eager, "e", seq, schedule(N_PROMPT, len(seq), 3), others[:3])
     assert_same(ref, got)
     assert eager.graph_forwards == 0
+
+
+def test_a_forward_of_more_rows_than_the_largest_graph_replays_graph_chunks(setup):
+    """A verify call carrying more rows than the largest graph (here 7 other prompts, then one
+    request's whole sequence: 218 rows) runs as successive graph replays of <= 128 rows, not op
+    by op (10x slower); the request straddles two replays and its bits equal the gap-1 run's."""
+    _, engine, ref, seq, others = setup
+    if engine.graphs is None:
+        pytest.skip("CUDA graphs exist on CUDA devices only")
+    others = others[:7]
+    first = sum(len(p) for _, p in others)  # rows before the request's: 126
+    n = len(seq) - 1
+    assert first < engine.graphs.max_rows < first + n
+    replays = engine.graph_forwards
+    items = [VerifyItem(rid=o, pos=len(p) - 1, tokens=p) for o, p in others]
+    items.append(VerifyItem(rid="big", pos=n - 1, tokens=seq[:n], prompt_len=N_PROMPT))
+    outs = engine.step(items)
+    assert engine.graph_forwards - replays == 2
+    got = Trace()
+    got.record(0, outs[-1])
+    st = engine.seqs["big"]
+    idx = torch.tensor(st.slots)
+    got.cache = torch.stack([engine.pool.k[:, idx], engine.pool.v[:, idx]], 1).cpu().clone()
+    for o, p in others:  # each other request's answer equals its own forward's alone
+        alone = engine.step([VerifyItem(rid=o + "-alone", pos=len(p) - 1, tokens=p)])[0]
+        res = outs[[it.rid for it in items].index(o)]
+        assert (alone.token, alone.margin) == (res.token, res.margin)
+        assert torch.equal(alone.logits, res.logits) and torch.equal(alone.kv_column, res.kv_column)
+        engine.release(o)
+        engine.release(o + "-alone")
+    engine.release("big")
+    assert_same(ref, got)
+
+
+class _ReplayedRows:
+    """RowGraphs' interface on the CPU: each run overwrites one [max_rows, V] output buffer, as a
+    graph replay overwrites its static outputs (so the engine must copy out what it keeps)."""
+
+    def __init__(self, engine: VerifierEngine, max_rows: int):
+        self.engine, self.max_rows = engine, max_rows
+        self.out = None
+
+    def run(self, tokens, positions, slots, table_rows):
+        e = self.engine
+        t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        logits = e.model.forward_rows(t(tokens), t(positions), t(slots), t(table_rows), e.kv_table, e.pool,
+                                      e.max_seq_len)  # [R, V] fp32
+        vals, idx = ops.top2(logits)
+        if self.out is None:
+            self.out = [torch.empty((self.max_rows, *x.shape[1:]), dtype=x.dtype) for x in (logits, vals, idx)]
+        r = len(tokens)
+        for buf, x in zip(self.out, (logits, vals, idx)):
+            buf.fill_(-1)
+            buf[:r] = x
+        return tuple(buf[:r] for buf in self.out)
+
+
+def test_graph_chunks_on_cpu_replay_rows_in_order(setup):
+    """The chunking logic without CUDA: replays of <= 16 rows over a 185-row first forward and
+    64-row catch-ups, through a stand-in whose outputs each replay overwrites: same bits."""
+    d, engine, ref, seq, others = setup
+    if engine.model.device.type != "cpu":
+        pytest.skip("the CUDA cases replay real graphs (test above)")
+    chunked = VerifierEngine(engine.model, max_requests=16, pool_tokens=4096, max_seq_len=256)
+    chunked.graphs = _ReplayedRows(chunked, 16)
+    got, _ = drive(chunked, "r", seq, schedule(N_PROMPT, len(seq), 64), others=others)
+    assert_same(ref, got)
+    assert chunked.graph_forwards > 2 * chunked.forwards
 
 
 def test_prompt_chunkings(setup):

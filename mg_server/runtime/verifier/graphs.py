@@ -17,7 +17,7 @@ from torch import Tensor
 
 from mg_server.runtime.verifier import ops
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # rows per graph; a forward of more rows runs eagerly
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # rows per graph; a forward of more rows replays them in chunks (engine)
 
 
 class RowGraphs:
