@@ -2,17 +2,24 @@
 SGLang's own deterministic mode (issue 10's benchmark), in one command per model:
 
     python benchmarks/gpu_sweep.py --out DIR --wheels .whl --tokenizer DIR --models smol \
-        --rates 0.05,0.1,0.2,always [--sglang-det]
+        --rates 0.05,0.1,0.2,always [--sglang-det] [--commit resume,hold]
 
 Uses gpu_e2e.py's models (random weights, fixed seed), prompts and timing (ABBA alternation,
 (time of N tokens - time of 2) / (N - 2)). tau for a target trigger rate is the quantile of the
 verifier-alone margins of the benchmark's prompts (steps with margin < tau are verified), and the
 rate each server really verified is measured and reported beside it. A server in mode `off`
 (plain SGLang) stays up the whole run and is timed alternately with each mg server, so every
-overhead is against a baseline of the same minutes. Per tau: ms/step with every row of the batch
-deterministic, with 25 % of it deterministic (the plain neighbours decode in the same forwards,
-so their ms/step is the same number), the measured trigger and repair rates and the mean verify
-call. JSON after every server (--out/gpu_sweep-MODEL.json), a summary table, and a PNG.
+overhead is against a baseline of the same minutes. Deterministic rows are sent as clients send
+them, through mg's front with `X-Deterministic: 1` (one /generate batch body; with `--mg-commit
+resume` one request each, all sent at the same moment, since only single requests resume: the
+time is then until the last answer, a noisier measure), so their time
+includes everything a client waits for: the verdict (the final audit) and, with `--mg-commit
+resume`, the resumed continuations after a divergence; plain rows go in a second /generate body
+sent at the same moment (they decode in the same forwards). Per tau and commit mode: ms/step with
+every row of the batch deterministic, and with 25 % of it deterministic (the plain neighbours'
+ms/step and the deterministic rows'), the measured trigger, repair and resume rates, the verdicts
+and the mean verify call. JSON after every server (--out/gpu_sweep-MODEL.json), a summary table,
+and a PNG.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,6 +59,7 @@ def metrics(url: str) -> dict:
         return float(m.group(1)) if m else 0.0
 
     return {"fast": c["steps_fast"], "verify": c["steps_verify"], "repair": c["mg_repair_total"],
+            "resumes": c["mg_corrections_total"], "stops": c["mg_resume_stops_total"],
             "vsum": val("mg_verify_seconds_sum"), "vcount": val("mg_verify_seconds_count"),
             "csum": val("mg_control_seconds_sum"), "ccount": val("mg_control_seconds_count")}
 
@@ -59,16 +68,91 @@ def rates(before: dict, after: dict) -> dict:
     d = {k: after[k] - before[k] for k in after}
     steps = max(1.0, d["fast"] + d["verify"])
     return {"trigger": d["verify"] / steps, "repair": d["repair"] / steps, "steps": d["fast"] + d["verify"],
+            "resumes": d["resumes"], "stops": d["stops"],
             "verify_call_ms": 1e3 * d["vsum"] / d["vcount"] if d["vcount"] else None,
             # the seam's time per forward whose rows were all fast-committed (mg_control_seconds)
             "fast_control_ms": 1e3 * d["csum"] / d["ccount"] if d["ccount"] else None, "verify_calls": d["vcount"]}
 
 
-def timed(base, srv, prompts, batches, new, reps, frac) -> dict:
-    """ABBA ms/step of base (plain rows) and srv (frac of each batch deterministic)."""
+def front_batch(url: str, rows: list[list[int]], max_new: int, n_det: int, singles: bool = False) -> dict:
+    """Decode `rows` as clients send them (module doc): the first n_det as one deterministic
+    /generate body (singles: one request each, all at once), the rest as a plain body, posted at
+    the same moment. -> {"det"/"plain": seconds until that answer (the last one), "det_verdict"}."""
+    import threading
+
+    import requests
+
+    params = {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 0}
+    out: dict = {}
+
+    def post(key: str, part: list[list[int]], headers: dict) -> None:
+        t0 = time.perf_counter()
+        try:
+            r = requests.post(url + "/generate", json={"input_ids": part, "sampling_params": params},
+                              headers=headers, timeout=600)
+            r.raise_for_status()
+            out[key], out[key + "_verdict"] = time.perf_counter() - t0, r.headers.get("x-mg-verdict", "")
+        except Exception as e:  # noqa: BLE001 - reported by the caller
+            out[key + "_error"] = repr(e)
+
+    # singles: independent client requests, each its own body (a batch body is never resumable:
+    # front.policy.mark_resumable); "det" is then the time until the last one answered
+    parts = [[row] for row in rows[:n_det]] if singles else [rows[:n_det]] if n_det else []
+    jobs = [threading.Thread(target=post, args=(f"det{k}", part, {"X-Deterministic": "1"}))
+            for k, part in enumerate(parts)]
+    if n_det < len(rows):
+        jobs.append(threading.Thread(target=post, args=("plain", rows[n_det:], {})))
+    for j in jobs:
+        j.start()
+    for j in jobs:
+        j.join()
+    if errors := [v for k, v in out.items() if k.endswith("_error")]:
+        raise RuntimeError(f"a timed request failed: {errors[0]}")
+    if parts:
+        out["det"] = max(out.pop(f"det{k}") for k in range(len(parts)))
+        verdicts = {out.pop(f"det{k}_verdict") for k in range(len(parts))}
+        out["det_verdict"] = verdicts.pop() if len(verdicts) == 1 else "mixed: " + ",".join(sorted(verdicts))
+    return out
+
+
+def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, reps: int, frac: dict,
+              singles: bool = False) -> dict:
+    """gpu_e2e.decode_ms through front_batch: ms/step of the deterministic and of the plain rows
+    of each server's batches ((time of `new` tokens - time of 2) / (new - 2), servers in A B B A
+    order), and the deterministic answers' verdicts."""
+    res = {s.name: {"det": {}, "plain": {}, "verdicts": {}} for s in servers}
+    for bs in batches:
+        rows = [prompts[i % len(prompts)] for i in range(bs)]
+        n_det = {s.name: round(frac.get(s.name, 0.0) * bs) for s in servers}
+        samples = {s.name: {"det": [], "plain": []} for s in servers}
+        for s in servers:
+            front_batch(s.url, rows, 4, n_det[s.name], singles)  # warm this batch size
+        for rep in range(reps):
+            for s in (servers if rep % 2 == 0 else servers[::-1]):
+                short = front_batch(s.url, rows, 2, n_det[s.name], singles)
+                full = front_batch(s.url, rows, new, n_det[s.name], singles)
+                for kind in ("det", "plain"):
+                    if kind in full:
+                        samples[s.name][kind].append((full[kind] - short[kind]) / (new - 2) * 1e3)
+                v = res[s.name]["verdicts"]
+                for got in (short.get("det_verdict"), full.get("det_verdict")):
+                    if got is not None:
+                        v[got] = v.get(got, 0) + 1
+        for name, kinds in samples.items():
+            for kind, xs in kinds.items():
+                if xs:
+                    res[name][kind][bs] = {"median": statistics.median(xs), "all": xs}
+    return res
+
+
+def timed(base, srv, prompts, batches, new, reps, frac, singles=False) -> dict:
+    """ABBA ms/step of base (plain rows) and srv (frac of each batch deterministic; singles: each
+    deterministic row its own request)."""
     before = metrics(srv.url)
-    ms = E.decode_ms([base, srv], prompts, batches, new, reps, det_frac={srv.name: frac})
-    return {"base": ms[base.name], "mg": ms[srv.name], **rates(before, metrics(srv.url))}
+    ms = decode_ms([base, srv], prompts, batches, new, reps, {srv.name: frac}, singles)
+    mg = ms[srv.name]
+    return {"base": ms[base.name]["plain"], "mg": mg["det"] or mg["plain"], "mg_plain": mg["plain"],
+            "verdicts": mg["verdicts"], **rates(before, metrics(srv.url))}
 
 
 def run_model(name: str, args, prompts: dict, out: Path) -> dict:
@@ -91,20 +175,25 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             finally:
                 srv.stop()
             path.write_text(json.dumps(res, indent=2))
-        for rate in args.rates:
+        for rate, commit in args.configs:
             always = rate == "always"
             tau = None if always else tau_for_rate(margins, float(rate))
             flags = [] if always else ["--mg-tau", f"{tau:.6g}"]
-            srv = E.start(mdir, name, "always" if always else "margin", out, [*flags, *seam, *mem], args.device)
+            srv = E.start(mdir, name, "always" if always else "margin", out,
+                          [*flags, *seam, "--mg-commit", commit, *mem], args.device)
+            srv.name = f"{name}/{rate}/{commit}"
             try:
-                cfg = {"target": rate, "tau": tau,
-                       "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0),
+                singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
+                cfg = {"target": rate, "tau": tau, "commit": commit, "det_requests": "single" if singles else "batch",
+                       "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles),
                        "mixed": timed(base, srv, others, [b for b in args.batches if b >= 4],
-                                      args.decode_tokens, args.reps, MIXED)}
+                                      args.decode_tokens, args.reps, MIXED, singles)}
             finally:
                 srv.stop()
+                srv.log_path.rename(out / f"server-{name}-{rate}-{commit}.log")  # one log per server
             res["configs"].append(cfg)
-            E.log(f"{name} {rate}: tau {tau}, trigger {cfg['det']['trigger']:.3f}")
+            E.log(f"{name} {rate} {commit}: tau {tau}, trigger {cfg['det']['trigger']:.3f}, resumes "
+                  f"{cfg['det']['resumes']:.0f}, verdicts {cfg['det']['verdicts']} {cfg['mixed']['verdicts']}")
             path.write_text(json.dumps(res, indent=2))
     finally:
         base.stop()
@@ -115,30 +204,49 @@ def pct(v: float, b: float) -> str:
     return f"{v:.2f} ({100 * (v - b) / b:+.0f} %)"
 
 
+def load(path: Path) -> dict:
+    """A results JSON as run_model returned it (JSON made its batch-size keys strings)."""
+    def ints(o):
+        if isinstance(o, dict):
+            return {(int(k) if isinstance(k, str) and k.isdigit() else k): ints(v) for k, v in o.items()}
+        return [ints(x) for x in o] if isinstance(o, list) else o
+
+    return ints(json.loads(path.read_text()))
+
+
 def summarize(r: dict) -> str:
-    lines = [f"## {r['model']} (mg seam: {r.get('seam', 'sync')}): ms per decode step (overhead vs plain SGLang timed alternately in the same minutes)",
-             "", "| config | tau | trigger (measured) | repair | verify call ms | fast-commit ms | "
+    """The README table: ms/step (overhead vs plain SGLang) per configuration and batch size;
+    in mixed batches, the plain neighbours' ms/step, then the deterministic rows'."""
+    big = [b for b in r["batches"] if b >= 4]
+    lines = [f"## {r['model']} (mg seam: {r.get('seam', 'sync')}): ms per decode step (overhead vs plain SGLang "
+             "timed alternately in the same minutes)", "",
+             "| config | tau | trigger (measured) | repair | corrected answers | verdicts | verify call ms | "
              + " | ".join(f"bs {b} all det." for b in r["batches"]) + " | "
-             + " | ".join(f"bs {b} 25 % det." for b in r["batches"] if b >= 4) + " |",
-             "|---" * (6 + len(r["batches"]) + len([b for b in r["batches"] if b >= 4])) + "|"]
-    base_row = ["plain SGLang (mg off)", "", "", "", "", ""]
+             + " | ".join(f"bs {b} 25 % det.: plain / det." for b in big) + " |",
+             "|---" * (7 + len(r["batches"]) + len(big)) + "|"]
     first = r["configs"][0]["det"]["base"] if r["configs"] else r["sglang_det"]["base"]
-    base_row += [f"{first[b]['median']:.2f}" for b in r["batches"]] + ["" for b in r["batches"] if b >= 4]
-    lines.append("| " + " | ".join(base_row) + " |")
+    lines.append("| plain SGLang (mg off) | | | | | | | " + " | ".join(f"{first[b]['median']:.2f}" for b in r["batches"])
+                 + " | " + " | ".join("" for _ in big) + " |")
     if "sglang_det" in r:
         s = r["sglang_det"]
-        lines.append("| SGLang --enable-deterministic-inference | | 100 % | | | | "
+        lines.append("| SGLang --enable-deterministic-inference | | 100 % | | | | | "
                      + " | ".join(pct(s["mg"][b]["median"], s["base"][b]["median"]) for b in s["mg"]) + " | "
-                     + " | ".join("" for b in r["batches"] if b >= 4) + " |")
+                     + " | ".join("" for _ in big) + " |")
     for c in r["configs"]:
         d, m = c["det"], c["mixed"]
-        vc, fc = d["verify_call_ms"], d["fast_control_ms"]
-        lines.append(f"| mg {c['target'] if c['target'] == 'always' else 'margin ~' + str(c['target'])} | "
-                     f"{'' if c['tau'] is None else format(c['tau'], '.4g')} | {100 * d['trigger']:.1f} % | "
-                     f"{100 * d['repair']:.2f} % | {'' if vc is None else format(vc, '.2f')} | "
-                     f"{'' if fc is None else format(fc, '.2f')} | "
+        vc = d["verify_call_ms"]
+        verdicts = {k: d["verdicts"].get(k, 0) + m["verdicts"].get(k, 0)
+                    for k in {*d.get("verdicts", {}), *m.get("verdicts", {})}}
+        label = "always" if c["target"] == "always" else f"margin ~{c['target']}"
+        mixed = [f"{pct(m['mg_plain'][b]['median'], m['base'][b]['median'])} / "
+                 f"{pct(m['mg'][b]['median'], m['base'][b]['median'])}" if b in m.get("mg_plain", {}) else ""
+                 for b in big]
+        lines.append(f"| mg {label}, {c.get('commit', 'hold')} | {'' if c['tau'] is None else format(c['tau'], '.4g')} | "
+                     f"{100 * d['trigger']:.1f} % | {100 * d['repair']:.2f} % | {d.get('resumes', 0):.0f} | "
+                     f"{', '.join(f'{k} {v}' for k, v in sorted(verdicts.items()))} | "
+                     f"{'' if vc is None else format(vc, '.2f')} | "
                      + " | ".join(pct(d["mg"][b]["median"], d["base"][b]["median"]) for b in d["mg"]) + " | "
-                     + " | ".join(pct(m["mg"][b]["median"], m["base"][b]["median"]) for b in m["mg"]) + " |")
+                     + " | ".join(mixed) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -153,14 +261,13 @@ def plot(results: list[dict], out: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
     for ax, r in zip(axes[0], results):
+        commits = sorted({c.get("commit", "hold") for c in r["configs"]}, reverse=True)
         for b in r["batches"]:
-            xs, ys = [], []
-            for c in r["configs"]:
-                d = c["det"]
-                if b in d["mg"]:
-                    xs.append(100 * d["trigger"])
-                    ys.append(100 * (d["mg"][b]["median"] - d["base"][b]["median"]) / d["base"][b]["median"])
-            ax.plot(xs, ys, "o-", label=f"mg, batch {b}, all det.")
+            for commit, style in zip(commits, ("o-", "x--")):
+                pts = sorted((100 * c["det"]["trigger"], 100 * (c["det"]["mg"][b]["median"] - c["det"]["base"][b]["median"])
+                              / c["det"]["base"][b]["median"]) for c in r["configs"]
+                             if c.get("commit", "hold") == commit and b in c["det"]["mg"])
+                ax.plot([x for x, _ in pts], [y for _, y in pts], style, label=f"mg {commit}, batch {b}, all det.")
             if "sglang_det" in r and b in r["sglang_det"]["mg"]:
                 s = r["sglang_det"]
                 ax.axhline(100 * (s["mg"][b]["median"] - s["base"][b]["median"]) / s["base"][b]["median"],
@@ -189,10 +296,22 @@ def main() -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--seam", choices=["sync", "lagged"], default="lagged",
                     help="mg's control path (serve --mg-seam): lagged (default) or sync (margins read before sampling)")
+    ap.add_argument("--commit", default="resume,hold",
+                    help="serve --mg-commit modes to time at each rate (comma list; default resume,hold)")
+    ap.add_argument("--configs", default="",
+                    help="RATE:COMMIT,... to time instead of every --rates x --commit pair (e.g. 0.1:hold,0.1:resume)")
     ap.add_argument("--limit", type=int, default=0)
+    ap.add_argument("--summarize", type=Path, nargs="+", metavar="JSON",
+                    help="only print the tables of earlier results files (no GPU needed)")
     args = ap.parse_args()
+    if args.summarize:
+        print("\n".join(summarize(load(p)) for p in args.summarize))
+        return 0
     args.batches = [int(b) for b in args.batches.split(",")]
     args.rates = args.rates.split(",")
+    args.commit = args.commit.split(",")
+    args.configs = ([tuple(c.split(":")) for c in args.configs.split(",")] if args.configs
+                    else [(r, c) for r in args.rates for c in args.commit])
     sys.path.insert(0, str(E.REPO / "tests"))
     E.setup_python(args.wheels)
     args.tokenizer = args.tokenizer or E._default_tokenizer()

@@ -56,6 +56,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="CUDA with the overlap scheduler: 'lagged' (default) decides deterministic rows one "
                         "forward late behind a device-side step gate; 'sync' reads their margins before "
                         "sampling (slower: README, GPU performance). CPU and no-overlap runs always use sync")
+    s.add_argument("--mg-commit", choices=["hold", "resume"], default="hold",
+                   help="single non-streamed deterministic requests: 'hold' (default) waits for the verifier at "
+                        "each low-margin step, as streams and batch bodies always do; 'resume' (experimental) "
+                        "commits every step fast, checks the low-margin ones behind and, on a divergence, "
+                        "resumes the answer from the verifier's token (README, GPU performance)")
     s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
                    help="longest wait of a response for its verdict (the final audit; default 120)")
 
@@ -165,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         catchup_chunk=args.mg_catchup_chunk,
         verdict_wait_s=args.mg_verdict_wait,
         lagged_commit=args.mg_seam == "lagged",
+        commit=args.mg_commit,
         verifier_memory_gb=args.mg_verifier_memory_gb,
     )
     from mg_server.sglang_ext.launch import serve

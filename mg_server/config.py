@@ -15,6 +15,10 @@ SEED_PARAM = "mg_seed"  # int in [0, 2**64)
 # seam's token lists, the controller's states, verdicts) is per instance, so a client that
 # reuses a request id never gets, or disturbs, another instance's state.
 INSTANCE_PARAM = "mg_instance"
+# Set by the front beside the flag on a deterministic request whose answer it can rewrite (not
+# streamed, no stop strings): the seam then never holds a forward for it; a divergence found
+# behind ends its fast path and the front resumes the answer from the verifier's token.
+RESUME_PARAM = "mg_resumable"
 
 
 def instance_key(rid: str, instance: str | None) -> str:
@@ -38,6 +42,7 @@ class HookConfig:
     controller_ipc: str = ""  # "" = no controller: only count steps and margins
     step_timeout_s: float = 60.0  # a forward waits this long for the controller's decisions
     fault_missed_flip: int = -1  # tests only (env MG_FAULT_MISSED_FLIP): commit this answer token's runner-up
+    fault_flip_margin: float = 1e9  # tests only (env MG_FAULT_FLIP_MARGIN): the margin reported for it
     # CUDA with the overlap scheduler: decide one forward late behind a device-side gate
     # (sglang_ext/lagged.py); False: read the margins before sampling (--mg-seam sync)
     lagged_commit: bool = True
@@ -65,6 +70,7 @@ class FrontConfig:
     model_path: str = ""  # its tokenizer spells a corrected answer's text ("" = no text rewrite)
     vocab_size: int = 0  # the model's: token ids in request bodies are checked against it (0: unchecked)
     api_key: str = ""  # SGLang's --api-key: /metrics (served by mg, ahead of SGLang's auth) needs it too
+    resume: bool = False  # mark non-streamed deterministic requests resumable (config.RESUME_PARAM)
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,7 @@ class ServeConfig:
     catchup_chunk: int = 256  # tokens per verifier call when it catches up
     verdict_wait_s: float = 120.0  # a response's longest wait for its verdict
     lagged_commit: bool = True  # CUDA + overlap: the one-forward-late seam (sglang_ext/lagged.py; --mg-seam)
+    commit: str = "hold"  # "hold" | "resume": single non-streamed deterministic requests (--mg-commit)
 
     @property
     def cpu(self) -> bool:

@@ -33,3 +33,9 @@ def fault_missed_flip() -> int:
     """Tests only: MG_FAULT_MISSED_FLIP=k makes the seam fast-commit the runner-up as the k-th
     answer token of every deterministic request (a missed flip on demand); -1 = off."""
     return int(os.environ.get("MG_FAULT_MISSED_FLIP", "-1"))
+
+
+def fault_flip_margin() -> float:
+    """Tests only: the margin the seam reports for MG_FAULT_MISSED_FLIP's token (default 1e9, so
+    it is fast-committed; 0 makes it a low-margin step, which a resumable request checks behind)."""
+    return float(os.environ.get("MG_FAULT_FLIP_MARGIN", "1e9"))

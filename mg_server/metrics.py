@@ -39,6 +39,13 @@ def gate_timeouts() -> Counter:
                    "their rows that needed the verifier failed")
 
 
+@lru_cache(maxsize=None)
+def resume_stops() -> Counter:
+    """Resumable deterministic requests whose fast path the seam ended early (a divergence found behind)."""
+    return Counter("mg_resume_stops", "Resumable deterministic requests whose fast path mg ended early after a "
+                   "checked step diverged from the verifier (the front resumes the answer from there)")
+
+
 def render(metrics_dir: str) -> bytes:
     """Prometheus text exposition of every process's mg metrics."""
     registry = CollectorRegistry()
@@ -70,6 +77,17 @@ class ControllerMetrics:
         self.verify_seconds = Histogram(
             "mg_verify_seconds", "Latency of one verify call (all rows of a forward), seconds",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        )
+        # The profile of a verify call: the verifier's own forward (the rest of mg_verify_seconds
+        # is IPC, queueing and result handling) and how many rows it carried (the verified rows
+        # plus the catch-up of every token the verifier had not seen).
+        self.verifier_forward_seconds = Histogram(
+            "mg_verifier_forward_seconds", "The verifier's forward inside one verify call, seconds",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        )
+        self.verify_rows = Histogram(
+            "mg_verify_rows", "Rows of the verifier forward serving one verify call (verified rows + catch-up)",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),
         )
 
 

@@ -59,8 +59,9 @@ class FakeVerifier:
             hist.extend(it.tokens)
             lo = max(start - 1, self.prompt_len[it.rid] - 1, 0)
             first = next((q for q in range(lo, it.pos) if ref_next(hist[: q + 1]) != hist[q + 1]), -1)
+            audit = [ref_next(hist[: q + 1]) for q in range(start, it.pos)]  # predictions at start .. pos-1
             out.append(P.VerifyResult(rid=it.rid, pos=it.pos, token=ref_next(hist), margin=1.0, slot=0, gen=1,
-                                      first_mismatch=first))
+                                      audit_tokens=audit, first_mismatch=first))
         return out
 
     def release(self, rids, timeout_s=None):
@@ -96,7 +97,7 @@ def make_ctl(tmp_path, monkeypatch):
         c.close()
 
 
-def run_request(ctl, rid, prompt, n_steps, margins, flip_at=None, lookahead=0, aborted="", **end):
+def run_request(ctl, rid, prompt, n_steps, margins, flip_at=None, lookahead=0, aborted="", resumable=False, **end):
     """Drive a request like mg's seam does (the seam emits every decided token); returns the
     emitted tokens. `lookahead` extra steps are decided after the last token, as the overlap
     scheduler's look-ahead forward does, and not emitted."""
@@ -105,7 +106,7 @@ def run_request(ctl, rid, prompt, n_steps, margins, flip_at=None, lookahead=0, a
         pos = len(tokens) - 1
         fast = ref_next(tokens) if step != flip_at else (ref_next(tokens) + 1) % 50
         row = P.StepRow(rid=rid, pos=pos, prompt=list(prompt) if step == 0 else [], margin=margins[step],
-                        fast_token=fast)
+                        fast_token=fast, resumable=resumable)
         (d,) = ctl._step([row])
         assert not d.error, d.error
         assert d.token == (d.token if d.verified else fast)
@@ -341,3 +342,66 @@ def test_a_chunk_error_fails_the_request(make_ctl):
     (d,) = ctl._step([P.StepRow(rid="x", pos=9, prompt=list(range(10)), margin=0.0, fast_token=1)])
     assert "catch-up" in d.error and len(calls) == 1 and len(calls[0][0].tokens) == 4
     assert ctl._verdict("x").state == "failed"
+
+
+def test_resumable_steps_commit_fast_and_low_margins_are_checked_behind(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    prompt, toks = [4, 4], [4, 4]
+    for margin in (3.0, 0.1, 3.0):  # the low-margin step is committed fast, like the others
+        (d,) = ctl._step([P.StepRow(rid="r", pos=len(toks) - 1, prompt=list(toks) if len(toks) == 2 else [],
+                                    margin=margin, fast_token=ref_next(toks), resumable=True)])
+        assert d.token == ref_next(toks) and not d.verified
+        toks.append(d.token)
+    assert ctl.vclient.items == [] and ctl.checks == {"r": [2]}
+    ctl._run_checks()  # idle: one call audits every token decided so far
+    (it,) = ctl.vclient.items
+    assert it.pos == len(toks) - 2 and it.tokens == toks[:-1] and it.prompt_len == 2
+    assert ctl.checks == {} and ctl.stops == {} and ctl.reqs["r"].verified == [2]
+    ctl._finish(P.Finish(rid="r", output=toks[2:], max_new=3, stop_ids=[], correctable=True))
+    assert ctl._verdict("r", correct=True).state == "verified" and ctl.reqs["r"].correction is None
+    assert prompt == [4, 4]
+
+
+@pytest.mark.parametrize("where", ["step", "checked token"])
+def test_a_checked_divergence_stops_the_fast_path_and_resumes_from_the_verifiers_token(make_ctl, where):
+    ctl = make_ctl("margin", 0.5)
+    corrections = ctl.m.corrections._value.get()  # (the metrics live as long as the process)
+    prompt = [2, 9]
+    toks = list(prompt)
+    ref = reference(prompt, 12)
+    flip = 3 if where == "step" else 4  # answer index of the flipped token
+    for k in range(6):
+        fast = ref_next(toks) if k != flip else (ref_next(toks) + 1) % 50
+        (d,) = ctl._step([P.StepRow(rid="d", pos=len(toks) - 1, prompt=list(toks) if k == 0 else [],
+                                    margin=0.1 if k in (2, 4) else 3.0, fast_token=fast, resumable=True)])
+        toks.append(d.token)
+        if k == 2 and where == "step":
+            ctl._run_checks()  # checked up to answer token 2: agrees
+            assert ctl.stops == {}
+    ctl._run_checks()  # a flip below the checked token (audit) or at it (its own prediction)
+    assert ctl.stops == {"d": None} and ctl.reqs["d"].flip_token == ref[flip]
+    assert ctl.handle(P.Stops()).rids == ["d"] and ctl.handle(P.Stops()).rids == []  # told once
+    # the seam ends the request: it emitted 6 tokens; its verdict resumes from the flip
+    ctl._finish(P.Finish(rid="d", output=toks[2:], max_new=12, stop_ids=[49], correctable=True))
+    v = ctl._verdict("d", correct=True)
+    c = v.correction
+    assert v.state == "verified" and c.resume and c.finish == ""
+    assert c.original == toks[2:] and c.first == flip and c.output == ref[:flip + 1]
+    assert c.resume_ids == prompt + ref[:flip + 1] and c.max_new == 12 - flip - 1 and c.stop_ids == [49]
+    assert ctl.m.corrections._value.get() == corrections + 1
+    # no tail audit after the divergence: the verifier saw nothing beyond the check
+    assert max(it.pos for it in ctl.vclient.items if it.rid == "d") == len(toks) - 2
+
+
+def test_a_resume_point_that_ends_the_answer_needs_no_continuation(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    prompt = [7, 1]
+    ref = reference(prompt, 8)
+    emitted = run_request(ctl, "x", prompt, 4, [9.0] * 4, flip_at=3, resumable=True, max_new=4, stop_ids=[],
+                          correctable=True)
+    c = ctl._verdict("x", correct=True).correction  # found by the tail audit, at the last token
+    assert not c.resume and c.finish == "length" and c.output == ref[:4] and c.original == emitted[2:]
+    run_request(ctl, "y", prompt, 4, [9.0] * 4, flip_at=1, resumable=True, max_new=6, stop_ids=[ref[1]],
+                correctable=True)
+    c = ctl._verdict("y", correct=True).correction
+    assert not c.resume and c.finish == "stop" and c.output == ref[:2]

@@ -3,8 +3,15 @@ demonstrably holds the answer SGLang emitted; otherwise None (the verdict stays 
 
 import json
 
-from mg_server.front.correction import apply
+from mg_server.front import correction
 from mg_server.runtime.protocol import Correction
+
+
+def apply(body: bytes, path: str, corr: Correction, model_path: str) -> bytes | None:
+    """One request's body: the rewritten body, or None where it could not be rewritten."""
+    out, (ok,) = correction.apply(body, path, [corr], model_path)
+    assert ok or out == body  # never a half-rewrite
+    return out if ok else None
 
 CORR = Correction(original=[10, 11, 12, 2], output=[10, 11, 40, 41, 42], first=2, finish="length")
 
@@ -21,6 +28,7 @@ def test_a_body_that_does_not_hold_the_original_is_left_alone():
     other = json.dumps({"output_ids": [10, 99, 12, 2]}).encode()
     assert apply(other, "/generate", CORR, "") is None
     assert apply(b"[{}]", "/generate", CORR, "") is None  # a batch answers several requests
+    assert apply(b"[{}]", "/v1/completions", CORR, "") is None
     assert apply(b"not json", "/generate", CORR, "") is None
     # text to respell but no tokenizer to spell it with
     assert apply(json.dumps({"output_ids": [10, 11, 12, 2], "text": "x"}).encode(), "/generate", CORR, "") is None
@@ -44,3 +52,15 @@ def test_chat_and_completions_text_is_respelled_with_the_models_tokenizer(prepar
     comp = {"choices": [{"text": tok.decode(orig)}]}
     out = json.loads(apply(json.dumps(comp).encode(), "/v1/completions", corr, str(prepared_model)))
     assert out["choices"][0]["text"] == tok.decode(new)
+
+
+def test_each_answer_of_a_generate_batch_is_rewritten_on_its_own():
+    kept = {"output_ids": [5, 6], "meta_info": {"completion_tokens": 2}}
+    held = {"output_ids": [10, 11, 12, 2], "meta_info": {"completion_tokens": 4}}
+    other = {"output_ids": [10, 99, 12, 2]}  # does not hold its correction's original
+    body = json.dumps([kept, held, other]).encode()
+    out, ok = correction.apply(body, "/generate", [None, CORR, CORR], "")
+    assert ok == [True, True, False]
+    a, b, c = json.loads(out)
+    assert a == kept and c == other and b["output_ids"] == CORR.output and b["meta_info"]["completion_tokens"] == 5
+    assert correction.apply(body, "/generate", [None, CORR], "") == (body, [True, False])  # counts differ

@@ -29,10 +29,14 @@ def model(tmp_path_factory):
     return gpu_e2e.write_model("smol", tmp_path_factory.mktemp("m") / "smol", Path(tok))
 
 
-@pytest.mark.parametrize("seam,mode", [("sync", "always"), ("lagged", "always"), ("lagged", "margin")])
-def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, seam, mode):
+@pytest.mark.parametrize("seam,mode,commit", [("sync", "always", "hold"), ("lagged", "always", "hold"),
+                                              ("lagged", "margin", "hold"), ("lagged", "margin", "resume")])
+def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, seam, mode, commit):
     """mode margin (tau 0.05, ~15 % of steps verified on these random weights) also checks the
-    fast-committed tokens: the device's fast token of every row (a strided one was another row's)."""
+    fast-committed tokens: the device's fast token of every row (a strided one was another row's).
+    commit resume: every step fast, checked behind; a divergence ends the request's fast path and
+    the front resumes the answer from the verifier's token (continuations re-decode, so the seam
+    sees more steps than the answers hold, and nothing is repaired)."""
     from mg_server.evaluation.determinism import DeterminismConfig, noop_processor, run
     from mg_server.runtime.verifier.reference import greedy_reference, load_engine
 
@@ -42,7 +46,7 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
     refs = [r.tokens for r in greedy_reference(engine, det, 32)]
     del engine
     srv = ServerProcess(["--model", str(model), "--device", "cuda", "--mg-mode", mode, "--mg-seam", seam,
-                         *(["--mg-tau", "0.05"] if mode == "margin" else [])],
+                         "--mg-commit", commit, *(["--mg-tau", "0.05"] if mode == "margin" else [])],
                         tmp_path / "server.log")
     try:
         srv.wait_ready(timeout=600)
@@ -57,6 +61,11 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
     assert not rep.mismatches, (rep.mismatches, errors[:10])
     assert all(o.verdict == "verified" for o in rep.outcomes)
     c = rep.counters
+    if commit == "resume":
+        assert c["steps_verify"] + c["steps_fast"] == c["mg_deterministic_steps_total"] >= rep.det_tokens > 0, c
+        assert 0 < c["steps_verify"] and c["mg_repair_total"] == 0, c
+        print("resume counters:", {k: c[k] for k in sorted(c)})
+        return
     assert c["mg_deterministic_steps_total"] - c["mg_lookahead_steps_total"] == rep.det_tokens > 0
     assert c["steps_verify"] + c["steps_fast"] == c["mg_deterministic_steps_total"], c
     assert c["steps_fast"] == 0 if mode == "always" else 0 < c["steps_verify"] < c["mg_deterministic_steps_total"], c

@@ -272,3 +272,33 @@ def test_top2_margin(hook_mod):
 def test_factory_refuses_to_attach_outside_model_runner_initialize(hook_mod):
     with pytest.raises(RuntimeError, match="ModelRunner.initialize"):
         hook_mod.make_hook({"metrics_dir": "/tmp/x"})
+
+
+def test_the_synchronous_seam_reports_resumable_low_margin_steps_without_waiting(hook_mod, runner, tmp_path,
+                                                                                 monkeypatch):
+    from mg_server.config import RESUME_PARAM
+
+    seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch, policy=Policy("margin", 0.5))
+    req = FakeReq("r", [3, 4], custom_params={RESUME_PARAM: True}, stop_strs=None)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 7], logits[0, 8] = 1.0, 0.95  # margin 0.05 < tau
+    seam(None, sampler_args([(req, True)], logits, [1]))
+    assert seam.link.client.rows == [] and [r.resumable for r in seam.link.client.reported] == [True]
+    assert int(logits[0].argmax()) == 7 and seam.link.tracked["r"].tokens == [3, 4, 7]
+
+
+def test_a_diverged_resumable_request_ends_as_if_at_its_length_limit(hook_mod, tmp_path, monkeypatch):
+    from mg_server.config import RESUME_PARAM
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    link = object.__new__(hook_mod.ControllerLink)  # no controller: only the bookkeeping is used
+    link.lock, link.stopped = threading.Lock(), hook_mod.metrics.resume_stops()
+    lazy = FakeReq("a", [1], custom_params={RESUME_PARAM: True}, stop_strs=None)
+    lazy.output_ids = [4, 5, 6]
+    held, failed = FakeReq("b", [1]), FakeReq("c", [1], custom_params={RESUME_PARAM: True}, stop_strs=None)
+    link.tracked = {"a": hook_mod.StepSeam.new_tracked(lazy), "b": hook_mod.StepSeam.new_tracked(held),
+                    "c": hook_mod.StepSeam.new_tracked(failed)}
+    link.tracked["c"].failed = True
+    link.end_fast_path(["a", "b", "c", "gone"])
+    assert type(lazy.to_finish).__name__ == "FINISH_LENGTH" and lazy.to_finish.length == 3
+    assert held.to_finish is None and failed.to_finish is None  # not resumable; already failed

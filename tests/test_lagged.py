@@ -332,3 +332,23 @@ def test_a_host_failure_opens_the_gate_unanswered_and_fails_the_forwards_rows(ho
     assert seam.lagged.chosen[:2].tolist() == [20, 30]  # the fast tokens, nothing the host wrote
     assert low.to_finish is not None and high.to_finish is not None  # both aborted, loudly
     assert not {"x", "y"} & set(seam.link.tracked)  # never committed: nothing to mark
+
+
+def test_a_resumable_low_margin_step_never_holds_the_gate(hook_mod, runner, tmp_path, monkeypatch):
+    from mg_server.config import RESUME_PARAM
+
+    seam = lagged_seam(hook_mod, runner, fast, tmp_path, monkeypatch, Policy("margin", 0.5))
+    gates, client = seam.gates, seam.link.client
+    lazy = FakeReq("z", [1, 2], custom_params={RESUME_PARAM: True}, stop_strs=None)
+    held = FakeReq("h", [1, 2], pool_idx=1)  # the same low margin without the flag holds
+    seam(None, sampler_args([(lazy, True)], logits_with(9, 0.1), [1]))
+    seam.lagged.drain(wait=True)
+    assert gates.gates == [(0, 1)] and gates.releases == [] and client.rows == []
+    assert [(r.pos, r.fast_token, r.resumable) for r in client.reported] == [(1, 9, True)]
+    assert seam.link.tracked["z"].tokens == [1, 2, 9] and seam.link.tracked["z"].resumable
+    seam(None, sampler_args([(held, True)], logits_with(9, 0.1), [1]))
+    seam.lagged.drain(wait=True)
+    assert gates.gates[-1] == (1, 2) and [r.resumable for r in client.rows] == [False]
+    # stop strings (a text rule the resume cannot follow): never resumable, whatever the flag
+    text = FakeReq("t", [1, 2], pool_idx=2, custom_params={RESUME_PARAM: True}, stop_strs=["\n"])
+    assert not hook_mod.resumable(text) and hook_mod.resumable(lazy)

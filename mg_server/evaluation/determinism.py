@@ -28,7 +28,8 @@ import requests
 from mg_server.config import DETERMINISTIC_PARAM
 
 MG_COUNTERS = ("mg_deterministic_steps_total", "mg_verify_total", "mg_repair_total",
-               "mg_audit_mismatch_total", "mg_verify_errors_total", "mg_lookahead_steps_total")
+               "mg_audit_mismatch_total", "mg_verify_errors_total", "mg_lookahead_steps_total",
+               "mg_corrections_total", "mg_resume_stops_total")
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,10 @@
 
 The controller sends the answer SGLang emitted (`original`) and the corrected one (`output`,
 equal to the verifier-alone reference). The body is rewritten only where it demonstrably holds
-`original` in a form mg can respell: `/generate`'s `output_ids` (and its `text`), or the single
-choice of a chat/completions response whose text is the tokenizer's spelling of `original`.
-Anything else returns None, and the verdict stays `mismatch` (never a silent half-rewrite).
+`original` in a form mg can respell: `/generate`'s `output_ids` (and its `text`; each answer of a
+batch body), or the single choice of a chat/completions response whose text is the tokenizer's
+spelling of `original`. Anything else is left as it is, and its verdict stays `mismatch` (never
+a silent half-rewrite).
 """
 
 from __future__ import annotations
@@ -37,38 +38,32 @@ def _answer_ids(ids: list[int], corr: Correction) -> list[int] | None:
     return None
 
 
-def apply(body: bytes, path: str, corr: Correction, model_path: str) -> bytes | None:
-    """The response body with the corrected answer, or None if this body cannot be rewritten."""
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(doc, dict):
-        return None  # a batch (list) answers several requests: not rewritten
+def _apply_one(doc: dict, path: str, corr: Correction, model_path: str) -> bool:
+    """Rewrite one answer object in place; False (untouched) if it does not hold `corr.original`."""
     n_old, n_new = len(corr.original), len(corr.output)
     if path == "/generate":
         ids = _answer_ids(doc.get("output_ids"), corr) if isinstance(doc.get("output_ids"), list) else None
         if ids is None:
-            return None
+            return False
+        if "text" in doc and (not model_path or doc["text"] != _text(model_path, corr.original)):
+            return False
         doc["output_ids"] = ids
         if "text" in doc:
-            if not model_path or doc["text"] != _text(model_path, corr.original):
-                return None
             doc["text"] = _text(model_path, corr.output)
         meta = doc.get("meta_info") or {}
         if "completion_tokens" in meta:
             meta["completion_tokens"] = meta["completion_tokens"] - n_old + n_new
         meta["finish_reason"] = ({"type": "length", "length": n_new} if corr.finish == "length"
                                  else {"type": "stop", "matched": corr.output[-1]})
-        return json.dumps(doc).encode()
+        return True
     choices = doc.get("choices")
     if not model_path or not isinstance(choices, list) or len(choices) != 1:
-        return None
+        return False
     choice = choices[0]
     slot = choice.get("message") if path == "/v1/chat/completions" else choice
     key = "content" if path == "/v1/chat/completions" else "text"
     if not isinstance(slot, dict) or slot.get(key) != _text(model_path, corr.original):
-        return None
+        return False
     slot[key] = _text(model_path, corr.output)
     choice["finish_reason"] = corr.finish
     if "matched_stop" in choice:
@@ -77,4 +72,20 @@ def apply(body: bytes, path: str, corr: Correction, model_path: str) -> bytes | 
     for k in ("completion_tokens", "total_tokens"):
         if isinstance(usage.get(k), int):
             usage[k] = usage[k] - n_old + n_new
-    return json.dumps(doc).encode()
+    return True
+
+
+def apply(body: bytes, path: str, corrs: list[Correction | None], model_path: str) -> tuple[bytes, list[bool]]:
+    """The response body with each request's corrected answer (`corrs`: one per request of the
+    body, None where nothing is replaced), and per request whether its answer could be replaced
+    (a None correction counts as done). A /generate batch body is a list of answers, one each."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        doc = None
+    answers = doc if isinstance(doc, list) and path == "/generate" else [doc]
+    if len(answers) != len(corrs) or not all(isinstance(a, dict) for a in answers):
+        return body, [c is None for c in corrs]
+    ok = [c is None or _apply_one(a, path, c, model_path) for a, c in zip(answers, corrs)]
+    changed = any(c is not None and k for c, k in zip(corrs, ok))
+    return (json.dumps(doc).encode() if changed else body), ok

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 5  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections
+PROTOCOL_VERSION = 6  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
+# 6: resumable rows (StepRow.resumable, Stops, Correction.resume)
 
 
 class ErrorCode:
@@ -203,6 +204,10 @@ class StepRow(msgspec.Struct, kw_only=True, omit_defaults=True):
     fast_token: int  # fast path's argmax at pos (sampling: of the perturbed scores)
     temperature: float = 0.0  # first step only, with the prompt: the request's decoding rule
     seed: int = 0  #            (see the module doc); 0 = greedy
+    # The request's answer can be resumed (a non-streamed answer the front can rewrite): the seam
+    # commits every step fast, the controller checks the low-margin ones behind, and a divergence
+    # ends the fast path early; the front then resumes the answer from the verifier's token.
+    resumable: bool = False
 
 
 class Step(Message):
@@ -241,12 +246,30 @@ class Finish(Message):
 
 
 class Correction(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A missed flip's answer completed by the verifier: what the front puts in the response."""
+    """A missed flip's answer completed by the verifier: what the front puts in the response.
+
+    With `resume`, `output` ends at the verifier's token at the flip and the answer goes on: the
+    front completes it with a deterministic continuation of `resume_ids` (prompt + output) on
+    the fast path, ended by the same rules (`max_new` more tokens at most, `stop_ids`)."""
 
     original: list[int]  # the answer SGLang emitted (the front checks the response holds it)
     output: list[int]  # the corrected answer: SGLang's up to the missed flip, then the verifier's
     first: int  # index in the answer of the first replaced token
-    finish: str  # "stop" (a stop token ended it) or "length" (max_new tokens)
+    finish: str  # "stop" (a stop token ended it) or "length" (max_new tokens); "" while resuming
+    resume: bool = False
+    resume_ids: list[int] = []  # t_0 .. : the prompt, then `output` (the continuation's input)
+    max_new: int = 0  # tokens the continuation may add
+    stop_ids: list[int] = []  # token ids that end it (empty: none)
+    temperature: float = 0.0  # the request's decoding rule, for the continuation
+    seed: int = 0
+
+
+class Stops(Message):
+    """The seam asks which resumable requests diverged (their fast path should end now)."""
+
+
+class StopsReply(Message):
+    rids: list[str] = []  # each diverged request is named once
 
 
 class Verdict(Message):
@@ -283,7 +306,7 @@ class VerdictReply(Message):
 
 AnyMessage = (Hello | HelloReply | Verify | VerifyReply | Release | Stats | StatsReply | Shutdown
               | Ack | Error | ControllerHello | ControllerInfo | Step | StepReply | Finish | Verdict
-              | VerdictReply)
+              | VerdictReply | Stops | StopsReply)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

@@ -43,8 +43,8 @@ import torch
 from torch import Tensor
 
 from mg_server import metrics
-from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig,
-                              instance_key)
+from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, RESUME_PARAM, SEED_PARAM, TEMPERATURE_PARAM,
+                              HookConfig, instance_key)
 from mg_server.kernels import sampled_choice
 from mg_server.runtime import protocol as P
 from mg_server.runtime.liveness import BEAT_PERIOD_S, seam_beat_path, write_beat
@@ -95,6 +95,14 @@ def sampling_rule(req) -> tuple[float, int]:
     params = req.sampling_params.custom_params or {}
     temperature = params.get(TEMPERATURE_PARAM) or 0.0
     return (float(temperature), int(params.get(SEED_PARAM) or 0)) if temperature > 0 else (0.0, 0)
+
+
+def resumable(req) -> bool:
+    """Committed fast whatever its margin, checked behind (config.RESUME_PARAM; its answer is
+    resumed on a divergence, which needs token end rules: no stop strings, regexes, grammar)."""
+    sp = req.sampling_params
+    return bool((sp.custom_params or {}).get(RESUME_PARAM)) and not (
+        sp.stop_strs or getattr(sp, "stop_regex_strs", None) or req.grammar is not None)
 
 
 def force_tokens(logits: Tensor, rows: list[int], tokens: list[int]) -> None:
@@ -176,6 +184,7 @@ class Tracked:
     req: object  # SGLang's Req (identity: a reused rid is another request)
     tokens: list[int]  # t_0 .. t_{n-1}: the prompt, then every token mg decided
     failed: bool = False  # aborted by mg: later forwards (the abort lands a step later) are ignored
+    resumable: bool = False  # see `resumable`: the stop watcher may end its fast path
 
 
 class ControllerLink:
@@ -205,7 +214,48 @@ class ControllerLink:
         self.lock = threading.Lock()  # guards `tracked`
         self.rpc_lock = threading.Lock()  # guards `client`
         self.beat_path, self._last_beat, self.watch_error = seam_beat_path(config.controller_ipc), 0.0, ""
+        self.stopped = metrics.resume_stops()
         threading.Thread(target=self._watch_finished, name="mg-finish-watch", daemon=True).start()
+        threading.Thread(target=self._watch_stops, name="mg-stop-watch", daemon=True).start()
+
+    def _watch_stops(self) -> None:
+        """End the fast path of resumable requests the controller found diverged (its `Stops`).
+
+        Own client and thread: the controller answers after a check in progress (milliseconds),
+        and neither the scheduler thread nor the finish watcher should wait for that. The request
+        ends as if it reached its length limit, with the tokens emitted so far (mg's decisions,
+        which the controller holds); its verdict then resumes the answer from the flip."""
+        from mg_server.runtime.controller.client import ControllerClient
+
+        client, failing = None, False
+        while True:
+            time.sleep(0.005)  # (each ask takes the GIL from the scheduler thread for a moment)
+            with self.lock:
+                if not any(t.resumable and not t.failed for t in self.tracked.values()):
+                    continue
+            try:
+                client = client or ControllerClient(self.config.controller_ipc, timeout_s=self.config.step_timeout_s,
+                                                    client_name="hook-stops")
+                rids, failing = client.stops(), False
+            except Exception as e:  # noqa: BLE001 - checks then end no request early; verdicts stay honest
+                if not failing:
+                    log.warning("mg: asking the controller for diverged requests failed: %s", e)
+                client, failing = None, True
+                time.sleep(0.1)
+                continue
+            if rids:
+                self.end_fast_path(rids)
+
+    def end_fast_path(self, rids: list[str]) -> None:
+        """End these resumable requests at their next token, as their length limit would."""
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+        with self.lock:
+            for rid in rids:
+                t = self.tracked.get(rid)
+                if t is not None and t.resumable and not t.failed and t.req.to_finish is None and not t.req.finished():
+                    t.req.to_finish = FINISH_LENGTH(length=len(t.req.output_ids))
+                    self.stopped.inc()
 
     def _watch_finished(self) -> None:
         """A request's last token is never the input of a forward; report ends from here.
@@ -369,11 +419,12 @@ class StepSeam:
     def _inject_missed_flip(self, logits: Tensor, steps):
         """Test-only fault (HookConfig.fault_missed_flip = k): the k-th answer token of every
         protected request is its runner-up, presented as the fast path's argmax with a huge
-        margin, so it is fast-committed and only the audit can find it: a missed flip on demand."""
+        margin (fault_flip_margin), so it is fast-committed and only the audit can find it: a
+        missed flip on demand. (With margin 0, a resumable request checks it behind.)"""
         k, out = self.config.fault_missed_flip, []
         for i, req, pos, margin, fast, key in steps:
             if pos - len(req.origin_input_ids) + 1 == k:
-                fast, margin = int(logits[i].float().topk(2).indices[1]), 1e9
+                fast, margin = int(logits[i].float().topk(2).indices[1]), self.config.fault_flip_margin
             out.append((i, req, pos, margin, fast, key))
         return out
 
@@ -417,7 +468,8 @@ class StepSeam:
         with link.lock:
             live, fails = self._classify(steps)
         self._count(live)
-        decisions = self.decide(live, any(link.policy.should_verify(margin) for _, _, _, margin, *_ in live))
+        decisions = self.decide(live, any(link.policy.should_verify(margin) and not resumable(req)
+                                          for _, req, _, margin, *_ in live))
         done = self.commit(live, decisions, fails, self.repair)
         if done:
             force_tokens(logits, [i for i, _ in done], [d.token for _, d in done])
@@ -474,7 +526,7 @@ class StepSeam:
 
     @staticmethod
     def new_tracked(req) -> Tracked:
-        return Tracked(req, list(req.origin_input_ids))
+        return Tracked(req, list(req.origin_input_ids), resumable=resumable(req))
 
     @staticmethod
     def step_rows(live) -> list[P.StepRow]:
@@ -482,7 +534,7 @@ class StepSeam:
         rows = []
         for _, req, pos, margin, fast, first, key in live:
             r = P.StepRow(rid=key, pos=pos, prompt=list(req.origin_input_ids) if first else [],
-                          margin=margin, fast_token=fast)
+                          margin=margin, fast_token=fast, resumable=resumable(req))
             if first:  # the decoding rule travels with the prompt
                 r.temperature, r.seed = sampling_rule(req)
             rows.append(r)

@@ -58,7 +58,7 @@ from torch import Tensor
 from mg_server import metrics
 from mg_server.kernels.gate import ReferenceStepGate, StepGate
 from mg_server.runtime import protocol as P
-from mg_server.sglang_ext.hook import top2
+from mg_server.sglang_ext.hook import resumable, top2
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +107,9 @@ class LaggedControl:
         else:
             self.gate = ReferenceStepGate(self.capacity, pool.k_buffer, pool.v_buffer, slots, r2t)
         pinned = device.type == "cuda"
-        # [2 * cap] int64: n batch rows, then n expected positions (contiguous for n < cap)
-        self.meta_host = torch.zeros(2 * self.capacity, dtype=torch.int64, pin_memory=pinned)
-        self.meta = torch.zeros(2 * self.capacity, dtype=torch.int64, device=device)
+        # [3 * cap] int64: n batch rows, n expected positions, n resumable flags (contiguous for n < cap)
+        self.meta_host = torch.zeros(3 * self.capacity, dtype=torch.int64, pin_memory=pinned)
+        self.meta = torch.zeros(3 * self.capacity, dtype=torch.int64, device=device)
         self.chosen = torch.zeros(self.capacity, dtype=torch.int64, device=device)  # [cap] the gate's tokens
         self.last_target = 0
         # the watchdog's limit: a holding gate waits for one verify call, which the hook's
@@ -137,17 +137,17 @@ class LaggedControl:
         with link.lock:
             expected = [self.expected(req, key) for _, req, key in rows]
         mh = self.meta_host.numpy()
-        mh[:n], mh[n:2 * n] = [i for i, _, _ in rows], expected
-        meta = self.meta[:2 * n]
-        meta.copy_(self.meta_host[:2 * n], non_blocking=True)
-        idx, exp = meta[:n], meta[n:]  # [n] batch rows, [n] expected positions
+        mh[:n], mh[n:2 * n], mh[2 * n:3 * n] = [i for i, _, _ in rows], expected, [resumable(r) for _, r, _ in rows]
+        meta = self.meta[:3 * n]
+        meta.copy_(self.meta_host[:3 * n], non_blocking=True)
+        idx, exp, lazy = meta[:n], meta[n:2 * n], meta[2 * n:] != 0  # [n] batch rows, positions, resumable
         margin, fast = top2(logits.index_select(0, idx))  # [n] fp32, int64 (the synchronous seam's own)
         pos = positions.to(logits.device).index_select(0, idx).to(torch.int64)  # [n]
-        step = pos == exp
+        held = (pos == exp) & ~lazy  # steps that may hold the stream: a resumable row's check runs behind
         if link.policy.mode == "always":
-            need = step
+            need = held
         else:  # fp64 as Policy.should_verify compares the margin; NaN margins are verified
-            need = step & ~(margin.double() >= link.policy.tau)
+            need = held & ~(margin.double() >= link.policy.tau)
         self.last_target += 1
         chosen = self.chosen[:n]
         f = Forward(self.last_target, rows)

@@ -190,7 +190,8 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         if isinstance(e, RpcError):
             raise RuntimeError(e.message) from None
         raise
-    log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s", cfg.mg_mode, tau, source, info.kernel_config_id)
+    log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s, --mg-commit %s", cfg.mg_mode, tau, source,
+             info.kernel_config_id, cfg.commit)
     log.info("mg verifier: device %s, K/V pool %d tokens, %s", info.verifier_device, info.verifier_pool_tokens,
              f"{info.verifier_memory_bytes / (1 << 30):.2f} GB of device memory held"
              + (f" (budget {cfg.verifier_memory_gb:g} GB)" if cfg.verifier_memory_gb else "")
@@ -279,7 +280,8 @@ def serve(cfg: ServeConfig) -> None:
     chunks = -(-context_len // cfg.catchup_chunk) + 1
     hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
                       step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
-                      fault_missed_flip=env.fault_missed_flip(), lagged_commit=cfg.lagged_commit)
+                      fault_missed_flip=env.fault_missed_flip(), fault_flip_margin=env.fault_flip_margin(),
+                      lagged_commit=cfg.lagged_commit)
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(
         DeterministicMiddleware,
@@ -287,7 +289,8 @@ def serve(cfg: ServeConfig) -> None:
                            kernel_config_id=info.kernel_config_id if info else "", model_path=cfg.model_path,
                            system_fingerprint=system_fingerprint(info.weights_digest, info.kernel_config_id)
                            if info else "", api_key=server_args.api_key or "",
-                           verdict_wait_s=cfg.verdict_wait_s, vocab_size=_vocab_size(cfg.model_path)),
+                           verdict_wait_s=cfg.verdict_wait_s, vocab_size=_vocab_size(cfg.model_path),
+                           resume=cfg.commit == "resume"),
     )
     log.info("mg-server: SGLang %s, model %s, http://%s:%d", version, cfg.model_path, cfg.host, cfg.port)
     launch_server(server_args)

@@ -34,6 +34,10 @@ class ControllerClient(RpcClient):
         """Fast commits the seam decided itself (no reply; the controller applies the same policy)."""
         self.send(P.Step(rows=rows, reply=False))
 
+    def stops(self, timeout_s: float | None = None) -> list[str]:
+        """Resumable requests that diverged since the last ask (their fast path should end)."""
+        return self.call(P.Stops(), timeout_s).rids
+
     def finish(self, msg: P.Finish, timeout_s: float | None = None) -> None:
         self.call(msg, timeout_s)
 

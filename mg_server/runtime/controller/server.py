@@ -10,6 +10,14 @@ that were not verified; `Finish` audits the tail. A request's verdict is `verifi
 its answer is complete (it was not aborted) and every emitted token has been checked against
 the verifier.
 
+Resumable rows (`StepRow.resumable`: a non-streamed answer the front can rewrite) are committed
+fast whatever their margin, so no forward waits for the verifier. Their low-margin steps are
+checked behind, when the controller is idle, all pending requests in one verifier call
+(`_run_checks`: each request's catch-up audits every token it decided so far). A divergence is
+told to the seam when it asks (`Stops`), which ends that request's fast path; its verdict then
+hands the front the answer up to the flip plus the verifier's token there, and the front resumes
+the answer from it (`controller.correct.resume_point`).
+
 Faults: the controller beats and watches its parent from its first moment (runtime.liveness).
 A verify call gives up as soon as the verifier process exits or stops beating; the rows of that
 call fail, later deterministic steps fail at once, plain traffic goes on, and the beat's status
@@ -30,7 +38,7 @@ import zmq
 
 from mg_server.runtime import protocol as P
 from mg_server.runtime.controller.catchup import catch_up
-from mg_server.runtime.controller.correct import can_correct, complete_answer
+from mg_server.runtime.controller.correct import can_correct, complete_answer, resume_point
 from mg_server.runtime.controller.state import ReqState
 from mg_server.runtime.liveness import Lifeline, beat_path, stale_reason
 from mg_server.runtime.policy import Policy
@@ -66,6 +74,10 @@ class Controller:
         # Finished requests whose tail audit waits until no Step is queued (or their verdict is
         # asked for): a Step holds up an SGLang forward, an audit holds up nobody yet.
         self.pending: dict[str, None] = {}
+        # Resumable requests with low-margin steps not checked yet (rid -> those positions), and
+        # the diverged ones whose fast path the seam has not been told to end yet.
+        self.checks: dict[str, list[int]] = {}
+        self.stops: dict[str, None] = {}
         self.verifier_proc = None
         self.vclient = None
         self.vinfo: P.HelloReply | None = None
@@ -142,6 +154,9 @@ class Controller:
             return P.Ack()
         if isinstance(msg, P.Verdict):
             return self._verdict(msg.rid, msg.correct)
+        if isinstance(msg, P.Stops):
+            rids, self.stops = list(self.stops), {}
+            return P.StopsReply(rids=rids)
         if isinstance(msg, P.ControllerHello):
             return P.ControllerInfo(
                 protocol_version=P.PROTOCOL_VERSION, mode=self.cfg.mode, tau=self.cfg.tau,
@@ -172,6 +187,14 @@ class Controller:
                 st.error = "deterministic verifier is not running"
             if st.error:
                 d.error = st.error
+            elif row.resumable:  # committed fast; a low-margin step is checked behind (_run_checks)
+                st.resumable = True
+                low = self.policy.should_verify(row.margin)
+                self.m.steps.labels(decision="verify" if low else "fast").inc()
+                if low and not st.mismatches:  # (after a divergence the rest is resumed anyway)
+                    self.checks.setdefault(row.rid, []).append(row.pos)
+                d.token = row.fast_token
+                st.tokens.append(d.token)
             elif self.policy.should_verify(row.margin):
                 to_verify.append((len(decisions) - 1, row, st))
             else:
@@ -203,19 +226,11 @@ class Controller:
                         st, pos, self.cfg.catchup_chunk)
 
     def _verify(self, batch, decisions: list[P.StepDecision]) -> None:
-        from mg_server.runtime.verifier.client import VerifierError
-
         for i, row, st in batch:  # errors fail the row like a failed verify below
             st.error = decisions[i].error = self._catch_up(row.rid, st, row.pos)
         if not (batch := [(i, row, st) for i, row, st in batch if not st.error]):
             return
-        items = [self._item(row.rid, st, row.pos) for _, row, st in batch]
-        t0 = time.perf_counter()
-        try:
-            results = self.vclient.verify_many(items)
-        except VerifierError as e:
-            results = [P.ErrorReply(code=e.code, message=e.message) for _ in items]
-        self.m.verify_seconds.observe(time.perf_counter() - t0)
+        results = self._call_verifier([self._item(row.rid, st, row.pos) for _, row, st in batch])
         for (i, row, st), res in zip(batch, results):
             d = decisions[i]
             if isinstance(res, P.ErrorReply):
@@ -235,6 +250,52 @@ class Controller:
                 self.m.flip_margin.observe(row.margin)
             st.tokens.append(d.token)
 
+    def _call_verifier(self, items: list[P.VerifyItem]) -> list[P.VerifyResult | P.ErrorReply]:
+        """One verify call (its items share one batched forward), timed; errors become replies."""
+        from mg_server.runtime.verifier.client import VerifierError
+
+        t0 = time.perf_counter()
+        try:
+            results = self.vclient.verify_many(items)
+        except VerifierError as e:
+            results = [P.ErrorReply(code=e.code, message=e.message) for _ in items]
+        self.m.verify_seconds.observe(time.perf_counter() - t0)
+        if ok := [r for r in results if not isinstance(r, P.ErrorReply)]:  # one forward served them all
+            self.m.verifier_forward_seconds.observe(ok[0].forward_ms / 1e3)
+            self.m.verify_rows.observe(ok[0].batch_rows)
+        return results
+
+    def _run_checks(self) -> None:
+        """Check the resumable requests that committed low-margin steps (module doc), in one call."""
+        todo, self.checks = self.checks, {}
+        batch = []
+        for rid, positions in todo.items():
+            st = self.reqs.get(rid)
+            if st is None or st.error or st.finished_at or st.mismatches:
+                continue  # gone, failed, diverged already, or finished (its tail audit covers it)
+            pos = len(st.tokens) - 2  # up to the latest decided token t_{pos+1}
+            if not self.verifier_up():
+                st.error = "deterministic verifier is not running"
+            else:
+                st.error = self._catch_up(rid, st, pos)
+            if not st.error and not st.mismatches:
+                batch.append((rid, st, pos, positions))
+            elif st.mismatches:
+                self.stops[rid] = None
+        if not batch:
+            return
+        results = self._call_verifier([self._item(rid, st, pos) for rid, st, pos, _ in batch])
+        for (rid, st, pos, positions), res in zip(batch, results):
+            if isinstance(res, P.ErrorReply):
+                st.error = f"verifier: [{res.code}] {res.message}"
+                self.m.verify_errors.inc()
+                continue
+            self.m.verify.inc()
+            self._audit_through(rid, st, pos, res, "checked token")
+            st.verified.extend(positions)
+            if st.mismatches:
+                self.stops[rid] = None
+
     def _item(self, rid: str, st: ReqState, pos: int) -> P.VerifyItem:
         """Verify position pos after teaching the verifier every token it has not seen yet."""
         return P.VerifyItem(rid=rid, pos=pos, tokens=st.tokens[st.verifier_len:pos + 1],
@@ -242,15 +303,29 @@ class Controller:
                             temperature=st.temperature, seed=st.seed,
                             deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9))
 
-    def _missed_flip(self, rid: str, st: ReqState, pos: int, what: str) -> None:
+    def _missed_flip(self, rid: str, st: ReqState, pos: int, what: str, token: int) -> None:
+        """t_{pos+1} is not the verifier's `token`."""
+        if not st.mismatches or pos < min(st.mismatches):
+            st.flip_token = token
         st.mismatches.append(pos)
         self.m.audit_mismatch.inc()
         log.warning("missed flip: request %s position %d (%s)", rid, pos, what)
 
     def _audit(self, rid: str, st: ReqState, res: P.VerifyResult) -> None:
         """The verifier's catch-up recomputed steps that were committed from the fast path."""
-        if res.first_mismatch >= 0:
-            self._missed_flip(rid, st, res.first_mismatch, "fast-path token differs from the verifier's")
+        q, start = res.first_mismatch, res.pos - len(res.audit_tokens)  # it covered start .. pos
+        if q >= 0:  # the verifier's t_{q+1}: its previous prediction (q = start - 1) or this audit's
+            token = st.pred if q < start else res.audit_tokens[q - start]
+            self._missed_flip(rid, st, q, "fast-path token differs from the verifier's", token)
+        st.pred = res.token
+
+    def _audit_through(self, rid: str, st: ReqState, pos: int, res: P.VerifyResult, what: str) -> None:
+        """A result at pos whose t_{pos+1} was decided already (a check, the tail audit): audit its
+        catch-up and that token too; the verifier has then seen t_0 .. t_pos."""
+        self._audit(rid, st, res)
+        if res.first_mismatch < 0 and res.token != st.tokens[pos + 1]:
+            self._missed_flip(rid, st, pos, what, res.token)
+        st.verifier_len = pos + 1
 
     def _finish(self, msg: P.Finish) -> None:
         st = self.reqs.get(msg.rid)
@@ -276,7 +351,9 @@ class Controller:
         # t_{n-1} was chosen at position n-2; unless that step was verified, audit the tail
         # (if the request emitted a token at all: with max_new_tokens 0, t_{n-1} is the prompt's).
         emitted = n > st.prompt_len
-        if emitted and not st.aborted and not st.error and self.cfg.mode != "off" and st.verifier_len < n - 1:
+        diverged = st.resumable and st.mismatches  # resumed from its first flip: the rest is not audited
+        if (emitted and not st.aborted and not st.error and not diverged and self.cfg.mode != "off"
+                and st.verifier_len < n - 1):
             self._final_audit(rid, st, n)
         st.audit_pending = False
         if self.vclient is not None and self.verifier_up():
@@ -302,10 +379,7 @@ class Controller:
         except VerifierError as e:
             st.error = f"verifier (final audit): {e}"
             return
-        self._audit(rid, st, res)
-        if res.first_mismatch < 0 and res.token != st.tokens[n - 1]:
-            self._missed_flip(rid, st, n - 2, "final token")
-        st.verifier_len = n - 1
+        self._audit_through(rid, st, n - 2, res, "final token")
 
     def _verdict(self, rid: str, correct: bool = False) -> P.VerdictReply:
         if rid in self.pending:
@@ -313,7 +387,17 @@ class Controller:
         st = self.reqs.get(rid)
         if st is None:
             return P.VerdictReply(rid=rid, state=P.VerdictState.UNKNOWN)
-        if correct and st.correction is None and can_correct(st, self.cfg.mode) and self.verifier_up():
+        if correct and st.correction is None and can_correct(st, self.cfg.mode) and st.resumable:
+            st.correction = resume_point(st)
+            self.m.corrections.inc()
+            log.info("request %s: diverged at answer token %d; the front resumes it", rid, st.correction.first)
+        elif (correct and st.resumable and st.mismatches and st.correction is None
+              and st.state(self.cfg.mode) != P.VerdictState.RUNNING):
+            e = st.end
+            log.warning("request %s: diverged at position %d but cannot be resumed (error %r, aborted %r, end %s, "
+                        "flip token %d)", rid, min(st.mismatches), st.error, st.aborted,
+                        e and (e.max_new, e.correctable), st.flip_token)
+        elif correct and st.correction is None and can_correct(st, self.cfg.mode) and self.verifier_up():
             try:
                 st.correction = complete_answer(self.vclient, rid, st, self.cfg.verify_timeout_s)
                 self.m.corrections.inc()
@@ -337,8 +421,10 @@ class Controller:
         Orphaning is the lifeline's job: it exits the process whatever this loop is doing."""
         last = time.monotonic()
         while self.running:
-            if not self.sock.poll(0 if self.pending else 200):
-                if self.pending:  # idle: run one deferred tail audit
+            if not self.sock.poll(0 if self.pending or self.checks else 200):
+                if self.checks:  # idle: check the resumable requests' low-margin steps first
+                    self._run_checks()
+                elif self.pending:  # idle: run one deferred tail audit
                     self._complete(next(iter(self.pending)))
                 else:  # idle: notice a dead verifier without traffic (health, metric)
                     self.verifier_up()

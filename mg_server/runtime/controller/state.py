@@ -33,6 +33,9 @@ class ReqState:
     audit_pending: bool = False  # finished, tail audit not run yet
     end: Finish | None = None  # how SGLang ended it (max_new, stop ids), from its Finish
     correction: Correction | None = None  # the verifier's completion after a missed flip
+    resumable: bool = False  # committed fast and checked behind; a divergence resumes the answer (protocol)
+    pred: int = -1  # the verifier's latest prediction: its token t_{verifier_len} (-1: none yet)
+    flip_token: int = -1  # the verifier's token at the first missed flip (t_{min(mismatches)+1})
 
     @property
     def steps(self) -> int:
