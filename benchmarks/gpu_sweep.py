@@ -61,6 +61,7 @@ def metrics(url: str) -> dict:
     return {"fast": c["steps_fast"], "verify": c["steps_verify"], "repair": c["mg_repair_total"],
             "resumes": c["mg_corrections_total"], "stops": c["mg_resume_stops_total"],
             "vsum": val("mg_verify_seconds_sum"), "vcount": val("mg_verify_seconds_count"),
+            "fsum": val("mg_verifier_forward_seconds_sum"), "rsum": val("mg_verify_rows_sum"),
             "csum": val("mg_control_seconds_sum"), "ccount": val("mg_control_seconds_count")}
 
 
@@ -69,6 +70,11 @@ def rates(before: dict, after: dict) -> dict:
     steps = max(1.0, d["fast"] + d["verify"])
     return {"trigger": d["verify"] / steps, "repair": d["repair"] / steps, "steps": d["fast"] + d["verify"],
             "resumes": d["resumes"], "stops": d["stops"],
+            # the verify call's profile: the verifier's forward inside it, its rows (verified +
+            # catch-up), and the share of deterministic forwards that waited for one (held path)
+            "verifier_forward_ms": 1e3 * d["fsum"] / d["vcount"] if d["vcount"] else None,
+            "rows_per_call": d["rsum"] / d["vcount"] if d["vcount"] else None,
+            "calls_per_forward": d["vcount"] / d["ccount"] if d["ccount"] else None,
             "verify_call_ms": 1e3 * d["vsum"] / d["vcount"] if d["vcount"] else None,
             # the seam's time per forward whose rows were all fast-committed (mg_control_seconds)
             "fast_control_ms": 1e3 * d["csum"] / d["ccount"] if d["ccount"] else None, "verify_calls": d["vcount"]}

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from mg_server.runtime import protocol as P
+from mg_server.sglang_ext import link as link_mod
 from mg_server.runtime.policy import Policy
 from test_hook import LAYERS, VOCAB, FakeReq, fast, hook_mod, make_seam, runner, sampler_args  # noqa: F401 - fixtures
 
@@ -138,7 +139,7 @@ def test_the_finish_watcher_drains_before_it_reports_an_end(hook_mod, runner, tm
                            _finish=lambda rid, *rest: order.append(("finish", rid)))
     req.finished = lambda: True
     req.finished_reason, req.output_ids = None, [6]
-    monkeypatch.setattr(hook_mod, "end_rules", lambda req: {})
+    monkeypatch.setattr(link_mod, "end_rules", lambda req: {})
     hook_mod.ControllerLink._report_finished(link)
     assert order == [("report", 1), ("finish", "w")]
 
@@ -157,7 +158,7 @@ def test_a_finished_requests_last_forward_is_processed_while_mg_still_tracks_it(
     seam.link._finish = lambda rid, *rest: finished.append(rid)
     req.finished = lambda: True
     req.finished_reason, req.output_ids = None, [6, 9]
-    monkeypatch.setattr(hook_mod, "end_rules", lambda req: {})
+    monkeypatch.setattr(link_mod, "end_rules", lambda req: {})
     hook_mod.ControllerLink._report_finished(seam.link)
     assert req.to_finish is None and finished == ["z"] and "z" not in seam.link.tracked
     assert [r.pos for r in seam.link.client.reported] == [1, 2]  # both steps of z, none refused

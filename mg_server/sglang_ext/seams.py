@@ -65,7 +65,7 @@ def check() -> str:
         ("Req.__init__", Req.__init__, ("self.origin_input_ids", "self.output_ids", "self.req_pool_idx",
                                         '"__req__": self', "self.sampling_params", "self.grammar",
                                         "self.return_logprob", "self.lora_id", "self.eos_token_ids")),
-        # hook.end_rules mirrors these end rules of a request (Req.check_finished's token rules)
+        # link.end_rules mirrors these end rules of a request (Req.check_finished's token rules)
         ("Req._check_token_based_finish", Req._check_token_based_finish,
          ("self.sampling_params.ignore_eos", "self.sampling_params.stop_token_ids", "self.eos_token_ids",
           "self.tokenizer.eos_token_id", "self.tokenizer.additional_stop_token_ids")),
