@@ -106,6 +106,64 @@ def test_matmul_invariant_and_accurate(device, dtype, m, n, k, bias):
     assert rel_err(full, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_matmul_fp32_output(device):
+    """bf16 operands with an fp32 output (the verifier's lm_head): rows invariant; on CPU the
+    same bits as the fp32 copies of the operands (the exact-integer path sees values only)."""
+    x = rand(200, 576, dtype=torch.bfloat16, device=device)
+    w = rand(3000, 576, dtype=torch.bfloat16, device=device, seed=1, scale=576 ** -0.5)
+    pw = K.prepare_weight(w)
+    full = check_rows(lambda a: K.matmul(a, pw, out_dtype=torch.float32), x)
+    assert full.dtype == torch.float32
+    ref = x.double() @ w.double().t()
+    assert rel_err(full, ref) < 1e-5  # fp32 accumulation, no bf16 rounding of the output
+    if device == "cpu":
+        assert torch.equal(full, K.matmul(x.float(), K.prepare_weight(w.float())))
+
+
+def _rope_case(device, dtype, r=70, hq=9, hkv=3, d=64, slots=200):
+    qkv = rand(r, (hq + 2 * hkv) * d, dtype=dtype, device=device)
+    qk, v = qkv[:, :(hq + hkv) * d].view(r, hq + hkv, d), qkv[:, (hq + hkv) * d:].view(r, hkv, d)
+    ang = torch.arange(300, dtype=torch.float64)[:, None] * torch.rand(d // 2, generator=gen(3)).double()
+    cos = torch.cat([ang.cos(), ang.cos()], -1).float().to(device)  # [P, D] fp32
+    sin = torch.cat([ang.sin(), ang.sin()], -1).float().to(device)
+    pos = torch.randint(0, 300, (r,), generator=gen(4)).to(device)
+    slot = torch.randperm(slots, generator=gen(5))[:r].to(device)
+    return qk, v, cos, sin, pos, slot
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store(device, dtype):
+    """Fused RoPE + K/V store: per row independent of the row count; bit-equal to the torch
+    formula (cpu.rope_store) on the same device; K/V land in their slots."""
+    from mg_server.kernels import cpu as C
+    qk, v, cos, sin, pos, slot = _rope_case(device, dtype)
+    hq, hkv, d = 9, 3, 64
+
+    def run(n, fn=K.rope_store):
+        kl = torch.zeros(200, hkv, d, dtype=dtype, device=device)
+        vl = torch.zeros_like(kl)
+        q = fn(qk[:n], v[:n], cos, sin, pos[:n], slot[:n], kl, vl, hq)
+        return q, kl, vl
+
+    q, kl, vl = run(70)
+    for n in (1, 2, 7, 33):
+        qn, kn, vn = run(n)
+        assert torch.equal(qn, q[:n]) and torch.equal(kn[slot[:n]], kl[slot[:n]])
+    assert torch.equal(vl[slot], v)
+    qr, kr, vr = run(70, C.rope_store)
+    assert torch.equal(q, qr) and torch.equal(kl, kr) and torch.equal(vl, vr)
+
+
+@pytest.mark.gpu
+def test_silu_mul_strided_gpu():
+    """silu_mul reads the column halves of the gate/up output in place: same bits as copies."""
+    gu = rand(100, 2 * 1536, dtype=torch.bfloat16, device="cuda", scale=3.0)
+    g, u = gu[:, :1536], gu[:, 1536:]
+    assert torch.equal(K.silu_mul(g, u), K.silu_mul(g.contiguous(), u.contiguous()))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 14336)])
 def test_matmul_splitk_invariant_gpu(n, k):

@@ -70,6 +70,21 @@ SCRIPT = textwrap.dedent("""
     yh = K.matmul(xh, wh, bh)
     close(yh, xh.double() @ wh.double().T + bh.double(), 1e-2)
     close(K.matmul(xh[3:4], wh, bh), yh[3:4], 1e-6)
+    # fused RoPE + K/V store against the torch formula (cpu.rope_store), strided qkv views
+    from mg_server.kernels import cpu as C
+    hq, hkv, d, R, P = 6, 2, 16, 5, 40
+    qkv = torch.randn(R, (hq + 2 * hkv) * d)
+    qk, vv = qkv[:, :(hq + hkv) * d].view(R, hq + hkv, d), qkv[:, (hq + hkv) * d:].view(R, hkv, d)
+    ang = torch.arange(P).float()[:, None] * torch.rand(d // 2)[None, :]
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    pos, slot = torch.tensor([0, 7, 39, 3, 3]), torch.tensor([9, 2, 4, 0, 11])
+    kl, vl = torch.zeros(12, hkv, d), torch.zeros(12, hkv, d)
+    kr, vr = kl.clone(), vl.clone()
+    q = K.rope_store(qk, vv, cos, sin, pos, slot, kl, vl, hq)
+    qr = C.rope_store(qk, vv, cos, sin, pos, slot, kr, vr, hq)
+    close(q, qr, 1e-6); close(kl, kr, 1e-6); close(vl, vr, 0.0 + 1e-30)
+    gu = torch.randn(7, 64)  # silu_mul reads column slices of one [M, 2I] output in place
+    close(K.silu_mul(gu[:, :32], gu[:, 32:]), K.silu_mul(gu[:, :32].contiguous(), gu[:, 32:].contiguous()), 1e-30)
     print("OK")
 """)
 

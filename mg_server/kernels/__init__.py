@@ -11,8 +11,9 @@ each self-consistent but NOT bit-equal to each other; `kernel_config_id(device)`
 numerics a result came from.
 
 Public API (shapes: M rows, K in-features, N out-features, T query tokens, S keys):
-    matmul(x, w, bias=None)                x [M,K] fp32/bf16, w [N,K] (or prepare_weight(w)),
-                                           bias [N] -> [M,N] x.dtype
+    matmul(x, w, bias=None, out_dtype=None)
+                                           x [M,K] fp32/bf16, w [N,K] (or prepare_weight(w)),
+                                           bias [N] -> [M,N] out_dtype (default x.dtype)
     prepare_weight(w)                      once at load: CPU -> PreparedWeight (exact-integer
                                            fp64 copy, cached per tensor), CUDA -> w.contiguous()
     rms_norm(x, weight, eps)               x [...,H] -> [...,H] x.dtype
@@ -32,6 +33,10 @@ Public API (shapes: M rows, K in-features, N out-features, T query tokens, S key
     attention_rows(q, k_buffer, v_buffer, kv_table, table_row, positions, max_len, scale=None)
         one query token per row r, at positions[r], over kv_table[table_row[r]]; every varying
         size is read from device memory (CUDA-graph friendly); per row equal to attention_paged.
+    rope_store(qk, v, cos, sin, positions, slots, k_layer, v_layer, n_q_heads)
+        qk [R,Hq+Hkv,D], v [R,Hkv,D] (strided views of the qkv projection), cos/sin [P,D] fp32
+        tables; rotate-half RoPE of every head, K and V written to k_layer/v_layer[slots];
+        returns q [R,Hq,D] contiguous (element-wise; one fused launch on CUDA)
     KERNEL_CONFIG, kernel_config_id(device=None)
     gumbel_noise(seed, position, vocab, device)  -> [vocab] fp32 (`sampling`: seeded sampling
                                            as Gumbel-max; bit-identical on every device)
@@ -52,7 +57,7 @@ from .sampling import gumbel_noise, sampled_choice, sampled_scores
 
 __all__ = ["matmul", "prepare_weight", "PreparedWeight", "rms_norm", "add_rms_norm",
            "log_softmax", "top2", "argmax", "silu_mul", "attention", "attention_paged",
-           "attention_rows", "KERNEL_CONFIG", "kernel_config_id", "gumbel_noise", "sampled_scores",
+           "attention_rows", "rope_store", "KERNEL_CONFIG", "kernel_config_id", "gumbel_noise", "sampled_scores",
            "sampled_choice"]
 
 # Debug only: MG_KERNELS_BACKEND=triton sends CPU tensors to the Triton kernels (use with
@@ -81,10 +86,10 @@ def prepare_weight(w: Tensor):
     return w.contiguous()
 
 
-def matmul(x: Tensor, w, bias: Tensor | None = None) -> Tensor:
+def matmul(x: Tensor, w, bias: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
     if _gpu(x) and not isinstance(w, PreparedWeight):
-        return _tri().matmul(x, w, bias)
-    return _cpu.matmul(x, w, bias)
+        return _tri().matmul(x, w, bias, out_dtype)
+    return _cpu.matmul(x, w, bias, out_dtype)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -110,6 +115,14 @@ def argmax(x: Tensor) -> Tensor:
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return (_tri() if _gpu(gate) else _cpu).silu_mul(gate, up)
+
+
+def rope_store(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, slots: Tensor,
+               k_layer: Tensor, v_layer: Tensor, n_q_heads: int) -> Tensor:
+    if _gpu(qk):
+        from . import rope_triton
+        return rope_triton.rope_store(qk, v, cos, sin, positions, slots, k_layer, v_layer, n_q_heads)
+    return _cpu.rope_store(qk, v, cos, sin, positions, slots, k_layer, v_layer, n_q_heads)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, q_start: int, scale: float | None = None):

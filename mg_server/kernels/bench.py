@@ -149,6 +149,11 @@ VARIANTS = [  # timing-only alternatives for the bf16 matmul tile table
      "tma": True},
     {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 5,
      "tma": True},
+    # narrow column tiles: more programs for the few-column-tile shapes (8B qkv / o / down)
+    {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 6,
+     "tma": True},
+    {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 8,
+     "tma": True},
 ]
 
 

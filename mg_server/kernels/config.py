@@ -17,7 +17,9 @@ import json
 import torch
 
 KERNEL_CONFIG: dict = {
-    "version": 2,  # 2: the split-K table entry
+    # 2: the split-K table entry. 3: fused RoPE + K/V store; the verifier's lm_head runs on the
+    # bf16 weights with an fp32 output (was an fp32 copy of them: same products, other order).
+    "version": 3,
     # ---- GPU (Triton) -------------------------------------------------------------------
     # Persistent matmul: ONE tile config per dtype, no split-K, no autotune.
     # why: the K loop (BLOCK_K steps, in order) is the reduction order of every output element;
@@ -51,6 +53,8 @@ KERNEL_CONFIG: dict = {
     # in CHUNK-sized pieces in index order; per-lane partials are combined by one tl.sum/tl.max.
     # why: the chunk walk and the final tree depend on N (feature width) only, never on M.
     "rowwise": {"CHUNK": 2048, "num_warps": 8},
+    # Fused RoPE + K/V store: element-wise, one program per row (num_warps changes no bits).
+    "rope": {"num_warps": 4},
     # Attention: fixed KV split size (keys per split), not a fixed number of splits.
     # why: a query at absolute position p always reduces splits [0, KS), [KS, 2KS), ... up to p,
     # in that order, whether it comes in a prefill chunk of any size or a decode step.

@@ -144,8 +144,9 @@ def prepare_weight(w: Tensor) -> PreparedWeight:
     return pw
 
 
-def matmul(x: Tensor, w, bias: Tensor | None = None) -> Tensor:
-    """x [M, K] (fp32/bf16) @ w[N, K].T (+ bias [N]) -> [M, N] in x.dtype; exact-integer fp64."""
+def matmul(x: Tensor, w, bias: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
+    """x [M, K] (fp32/bf16) @ w[N, K].T (+ bias [N]) -> [M, N] in out_dtype (default x.dtype);
+    exact-integer fp64, so the result depends on the operands' values only, not their dtypes."""
     pw = prepare_weight(w)
     lead = x.shape[:-1]
     x64 = x.reshape(-1, x.shape[-1]).to(_F64, copy=True)
@@ -154,7 +155,7 @@ def matmul(x: Tensor, w, bias: Tensor | None = None) -> Tensor:
     y.mul_(pow2(-xs)).mul_(pw.scale)  # exact power-of-two scaling (row, then column)
     if bias is not None:
         y.add_(bias.to(_F64))  # one element-wise rounding
-    return y.to(x.dtype).view(*lead, pw.shape[0])
+    return y.to(out_dtype or x.dtype).view(*lead, pw.shape[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,3 +299,23 @@ def attention_paged(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, kv_indices: T
     """
     idx = kv_indices[: q_start + q.shape[0]].to(torch.long)
     return attention(q, k_buffer[idx], v_buffer[idx], q_start, scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE + K/V store (element-wise: the reference formulation the Triton kernel reproduces)
+def rope_store(qk: Tensor, v: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, slots: Tensor,
+               k_layer: Tensor, v_layer: Tensor, n_q_heads: int) -> Tensor:
+    """Rotate-half RoPE of q and k heads, K and V written to their slots; returns q [R, Hq, D].
+
+    qk [R, Hq+Hkv, D] and v [R, Hkv, D] in the model dtype (any row/head strides); cos/sin
+    [P, D] fp32 tables; positions/slots [R] int64; k_layer/v_layer [slots, Hkv, D].
+    Each product and the sum round to the model dtype, as HF's `x*cos + rotate_half(x)*sin`.
+    """
+    c = cos[positions].to(qk.dtype)[:, None, :]  # [R, 1, D] model dtype
+    s = sin[positions].to(qk.dtype)[:, None, :]
+    half = qk.shape[-1] // 2
+    rot = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+    out = qk * c + rot * s  # [R, Hq+Hkv, D]
+    k_layer[slots] = out[:, n_q_heads:]
+    v_layer[slots] = v
+    return out[:, :n_q_heads].contiguous()

@@ -200,15 +200,17 @@ def _tma_ok(n: int, k: int, dtype: torch.dtype) -> bool:
 def matmul(x: Tensor,  # [M, K] bf16/fp16/fp32, cuda
            w: Tensor,  # [N, K] same dtype (nn.Linear layout)
            bias: Tensor | None = None,  # [N] any float dtype, added in fp32
-           ) -> Tensor:  # [M, N] x.dtype
-    """x @ w.T (+ bias) with fp32 accumulation; one persistent kernel, one tile config."""
+           out_dtype: torch.dtype | None = None,  # default x.dtype; fp32 keeps the fp32 accumulator
+           ) -> Tensor:  # [M, N] out_dtype
+    """x @ w.T (+ bias) with fp32 accumulation; one persistent kernel, one tile config (of x's
+    dtype: the output dtype changes only the final element-wise rounding)."""
     lead = x.shape[:-1]
     x2 = _rows(x)
     M, K = x2.shape
     N = w.shape[0]
     assert w.shape[1] == K and w.dtype == x.dtype, (x.shape, x.dtype, w.shape, w.dtype)
     cfg = KERNEL_CONFIG["matmul"][_TL_DTYPE[x.dtype]]
-    y = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
     if M == 0:
         return y.view(*lead, N)
     if use_splitk(N, K, x.dtype):
@@ -219,7 +221,7 @@ def matmul(x: Tensor,  # [M, K] bf16/fp16/fp32, cuda
     # why min(): idle programs would only return; the tile->program map never affects bits.
     grid = (min(sms, tiles),)
     prec = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 flag is unused for bf16
-    if cfg.get("tma") and x.device.type == "cuda" and _tma_ok(N, K, x.dtype):
+    if cfg.get("tma") and x.device.type == "cuda" and _tma_ok(N, K, x.dtype) and _tma_ok(N, K, y.dtype):
         from triton.tools.tensor_descriptor import TensorDescriptor
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
         x2 = x2.contiguous()  # row stride K: same layout for every M
@@ -393,19 +395,22 @@ def top2(x: Tensor,  # [..., V] any float dtype, cuda
 # ---------------------------------------------------------------------------------------------
 # SiLU(gate) * up: element-wise, every element runs the same instruction sequence
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _silu_mul_kernel(g_ptr, u_ptr, y_ptr, n, sg, su, BLOCK: tl.constexpr):
+    # grid (rows, column blocks): gate/up may be column slices of one [M, 2I] matmul output
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < n
-    g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * sg + offs, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + row * su + offs, mask=ok, other=0.0).to(tl.float32)
     s = (g / (1.0 + tl.exp(-g))).to(y_ptr.dtype.element_ty)  # HF order: silu in dtype, then *
-    tl.store(y_ptr + offs, (s.to(tl.float32) * u).to(y_ptr.dtype.element_ty), mask=ok)
+    tl.store(y_ptr + row * n + offs, (s.to(tl.float32) * u).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:  # [..., I] each, same dtype -> [..., I]
-    g, u = gate.contiguous(), up.contiguous()
-    y = torch.empty_like(g)
-    n = g.numel()
-    if n:
-        _silu_mul_kernel[(triton.cdiv(n, 1024),)](g, u, y, n, BLOCK=1024, num_warps=4)
-    return y
+    g, u = _rows(gate), _rows(up)  # row-strided views are read in place (no copies)
+    m, n = g.shape
+    y = torch.empty((m, n), device=gate.device, dtype=gate.dtype)
+    if m and n:
+        _silu_mul_kernel[(m, triton.cdiv(n, 1024))](g, u, y, n, g.stride(0), u.stride(0), BLOCK=1024,
+                                                    num_warps=4)
+    return y.view(gate.shape)

@@ -162,8 +162,10 @@ class VerifierModel:
         lm = tensors.get("lm_head.weight")
         if lm is None or s.tie_embeddings:
             lm = tensors["model.embed_tokens.weight"]
-        # Logits in fp32 (fp32 lm_head copy): margins are not quantised to bf16 steps of ~0.1.
-        self.lm_head = ops.prepare_weight(lm.to(device=device, dtype=torch.float32))  # [V, H]
+        # Logits in fp32 (fp32 output of an fp32 accumulator): margins are not quantised to bf16
+        # steps of ~0.1. The weight stays in the model dtype: an fp32 copy holds the same values
+        # (twice the bytes, and no tensor cores on the GPU).
+        self.lm_head = ops.prepare_weight(lm.to(device=device, dtype=dtype))  # [V, H]
         self.layers: list[Layer] = []
         for i in range(s.n_layers):
             p = f"model.layers.{i}."
@@ -214,12 +216,6 @@ class VerifierModel:
                     tensors[k] = sf.get_tensor(k)
         return cls(spec, tensors, dtype, torch.device(device), max_positions)
 
-    def _rope(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        # x [R, H, D] dtype; cos/sin [R, 1, D] dtype. Rotate-half form (see module docstring).
-        half = x.shape[-1] // 2
-        rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rot * sin
-
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor, out_slots: Tensor, segments: list[Segment],
                 pool: KVPool) -> Tensor:
@@ -255,8 +251,6 @@ class VerifierModel:
         s = self.spec
         r = tokens.shape[0]
         hq, hkv, d = s.n_heads, s.n_kv_heads, s.head_dim
-        cos = self.cos[positions].to(self.dtype)[:, None, :]  # [R, 1, D] dtype (HF casts too)
-        sin = self.sin[positions].to(self.dtype)[:, None, :]
         residual = self.embed[tokens]  # [R, H] dtype
         h = ops.rms_norm(residual, self.layers[0].ln1, s.eps)
         for li, lay in enumerate(self.layers):
@@ -267,10 +261,8 @@ class VerifierModel:
                 qn = ops.rms_norm(qk[:, :hq].reshape(r * hq, d), lay.q_norm, s.eps).view(r, hq, d)
                 kn = ops.rms_norm(qk[:, hq:].reshape(r * hkv, d), lay.k_norm, s.eps).view(r, hkv, d)
                 qk = torch.cat([qn, kn], dim=1)
-            qk = self._rope(qk, cos, sin)  # elementwise: one call for q and k (fewer launches)
-            q, k = qk[:, :hq].contiguous(), qk[:, hq:]
-            pool.k[li, out_slots] = k  # K after RoPE, [R, Hkv, D]
-            pool.v[li, out_slots] = v
+            # RoPE on q and k heads, K (after RoPE) and V into the rows' slots: one fused launch
+            q = ops.rope_store(qk, v, self.cos, self.sin, positions, out_slots, pool.k[li], pool.v[li], hq)
             attn = attend(li, q)  # [R, Hq, D] dtype
             o = ops.matmul(attn.reshape(r, hq * d), lay.wo)  # [R, H] dtype
             h, residual = ops.add_rms_norm(o, residual, lay.ln2, s.eps)
@@ -280,4 +272,4 @@ class VerifierModel:
             m = ops.matmul(ops.silu_mul(gate, up), lay.w_down)  # [R, H] dtype
             nxt = self.layers[li + 1].ln1 if li + 1 < s.n_layers else self.final_norm
             h, residual = ops.add_rms_norm(m, residual, nxt, s.eps)
-        return ops.matmul(h.to(torch.float32), self.lm_head)  # [R, V] fp32
+        return ops.matmul(h, self.lm_head, out_dtype=torch.float32)  # [R, V] fp32

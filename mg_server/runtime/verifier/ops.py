@@ -16,6 +16,7 @@ from mg_server.kernels import (  # noqa: F401 - re-exported
     matmul,
     prepare_weight,
     rms_norm,
+    rope_store,
     sampled_choice,
     silu_mul,
     top2,
