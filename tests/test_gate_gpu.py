@@ -196,3 +196,41 @@ def test_strided_inputs_are_read_row_by_row():
     gpu.launch(margin, strided, pos, need, chosen, 1)
     torch.cuda.synchronize()
     assert [int(v[1]) for v in gpu.values(N)] == fast.tolist() == chosen.tolist()
+
+
+def test_decide_and_force_kernels_match_their_torch_reference():
+    """kernels.decide on CUDA (the lagged seam's launch) against decide_reference: margins, the
+    lowest-index argmax on ties, positions, the step check, tau, resumable rows, mode always;
+    meta read from page-locked host memory as the seam passes it; force's one-hot rows."""
+    from mg_server.kernels import decide as DC
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    bs, V, n = 40, 49152, 33
+    lg = torch.randn(bs, V, generator=g) * 4
+    lg[3, 100] = lg[3, 40000] = 99.0  # a tie
+    lg[5, 7], lg[5, 8] = 50.0, 50.0 - 2 ** -10  # a near-tie
+    lg[6, :] = float("-inf")
+    positions = torch.randint(0, 500, (bs,), generator=g)
+    rows = torch.randperm(bs, generator=g)[:n]
+    expected = positions[rows].clone()
+    expected[::4] += 1  # not the step mg expects
+    lazy = (torch.arange(n) % 7 == 0).to(torch.int64)
+    meta = torch.cat([rows, expected, lazy]).pin_memory()
+    for always, tau in ((False, 1.0), (False, 0.0), (True, 0.0)):
+        tt = torch.tensor([tau], dtype=torch.float64).pin_memory()
+        outs = [torch.zeros(n, device=dev), *(torch.zeros(n, dtype=torch.int64, device=dev) for _ in range(2)),
+                torch.zeros(n, dtype=torch.int32, device=dev), torch.zeros(n, dtype=torch.int64, device=dev)]
+        ref = [torch.zeros(n), torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
+               torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int64)]
+        lgd = lg.to(dev)
+        DC.decide(lgd, positions.to(dev), meta, tt, always, *outs)
+        DC.decide_reference(lg, positions, meta, tt, always, *ref)
+        for name, a, b in zip(("margin", "fast", "pos", "need", "rows"), outs, ref):  # (row 6's margin: NaN)
+            torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0, equal_nan=True, msg=f"{name} {always} {tau}")
+        chosen = (outs[1] + 3) % V
+        DC.force(lgd, outs[4], chosen)
+        want = lg.clone()
+        want[rows] = float("-inf")
+        want[rows, chosen.cpu()] = 0.0
+        assert torch.equal(lgd.cpu(), want)

@@ -200,6 +200,29 @@ def test_matmul_invariant_8b_shapes_gpu(n, k, tma):
         cfg.pop("tma", None) if old is None else cfg.update(tma=old)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("key", [k for k in K.KERNEL_CONFIG["matmul_tiles"] if k != "rows"])
+def test_matmul_tiles_bit_equal_gpu(key):
+    """Every tile config "matmul_tiles" names for a shape gives the dtype entry's tile's bits (why
+    the tile may follow M), with the output dtype that shape's entry serves; "default" on a shape
+    of no entry, bf16 and fp16, both outputs."""
+    from mg_server.kernels.config import parse_tile
+    from mg_server.kernels.triton_ops import matmul_with_tile
+    names = dict.fromkeys(K.KERNEL_CONFIG["matmul_tiles"][key])
+    if key == "default":
+        cases = [(1000, 4096, dt, out) for dt in (torch.bfloat16, torch.float16) for out in (None, torch.float32)]
+    else:
+        n, k = (int(v) for v in key.split(":")[0].split("x"))
+        cases = [(n, k, torch.bfloat16, torch.float32 if key.endswith(":f32") else None)]
+    for n, k, dt, out in cases:
+        x = rand(300, k, dtype=dt, device="cuda")
+        w = rand(n, k, dtype=dt, device="cuda", seed=1, scale=0.02)
+        ref = matmul_with_tile(x, w, K.KERNEL_CONFIG["matmul"][str(dt).split(".")[1]], out_dtype=out)
+        bad = [t for t in names if not torch.equal(matmul_with_tile(x, w, parse_tile(t), out_dtype=out), ref)]
+        assert not bad, f"{key} {dt} out={out}: tiles {bad} change bits"
+        assert torch.equal(K.matmul(x, w, out_dtype=out), ref)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h", [576, 4096])

@@ -5,20 +5,26 @@ some op, so changing any of them changes output bits.  That is why the table is 
 why :func:`kernel_config_id` hashes it: the server reports the id, and two servers agree
 bit-for-bit only if their ids agree (same backend, same table).
 
-Nothing in this module looks at the number of rows M, the batch, or the sequence chunking:
+No reduction order here depends on the number of rows M, the batch, or the sequence chunking:
 a config may depend on dtype (and, for reductions along a feature axis, on that axis' length)
-but never on how many rows or tokens are in a call.
+but never on how many rows or tokens are in a call. The one thing that follows M is the matmul's
+tile *shape* ("matmul_tiles"), which is not part of any element's reduction order (see there).
 """
 from __future__ import annotations
 
+import bisect
+import functools
 import hashlib
 import json
+import re
 
 import torch
 
 KERNEL_CONFIG: dict = {
     # 2: the split-K table entry. 3: fused RoPE + K/V store; the verifier's lm_head runs on the
     # bf16 weights with an fp32 output (was an fp32 copy of them: same products, other order).
+    # (Not bumped for "matmul_tiles": no bits changed, so the CPU id must not; the GPU id still
+    # changes with the table, since every GPU entry is hashed.)
     "version": 3,
     # ---- GPU (Triton) -------------------------------------------------------------------
     # Persistent matmul: ONE tile config per dtype, no split-K, no autotune.
@@ -37,6 +43,70 @@ KERNEL_CONFIG: dict = {
         # why ieee: tf32 would also be deterministic, but fp32 accuracy (~1e-5) needs full fp32.
         "float32": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8,
                     "num_warps": 4, "num_stages": 3},
+    },
+    # 16-bit matmul tile shapes by weight shape ("NxK", ":f32" for an fp32 output) and row count:
+    # entry b of a list serves M <= rows[b] (the last one every larger M). Name: BLOCK_M x BLOCK_N,
+    # w num_warps, s num_stages (g GROUP_M if not 8, p without TMA); BLOCK_K is the dtype entry's.
+    # why this may follow M: a tile's shape changes which program computes an output element and
+    # how many share a load, never the element's sum: K ascending in BLOCK_K steps into one fp32
+    # accumulator, whatever the tile (every tile here is bit-equal to the dtype entry's on the
+    # H100: tests/test_kernels.py test_matmul_tiles_bit_equal_gpu, and bench_tiles' bit_equal).
+    # Chosen as the fastest tile per (shape, rows) measured by `python -m mg_server.kernels.bench_tiles`
+    # on an H100 (benchmarks/results/gpu/matmul_tiles*_h100.json, CUDA-graph timing vs cuBLAS).
+    "matmul_tiles": {
+        "rows": [1, 8, 16, 32, 64, 128, 192, 256, 384, 512, 1024],
+        # any other shape: the best geometric mean over all shapes measured (no fp32-out misfits)
+        "default": [
+            "64x128w4s5", "64x128w4s5", "64x128w4s5", "64x128w4s5", "64x64w4s6", "64x128w4s5", "64x128w4s5",
+            "64x128w4s5", "64x128w4s5", "128x128w4s4", "128x128w4s4"],
+        # 135m.qkv
+        "960x576": [
+            "64x128w4s4", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6",
+            "64x64w4s6", "64x64w4s6", "64x128w4s4", "64x128w4s4"],
+        # 135m.o
+        "576x576": [
+            "64x64w4s6", "64x128w4s4", "64x64w4s6", "64x128w4s4", "64x64w4s6", "64x64w4s6", "64x64w4s6",
+            "64x128w4s4", "64x128w4s4", "64x128w4s4", "64x128w4s4"],
+        # 135m.gate_up
+        "3072x576": [
+            "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6",
+            "64x128w4s5", "64x128w4s5", "128x128w4s4", "128x256w8s3"],
+        # 135m.down
+        "576x1536": [
+            "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6",
+            "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x128w4s4"],
+        # 135m.lm_head
+        "49152x576": [
+            "64x256w4s4", "64x128w4s4", "64x128w4s4", "64x256w4s4", "64x128w4s4", "128x128w4s4", "128x128w4s4",
+            "128x256w8s3", "128x256w8s3", "128x256w8s3", "128x256w8s3"],
+        # 8b.qkv
+        "6144x4096": [
+            "64x128w4s6", "64x128w4s6", "64x128w4s6", "64x128w4s6", "64x64w4s8", "64x128w4s6", "64x256w4s4",
+            "128x128w4s4", "64x128w4s6", "128x256w8s3", "128x128w4s4"],
+        # 8b.o
+        "4096x4096": [
+            "64x128w4s6", "64x128w4s6", "64x64w4s6", "64x64w4s8", "64x64w4s8", "64x64w4s8", "64x128w4s6",
+            "64x128w4s6", "128x128w4s4", "128x128w4s4", "128x256w8s3"],
+        # 8b.gate_up
+        "28672x4096": [
+            "64x256w4s3", "64x128w4s5", "64x128w4s5", "64x128w4s5g1", "64x128w4s5", "128x128w4s4",
+            "64x256w4s4", "128x256w8s3", "128x128w8s4", "64x256w4s4", "128x256w8s3"],
+        # 8b.down
+        "4096x14336": [
+            "64x128w4s6", "64x128w4s6", "64x64w4s8", "64x64w4s8", "64x32w4s8", "64x64w4s8", "64x128w4s6",
+            "64x128w4s6", "64x256w4s4", "64x256w4s4", "256x128w8s3"],
+        # 8b.lm_head
+        "128256x4096": [
+            "64x256w8s3", "64x256w8s3", "64x256w8s3", "64x128w4s5", "64x128w4s5", "128x256w8s3", "128x256w8s3",
+            "128x256w8s3", "128x256w8s3", "128x256w8s3", "128x256w8s3"],
+        # 8b.lm_head_f32
+        "128256x4096:f32": [
+            "64x256w8s3", "64x256w8s3", "64x256w8s3", "64x256w8s3", "64x128w4s5", "128x128w4s4", "64x256w4s4",
+            "128x128w8s4", "128x128w4s4", "128x128w4s4", "128x128w4s4"],
+        # 135m.lm_head_f32
+        "49152x576:f32": [
+            "64x128w4s4", "64x128w4s4", "64x128w4s4", "64x128w4s4", "64x128w4s4", "64x256w4s4", "64x256w4s4",
+            "128x128w8s4", "128x128w8s4", "128x128w4s4", "128x128w4s4"],
     },
     # Split-K for 16-bit weights with few column tiles (cdiv(N, BLOCK_N) <= max_n_tiles) and
     # K >= 2 * K_SPLIT: a property of the weight shape only, never of M. With few column tiles a
@@ -72,6 +142,43 @@ KERNEL_CONFIG: dict = {
         "softmax_frac_bits": 37,   # fixed-point grid of exp() terms in log-softmax sums
     },
 }
+
+
+_TILE = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?(p?)")
+
+
+def parse_tile(name: str, block_k: int = 64) -> dict:
+    """'64x128w4s5' -> a matmul tile config (KERNEL_CONFIG["matmul_tiles"] names; see there)."""
+    m = _TILE.fullmatch(name)
+    if not m:
+        raise ValueError(f"not a tile name: {name!r} (e.g. 64x128w4s5, 128x64w8s4g1, 64x64w4s6p)")
+    bm, bn, warps, stages = (int(v) for v in m.groups()[:4])
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k, "GROUP_M": int(m.group(5) or 8),
+            "num_warps": warps, "num_stages": stages, "tma": not m.group(6)}
+
+
+def tile_name(t: dict) -> str:
+    return (f"{t['BLOCK_M']}x{t['BLOCK_N']}w{t['num_warps']}s{t['num_stages']}"
+            + (f"g{t['GROUP_M']}" if t["GROUP_M"] != 8 else "") + ("" if t.get("tma") else "p"))
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed(name: str, block_k: int) -> dict:
+    return parse_tile(name, block_k)
+
+
+def matmul_tile(dtype_name: str, m: int, n: int, k: int, out_fp32: bool) -> dict:
+    """The tile config of one 16-bit matmul call (float32 has one: the dtype entry). Its BLOCK_K
+    is the dtype entry's (the reduction order); the entry's "tma" switches TMA off for all."""
+    base = KERNEL_CONFIG["matmul"][dtype_name]
+    if dtype_name == "float32":
+        return base
+    table = KERNEL_CONFIG["matmul_tiles"]
+    names = table.get(f"{n}x{k}:f32" if out_fp32 else f"{n}x{k}") or table["default"]
+    rows = table["rows"]
+    tile = dict(_parsed(names[min(bisect.bisect_left(rows, m), len(rows) - 1)], base["BLOCK_K"]))
+    tile["tma"] = tile["tma"] and bool(base.get("tma"))
+    return tile
 
 
 def _backend_tag() -> str:

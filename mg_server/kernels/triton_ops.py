@@ -1,7 +1,9 @@
 """GPU (Triton) batch-invariant matmul and row-wise ops.
 
 Invariance rules followed by every kernel here:
-* Tile sizes come from KERNEL_CONFIG only (one entry per dtype); nothing is chosen from M.
+* Tile sizes come from KERNEL_CONFIG only. The matmul's tile *shape* follows the weight shape and
+  M (config.matmul_tile), its BLOCK_K and K loop never do: an output element's sum is the same
+  whichever tile computes it (config "matmul_tiles" says why; a GPU test checks every tile).
 * The row count M (and other per-call sizes) is `do_not_specialize`: Triton would otherwise
   compile separate variants for M == 1 / M % 16 == 0, which could change code generation.
 * A row's reduction is done entirely by one program, over its full length, in a fixed order:
@@ -18,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .config import KERNEL_CONFIG
+from .config import KERNEL_CONFIG, matmul_tile
 
 _TL_DTYPE = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -202,15 +204,21 @@ def matmul(x: Tensor,  # [M, K] bf16/fp16/fp32, cuda
            bias: Tensor | None = None,  # [N] any float dtype, added in fp32
            out_dtype: torch.dtype | None = None,  # default x.dtype; fp32 keeps the fp32 accumulator
            ) -> Tensor:  # [M, N] out_dtype
-    """x @ w.T (+ bias) with fp32 accumulation; one persistent kernel, one tile config (of x's
-    dtype: the output dtype changes only the final element-wise rounding)."""
+    """x @ w.T (+ bias) with fp32 accumulation; one persistent kernel, K ascending in BLOCK_K
+    steps (the output dtype changes only the final element-wise rounding)."""
+    return matmul_with_tile(x, w, None, bias, out_dtype)
+
+
+def matmul_with_tile(x: Tensor, w: Tensor, tile: dict | None, bias: Tensor | None = None,
+                     out_dtype: torch.dtype | None = None) -> Tensor:
+    """matmul with an explicit tile config (None: config.matmul_tile's); for the tile benchmark."""
     lead = x.shape[:-1]
     x2 = _rows(x)
     M, K = x2.shape
     N = w.shape[0]
     assert w.shape[1] == K and w.dtype == x.dtype, (x.shape, x.dtype, w.shape, w.dtype)
-    cfg = KERNEL_CONFIG["matmul"][_TL_DTYPE[x.dtype]]
     y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
+    cfg = tile or matmul_tile(_TL_DTYPE[x.dtype], M, N, K, y.dtype == torch.float32)
     if M == 0:
         return y.view(*lead, N)
     if use_splitk(N, K, x.dtype):

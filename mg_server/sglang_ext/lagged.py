@@ -56,9 +56,10 @@ import torch
 from torch import Tensor
 
 from mg_server import metrics
+from mg_server.kernels.decide import decide, force
 from mg_server.kernels.gate import ReferenceStepGate, StepGate
 from mg_server.runtime import protocol as P
-from mg_server.sglang_ext.hook import resumable, top2
+from mg_server.sglang_ext.hook import resumable
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +108,24 @@ class LaggedControl:
         else:
             self.gate = ReferenceStepGate(self.capacity, pool.k_buffer, pool.v_buffer, slots, r2t)
         pinned = device.type == "cuda"
-        # [3 * cap] int64: n batch rows, n expected positions, n resumable flags (contiguous for n < cap)
+        # [3 * cap] int64: n batch rows, n expected positions, n resumable flags (contiguous for n < cap);
+        # page-locked on CUDA: kernels.decide reads it through UVA (no copy op), before the forward's
+        # publish, i.e. before the host may rewrite it for the next forward (drain waits for that)
         self.meta_host = torch.zeros(3 * self.capacity, dtype=torch.int64, pin_memory=pinned)
-        self.meta = torch.zeros(3 * self.capacity, dtype=torch.int64, device=device)
-        self.chosen = torch.zeros(self.capacity, dtype=torch.int64, device=device)  # [cap] the gate's tokens
+        self.tau_host = torch.zeros(1, dtype=torch.float64, pin_memory=pinned)  # [1] the policy's tau
+        cap = self.capacity
+        self.margin = torch.zeros(cap, dtype=torch.float32, device=device)  # [cap] top1 - top2
+        self.fast = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap] argmax tokens
+        self.pos = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap] positions
+        self.need = torch.zeros(cap, dtype=torch.int32, device=device)  # [cap] 1: needs the verifier
+        self.rows = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap] batch rows (for force)
+        self.chosen = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap] the gate's tokens
+        if device.type == "cuda":  # compile and load decide/force now (StepGate's construction says why)
+            lg = torch.zeros(1, 16, dtype=torch.float32, device=device)  # SGLang's logits are fp32
+            decide(lg, self.pos[:1], self.meta_host, self.tau_host, seam.link.policy.mode == "always",
+                   self.margin[:1], self.fast[:1], self.pos[:1], self.need[:1], self.rows[:1])
+            force(lg, self.rows[:1], self.chosen[:1])
+            torch.cuda.synchronize(device)
         self.last_target = 0
         # the watchdog's limit: a holding gate waits for one verify call, which the hook's
         # controller client allows step_timeout_s (launch: >= every catch-up chunk's verify timeout)
@@ -138,16 +153,13 @@ class LaggedControl:
             expected = [self.expected(req, key) for _, req, key in rows]
         mh = self.meta_host.numpy()
         mh[:n], mh[n:2 * n], mh[2 * n:3 * n] = [i for i, _, _ in rows], expected, [resumable(r) for _, r, _ in rows]
-        meta = self.meta[:3 * n]
-        meta.copy_(self.meta_host[:3 * n], non_blocking=True)
-        idx, exp, lazy = meta[:n], meta[n:2 * n], meta[2 * n:] != 0  # [n] batch rows, positions, resumable
-        margin, fast = top2(logits.index_select(0, idx))  # [n] fp32, int64 (the synchronous seam's own)
-        pos = positions.to(logits.device).index_select(0, idx).to(torch.int64)  # [n]
-        held = (pos == exp) & ~lazy  # steps that may hold the stream: a resumable row's check runs behind
-        if link.policy.mode == "always":
-            need = held
-        else:  # fp64 as Policy.should_verify compares the margin; NaN margins are verified
-            need = held & ~(margin.double() >= link.policy.tau)
+        self.tau_host.numpy()[0] = link.policy.tau
+        margin, fast, pos, need = self.margin[:n], self.fast[:n], self.pos[:n], self.need[:n]
+        # one kernel: each row's margin and argmax, its position, whether it is the step mg expects
+        # (a resumable row's check runs behind: it never holds) and the policy (fp64 as
+        # Policy.should_verify compares; NaN margins are verified); kernels.decide says more
+        decide(logits, positions.to(logits.device), self.meta_host, self.tau_host, link.policy.mode == "always",
+               margin, fast, pos, need, self.rows[:n])
         self.last_target += 1
         chosen = self.chosen[:n]
         f = Forward(self.last_target, rows)
@@ -157,14 +169,13 @@ class LaggedControl:
         with self.lock:
             self.pending.append(f)
         try:
-            self.gate.launch(margin, fast, pos, need.to(torch.int32), chosen, f.target)
+            self.gate.launch(margin, fast, pos, need, chosen, f.target)
         except BaseException:
             self.gate.open(f.target)  # whatever part of the gate was enqueued must not hold
             with self.lock:
                 self.pending.remove(f)
             raise
-        logits.index_fill_(0, idx, float("-inf"))
-        logits.index_put_((idx, chosen), torch.zeros((), dtype=logits.dtype, device=logits.device))
+        force(logits, self.rows[:n], chosen)  # every protected row samples its chosen token
 
     def drain(self, wait: bool) -> None:
         """Process pending forwards in order; wait=False stops at the first whose values are not
