@@ -4,9 +4,9 @@ SGLang's own deterministic mode (issue 10's benchmark), in one command per model
     python benchmarks/gpu_sweep.py --out DIR --wheels .whl --tokenizer DIR --models smol \
         --rates 0.05,0.1,0.2,always [--sglang-det] [--commit resume,hold]
 
-Uses gpu_e2e.py's models (random weights, fixed seed), prompts and timing (ABBA alternation,
-(time of N tokens - time of 2) / (N - 2)). tau for a target trigger rate is the quantile of the
-verifier-alone margins of the benchmark's prompts (steps with margin < tau are verified), and the
+Uses gpu_e2e.py's models (random weights, fixed seed), prompts and ABBA alternation; ms/step is
+(time of N tokens - time of S) / (N - S), S = --short-tokens (2; decode_ms has the trade-off).
+tau for a target trigger rate is the quantile of the verifier-alone margins of the benchmark's prompts (steps with margin < tau are verified), and the
 rate each server really verified is measured and reported beside it. A server in mode `off`
 (plain SGLang) stays up the whole run and is timed alternately with each mg server, so every
 overhead is against a baseline of the same minutes. Deterministic rows are sent as clients send
@@ -122,10 +122,15 @@ def front_batch(url: str, rows: list[list[int]], max_new: int, n_det: int, singl
 
 
 def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, reps: int, frac: dict,
-              singles: bool = False) -> dict:
+              singles: bool = False, short: int = 2) -> dict:
     """gpu_e2e.decode_ms through front_batch: ms/step of the deterministic and of the plain rows
-    of each server's batches ((time of `new` tokens - time of 2) / (new - 2), servers in A B B A
-    order), and the deterministic answers' verdicts."""
+    of each server's batches ((time of `new` tokens - time of `short`) / (new - short), servers
+    in A B B A order), and the deterministic answers' verdicts.
+    short=2 (gpu_e2e's baseline): the 2-token run pays the prompts' catch-up in its tail audits,
+    which the long run batches into its verify calls, so mg's ms/step can come out too small
+    (bs 32 all-deterministic 18-33 % below plain SGLang on the H100). short=new/2 was meant to
+    cancel that (greedy answers are deterministic: both runs make the same first decisions) but
+    measured noisier (H100, README: per-run stalls of ~1 s over half the steps), so it is an option."""
     res = {s.name: {"det": {}, "plain": {}, "verdicts": {}} for s in servers}
     for bs in batches:
         rows = [prompts[i % len(prompts)] for i in range(bs)]
@@ -135,13 +140,14 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
             front_batch(s.url, rows, 4, n_det[s.name], singles)  # warm this batch size
         for rep in range(reps):
             for s in (servers if rep % 2 == 0 else servers[::-1]):
-                short = front_batch(s.url, rows, 2, n_det[s.name], singles)
+                first = front_batch(s.url, rows, short, n_det[s.name], singles)
                 full = front_batch(s.url, rows, new, n_det[s.name], singles)
                 for kind in ("det", "plain"):
                     if kind in full:
-                        samples[s.name][kind].append((full[kind] - short[kind]) / (new - 2) * 1e3)
+                        samples[s.name][kind].append((full[kind] - first[kind]) / (new - short) * 1e3)
+                short_verdict = first.get("det_verdict")
                 v = res[s.name]["verdicts"]
-                for got in (short.get("det_verdict"), full.get("det_verdict")):
+                for got in (short_verdict, full.get("det_verdict")):
                     if got is not None:
                         v[got] = v.get(got, 0) + 1
         for name, kinds in samples.items():
@@ -151,11 +157,11 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
     return res
 
 
-def timed(base, srv, prompts, batches, new, reps, frac, singles=False) -> dict:
+def timed(base, srv, prompts, batches, new, reps, frac, singles=False, short=2) -> dict:
     """ABBA ms/step of base (plain rows) and srv (frac of each batch deterministic; singles: each
     deterministic row its own request)."""
     before = metrics(srv.url)
-    ms = decode_ms([base, srv], prompts, batches, new, reps, {srv.name: frac}, singles)
+    ms = decode_ms([base, srv], prompts, batches, new, reps, {srv.name: frac}, singles, short)
     mg = ms[srv.name]
     return {"base": ms[base.name]["plain"], "mg": mg["det"] or mg["plain"], "mg_plain": mg["plain"],
             "verdicts": mg["verdicts"], **rates(before, metrics(srv.url))}
@@ -167,7 +173,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
     margins = [m for key in ("det_margins", "prefix_margins") for row in refs[key] for m in row]
     mem = ["--mem-fraction-static", "0.85", "--max-total-tokens", str(E.POOL_TOKENS[name])]
     res = {"model": name, "shape": E.SHAPES[name], "batches": args.batches, "decode_tokens": args.decode_tokens,
-           "reps": args.reps, "mixed_share": MIXED, "seam": args.seam, "configs": []}
+           "reps": args.reps, "short_tokens": args.short_tokens, "mixed_share": MIXED, "seam": args.seam, "configs": []}
     seam = ["--mg-seam", args.seam]
     path = out / f"gpu_sweep-{name}.json"
     base = E.start(mdir, name, "off", out, mem, args.device)
@@ -177,7 +183,8 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             srv = E.start(mdir, name, "off", out, ["--enable-deterministic-inference", *mem], args.device)
             srv.name = f"{name}/sglang-det"
             try:
-                res["sglang_det"] = timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 0.0)
+                res["sglang_det"] = timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 0.0,
+                                          short=args.short_tokens)
             finally:
                 srv.stop()
             path.write_text(json.dumps(res, indent=2))
@@ -191,9 +198,10 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             try:
                 singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
                 cfg = {"target": rate, "tau": tau, "commit": commit, "det_requests": "single" if singles else "batch",
-                       "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles),
+                       "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles,
+                                    args.short_tokens),
                        "mixed": timed(base, srv, others, [b for b in args.batches if b >= 4],
-                                      args.decode_tokens, args.reps, MIXED, singles)}
+                                      args.decode_tokens, args.reps, MIXED, singles, args.short_tokens)}
             finally:
                 srv.stop()
                 srv.log_path.rename(out / f"server-{name}-{rate}-{commit}.log")  # one log per server
@@ -295,6 +303,8 @@ def main() -> int:
     ap.add_argument("--models-dir", default="/tmp/mg-models")
     ap.add_argument("--tokens", type=int, default=64, help="reference tokens per prompt (the margins tau comes from)")
     ap.add_argument("--decode-tokens", type=int, default=130)
+    ap.add_argument("--short-tokens", type=int, default=2,
+                    help="the shorter run of each ms/step difference (decode_ms says why 2)")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--rates", default="0.05,0.1,0.2,always", help="target trigger rates; 'always' = mode always")
     ap.add_argument("--batches", default="1,8,32")

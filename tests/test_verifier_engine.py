@@ -107,13 +107,16 @@ class _ReplayedRows:
     def run(self, tokens, positions, slots, table_rows):
         e = self.engine
         t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+        e.kv_table[t(table_rows), t(positions)] = t(slots)  # as the graph does (the engine leaves it to it)
         logits = e.model.forward_rows(t(tokens), t(positions), t(slots), t(table_rows), e.kv_table, e.pool,
                                       e.max_seq_len)  # [R, V] fp32
         vals, idx = ops.top2(logits)
+        top = torch.stack([(vals[:, 0] - vals[:, 1]).double(), idx[:, 0].double()], dim=1)
+        outs = (logits, vals, idx, top)
         if self.out is None:
-            self.out = [torch.empty((self.max_rows, *x.shape[1:]), dtype=x.dtype) for x in (logits, vals, idx)]
+            self.out = [torch.empty((self.max_rows, *x.shape[1:]), dtype=x.dtype) for x in outs]
         r = len(tokens)
-        for buf, x in zip(self.out, (logits, vals, idx)):
+        for buf, x in zip(self.out, outs):
             buf.fill_(-1)
             buf[:r] = x
         return tuple(buf[:r] for buf in self.out)

@@ -1,10 +1,12 @@
 """Diagnostic for benchmarks only (mg never imports it).
 
-With MG_PROF=1 and this folder first on PYTHONPATH, every Python process that loads
-`mg_server.sglang_ext.lagged` times LaggedControl's host work per call -- wall time and this
-thread's CPU time (a gap between them is waiting: the GPU, a lock, the GIL) -- and writes the sums
-to /tmp/mgprof/<pid>.json every 100 launches. Calls over 20 ms (first calls, compiles) are
-counted apart under "<name>_slow".
+With MG_PROF=1 and this folder first on PYTHONPATH, every Python process that loads one of the
+modules in TARGETS times the listed functions per call -- wall time and this thread's CPU time (a
+gap between them is waiting: the GPU, a socket, a lock, the GIL) -- and writes the sums to
+/tmp/mgprof/<pid>.json every 50 calls of a function in DUMP_ON. Calls over 20 ms (first calls,
+compiles) are counted apart under "<name>_slow". Covered: the seam's host work in SGLang's
+scheduler (LaggedControl), the controller's verify calls, and the verifier worker's serving path
+(receive, decode, engine step, graph replay, slot writes, encode).
 """
 
 import os
@@ -17,21 +19,36 @@ if os.environ.get("MG_PROF") == "1":
     import threading
     import time
 
+    # module -> {"Class.method" or "function": short name}
+    TARGETS = {
+        "mg_server.sglang_ext.lagged": {"LaggedControl.launch": "launch", "LaggedControl._process": "process",
+                                         "LaggedControl.drain": "drain", "decide": "decide", "force": "force",
+                                         "StepGate.launch": "gate_launch"},
+        "mg_server.runtime.controller.server": {"Controller._step": "ctl_step",
+                                                "Controller._call_verifier": "ctl_verify_call"},
+        "mg_server.runtime.verifier.server": {"VerifierServer._handle_batch": "v_handle_batch",
+                                              "VerifierServer._verify": "v_verify", "VerifierServer._send": "v_send"},
+        "mg_server.runtime.verifier.engine": {"VerifierEngine.step": "v_engine_step",
+                                              "VerifierEngine._check": "v_check",
+                                              "VerifierEngine._forward": "v_forward"},
+        "mg_server.runtime.verifier.graphs": {"RowGraphs.run": "v_graph_run", "RowGraphs._fill": "v_graph_fill"},
+        "mg_server.runtime.shm": {"SlotBuffer.write": "shm_write", "SlotBuffer.read": "shm_read"},
+        "mg_server.runtime.protocol": {"encode": "encode", "decode": "decode"},
+    }
+    DUMP_ON = {"launch", "v_verify", "ctl_verify_call"}
     STATS: dict = {}  # name -> [calls, wall seconds, thread CPU seconds]
     LOCK = threading.Lock()
 
     def rec(name: str, wall: float, cpu: float) -> None:
         with LOCK:
-            if wall > 0.02:
-                name += "_slow"
-            s = STATS.setdefault(name, [0, 0.0, 0.0])
+            s = STATS.setdefault(name + ("_slow" if wall > 0.02 else ""), [0, 0.0, 0.0])
             s[0] += 1
             s[1] += wall
             s[2] += cpu
-            if name == "launch" and s[0] % 100 == 0:
+            if name in DUMP_ON and s[0] % 50 == 0:
                 os.makedirs("/tmp/mgprof", exist_ok=True)
                 with open(f"/tmp/mgprof/{os.getpid()}.json", "w") as f:
-                    json.dump(STATS, f)
+                    json.dump({"argv": sys.argv[:3], **STATS}, f)
 
     def wrap(name: str, fn):
         def timed(*a, **k):
@@ -42,25 +59,28 @@ if os.environ.get("MG_PROF") == "1":
                 rec(name, time.perf_counter() - t0, time.thread_time() - c0)
         return timed
 
-    def patch(mod) -> None:
-        lc = mod.LaggedControl
-        lc.launch = wrap("launch", lc.launch)
-        lc._process = wrap("process", lc._process)
-        lc.drain = wrap("drain", lc.drain)
-        mod.top2 = wrap("top2", mod.top2)
-        mod.StepGate.launch = wrap("gate_launch", mod.StepGate.launch)
+    def patch(mod, table: dict) -> None:
+        for path, name in table.items():
+            owner, _, attr = path.rpartition(".")
+            obj = getattr(mod, owner) if owner else mod
+            if hasattr(obj, attr):  # a renamed function is skipped, not fatal
+                setattr(obj, attr, wrap(name, getattr(obj, attr)))
 
     class Finder(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name != "mg_server.sglang_ext.lagged":
+            table = TARGETS.pop(name, None)
+            if table is None:
                 return None
-            sys.meta_path.remove(self)
-            spec = importlib.util.find_spec(name)
+            sys.meta_path.remove(self)  # find the real spec without recursing into this finder
+            try:
+                spec = importlib.util.find_spec(name)
+            finally:
+                sys.meta_path.insert(0, self)
             run = spec.loader.exec_module
 
             def exec_module(m):
                 run(m)
-                patch(m)
+                patch(m, table)
             spec.loader.exec_module = exec_module
             return spec
 

@@ -120,11 +120,19 @@ class SlotBuffer:
 
     def write(self, slot: int, column: Tensor, gen: int) -> None:
         """Producer: column [L, 2, Hkv, D] on the buffer's device, stamped with `gen` (>= 0)."""
-        self.gens[slot] = -1
-        self.data[slot].copy_(column)
+        self.write_many([(slot, column, gen)])
+
+    def write_many(self, entries: list[tuple[int, Tensor, int]]) -> None:
+        """Producer: (slot, column, gen) for each entry, with one stream sync for all of them
+        (a verify call's results; a sync per column cost ~0.1 ms each on the H100)."""
+        for slot, _, _ in entries:
+            self.gens[slot] = -1
+        for slot, column, _ in entries:
+            self.data[slot].copy_(column)
         if self.data.is_cuda:
             torch.cuda.current_stream(self.data.device).synchronize()  # data visible before gen
-        self.gens[slot] = gen
+        for slot, _, gen in entries:
+            self.gens[slot] = gen
 
     def read(self, slot: int, gen: int, out: Tensor | None = None) -> Tensor:
         """Reader: a copy of slot's column [L, 2, Hkv, D]; raises StaleSlot if gen does not match."""

@@ -200,18 +200,19 @@ class VerifierEngine:
             out_slots.extend(new)
             table_rows.extend([st.table_row] * len(new))
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
-        self.kv_table[t(table_rows), t(positions)] = t(out_slots)  # the new positions' slots
-        if self.graphs is not None:
+        if self.graphs is not None:  # the graph writes the new positions' slots into kv_table itself
             keep = {s.row_start + s.n_rows - 1 for s in segs}  # each item's answer row
             for it, seg, (st, start, _) in zip(items, segs, metas):
                 if it.temperature > 0:  # rows _sample_rows reads
                     keep.update(seg.row_start + j for j in range(seg.n_rows) if start + j + 1 >= st.prompt_len)
-            logits, vals, idx = self._graph_rows(tokens, positions, out_slots, table_rows, keep)
+            logits, top = self._graph_rows(tokens, positions, out_slots, table_rows, keep)
         else:
+            self.kv_table[t(table_rows), t(positions)] = t(out_slots)  # the new positions' slots
             logits = self.model.forward(t(tokens), t(positions), t(out_slots), segs, self.pool)  # [R, V] fp32
             vals, idx = ops.top2(logits)  # [R, 2] fp32, [R, 2] int64 (ties -> lower id)
-        # One device-to-host copy; the margin is the fp32 difference, exact as a Python float.
-        top = torch.stack([(vals[:, 0] - vals[:, 1]).double(), idx[:, 0].double()], dim=1).tolist()
+            # [R, 2] fp64: the margin is the fp32 difference, exact in fp64 (as a Python float)
+            top = torch.stack([(vals[:, 0] - vals[:, 1]).double(), idx[:, 0].double()], dim=1)
+        top = top.tolist()  # one device-to-host copy
         margins = [row[0] for row in top]
         preds = [int(row[1]) for row in top]
         for it, seg, (st, start, _) in zip(items, segs, metas):
@@ -244,7 +245,7 @@ class VerifierEngine:
                     keep: set[int]):
         """Replay the captured graphs over the rows, at most the largest bucket per replay.
 
-        -> (logits, top-2 values [R, 2] fp32, indices [R, 2] int64). logits is the graph's
+        -> (logits, margin and argmax [R, 2] fp64). logits is the graph's
         [R, V] fp32 output when one replay serves all rows, else {row: [V] fp32} for the rows in
         `keep` (copied out before the next replay overwrites them; the rest of a long catch-up's
         rows are never read, and R x V fp32 would be ~1 GB for an 8B vocabulary).
@@ -257,18 +258,19 @@ class VerifierEngine:
         n = self.graphs.max_rows
         if len(tokens) <= n:
             self.graph_forwards += 1
-            return self.graphs.run(tokens, positions, slots, table_rows)
+            lg, _, _, top = self.graphs.run(tokens, positions, slots, table_rows)
+            return lg, top
         logits: dict[int, Tensor] = {}
-        vals, idx = [], []
+        tops = []
         for a in range(0, len(tokens), n):
-            lg, v, i = self.graphs.run(tokens[a:a + n], positions[a:a + n], slots[a:a + n], table_rows[a:a + n])
+            lg, _, _, top = self.graphs.run(tokens[a:a + n], positions[a:a + n], slots[a:a + n],
+                                            table_rows[a:a + n])
             self.graph_forwards += 1
             for r in keep:
                 if a <= r < a + n:
                     logits[r] = lg[r - a].clone()
-            vals.append(v.clone())
-            idx.append(i.clone())
-        return logits, torch.cat(vals), torch.cat(idx)
+            tops.append(top.clone())
+        return logits, torch.cat(tops)
 
     @staticmethod
     def _sample_rows(it: VerifyItem, seg: Segment, st: SeqState, start: int, logits,

@@ -27,6 +27,10 @@ class RowGraphs:
         n = BUCKETS[-1]
         # Static inputs, [4, max bucket] int64 on the device: tokens, positions, slots, table rows.
         self.inputs = torch.zeros((4, n), dtype=torch.int64, device=dev)
+        # Their page-locked staging copy [4, max bucket] int64 (an async copy: no pageable-copy sync),
+        # and the event after which it may be rewritten (chunked replays fill it back to back).
+        self.staging = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)
+        self.copied = torch.cuda.Event()
         self.pad = (0, 0, scratch_slot, scratch_table_row)  # a padding row's token, position, slot, table row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
         self.max_rows = n
@@ -34,14 +38,19 @@ class RowGraphs:
 
     def _fn(self, b: int):
         tok, pos, slot, trow = (self.inputs[i, :b] for i in range(4))
+        # The rows' own slots into their requests' tables, in the graph (no host copies; padding
+        # rows write the scratch slot into the scratch table row, which holds nothing else).
+        self.kv_table[trow, pos] = slot
         logits = self.model.forward_rows(tok, pos, slot, trow, self.kv_table, self.pool, self.max_len)  # [b, V] fp32
         vals, idx = ops.top2(logits)  # [b, 2] fp32, [b, 2] int64
-        return logits, vals, idx
+        # [b, 2] fp64: margin (the fp32 difference, exact in fp64) and argmax: one copy to the host
+        top = torch.stack([(vals[:, 0] - vals[:, 1]).double(), idx[:, 0].double()], dim=1)
+        return logits, vals, idx, top
 
     def capture(self) -> None:
         """Warm up (Triton compiles outside the capture) and capture every bucket, largest first
         (the buckets share one memory pool)."""
-        self._fill([])  # all rows padding
+        self._fill([[], [], [], []])  # all rows padding
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(side):
@@ -55,17 +64,23 @@ class RowGraphs:
             self.graphs[b] = (g, *out)
         torch.cuda.synchronize(self.model.device)
 
-    def _fill(self, rows: list[tuple[int, int, int, int]]) -> None:
-        n = BUCKETS[-1]
-        data = rows + [self.pad] * (n - len(rows))
-        self.inputs.copy_(torch.tensor(list(zip(*data)), dtype=torch.int64))  # one small synchronous copy
+    def _fill(self, cols: list[list[int]]) -> None:
+        """cols: tokens, positions, slots, table rows (equal lengths <= the largest bucket)."""
+        self.copied.synchronize()  # the previous fill's copy has read the staging buffer
+        h, r = self.staging.numpy(), len(cols[0])
+        for i in range(4):
+            h[i, :r] = cols[i]
+            h[i, r:] = self.pad[i]
+        self.inputs.copy_(self.staging, non_blocking=True)
+        self.copied.record(torch.cuda.current_stream(self.inputs.device))
 
     def run(self, tokens: list[int], positions: list[int], slots: list[int], table_rows: list[int]):
-        """-> (logits [R, V] fp32, top-2 values [R, 2] fp32, indices [R, 2] int64): views of the
-        graph's outputs, valid until the next run. R must be <= the largest bucket."""
+        """-> (logits [R, V] fp32, top-2 values [R, 2] fp32, indices [R, 2] int64, margin and
+        argmax [R, 2] fp64): views of the graph's outputs, valid until the next run. The graph
+        also writes kv_table[table_rows, positions] = slots. R must be <= the largest bucket."""
         r = len(tokens)
         b = next(x for x in BUCKETS if x >= r)
-        self._fill(list(zip(tokens, positions, slots, table_rows)))
-        g, logits, vals, idx = self.graphs[b]
+        self._fill([tokens, positions, slots, table_rows])
+        g, logits, vals, idx, top = self.graphs[b]
         g.replay()
-        return logits[:r], vals[:r], idx[:r]
+        return logits[:r], vals[:r], idx[:r], top[:r]

@@ -150,6 +150,7 @@ class VerifierServer:
                 owners.append(k)
         outs = iter(self.engine.step(items)) if items else iter(())
         replies: list[list] = [[] for _ in batch]
+        writes: list[tuple] = []  # (slot, column, gen): written with one sync before any reply goes
         for n, k in enumerate(owners):
             res = late[n] if n in late else next(outs)
             if isinstance(res, P.ErrorReply):
@@ -159,7 +160,7 @@ class VerifierServer:
             slot = self.next_slot
             self.next_slot = (slot + 1) % self.cfg.n_slots
             self.gen += 1
-            self.shm.write(slot, res.kv_column, self.gen)
+            writes.append((slot, res.kv_column, self.gen))
             it_digest = batch[k][1].items[len(replies[k])].want_digest
             replies[k].append(P.VerifyResult(
                 rid=res.rid, pos=res.pos, token=res.token, margin=res.margin, slot=slot, gen=self.gen,
@@ -167,6 +168,7 @@ class VerifierServer:
                 first_mismatch=res.first_mismatch, digest=res.digest() if it_digest else b"",
                 batch_rows=res.batch_rows, batch_requests=res.batch_requests, forward_ms=res.forward_ms))
             self.served += 1
+        self.shm.write_many(writes)
         for (ident, m), results in zip(batch, replies):
             self._send(ident, P.VerifyReply(msg_id=m.msg_id, results=results))
 
