@@ -5,7 +5,8 @@ SGLang's own deterministic mode (issue 10's benchmark), in one command per model
         --rates 0.05,0.1,0.2,always [--sglang-det] [--commit resume,hold]
 
 Uses gpu_e2e.py's models (random weights, fixed seed), prompts and ABBA alternation; ms/step is
-(time of N tokens - time of S) / (N - S), S = --short-tokens (2; decode_ms has the trade-off).
+(time of N tokens - time of S) / (N - S), S = --short-tokens (2; decode_ms has the trade-off), or
+with --stream-interval K from streamed answers' chunk times (stream_timing.py).
 tau for a target trigger rate is the quantile of the verifier-alone margins of the benchmark's prompts (steps with margin < tau are verified), and the
 rate each server really verified is measured and reported beside it. A server in mode `off`
 (plain SGLang) stays up the whole run and is timed alternately with each mg server, so every
@@ -34,6 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_e2e as E  # noqa: E402 - the sibling script is the shared harness
+from stream_timing import stream_batch  # noqa: E402
 
 MIXED = 0.25  # share of deterministic rows in mixed batches
 
@@ -122,7 +124,7 @@ def front_batch(url: str, rows: list[list[int]], max_new: int, n_det: int, singl
 
 
 def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, reps: int, frac: dict,
-              singles: bool = False, short: int = 2) -> dict:
+              singles: bool = False, short: int = 2, stream: int = 0) -> dict:
     """gpu_e2e.decode_ms through front_batch: ms/step of the deterministic and of the plain rows
     of each server's batches ((time of `new` tokens - time of `short`) / (new - short), servers
     in A B B A order), and the deterministic answers' verdicts.
@@ -130,7 +132,9 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
     which the long run batches into its verify calls, so mg's ms/step can come out too small
     (bs 32 all-deterministic 18-33 % below plain SGLang on the H100). short=new/2 was meant to
     cancel that (greedy answers are deterministic: both runs make the same first decisions) but
-    measured noisier (H100, README: per-run stalls of ~1 s over half the steps), so it is an option."""
+    measured noisier (H100, README: per-run stalls of ~1 s over half the steps), so it is an option.
+    stream > 0: one streamed run per rep instead, a chunk every `stream` tokens, ms/step from the
+    chunks' arrival times (stream_timing.py: prefill, first steps and the verdict's wait left out)."""
     res = {s.name: {"det": {}, "plain": {}, "verdicts": {}} for s in servers}
     for bs in batches:
         rows = [prompts[i % len(prompts)] for i in range(bs)]
@@ -140,12 +144,19 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
             front_batch(s.url, rows, 4, n_det[s.name], singles)  # warm this batch size
         for rep in range(reps):
             for s in (servers if rep % 2 == 0 else servers[::-1]):
-                first = front_batch(s.url, rows, short, n_det[s.name], singles)
-                full = front_batch(s.url, rows, new, n_det[s.name], singles)
-                for kind in ("det", "plain"):
-                    if kind in full:
-                        samples[s.name][kind].append((full[kind] - first[kind]) / (new - short) * 1e3)
-                short_verdict = first.get("det_verdict")
+                if stream:
+                    full = stream_batch(s.url, rows, new, n_det[s.name], singles, stream)
+                    for kind in ("det", "plain"):
+                        if kind in full:
+                            samples[s.name][kind].append(full[kind])
+                    short_verdict = None
+                else:
+                    first = front_batch(s.url, rows, short, n_det[s.name], singles)
+                    full = front_batch(s.url, rows, new, n_det[s.name], singles)
+                    for kind in ("det", "plain"):
+                        if kind in full:
+                            samples[s.name][kind].append((full[kind] - first[kind]) / (new - short) * 1e3)
+                    short_verdict = first.get("det_verdict")
                 v = res[s.name]["verdicts"]
                 for got in (short_verdict, full.get("det_verdict")):
                     if got is not None:
@@ -157,11 +168,11 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
     return res
 
 
-def timed(base, srv, prompts, batches, new, reps, frac, singles=False, short=2) -> dict:
+def timed(base, srv, prompts, batches, new, reps, frac, singles=False, short=2, stream=0) -> dict:
     """ABBA ms/step of base (plain rows) and srv (frac of each batch deterministic; singles: each
     deterministic row its own request)."""
     before = metrics(srv.url)
-    ms = decode_ms([base, srv], prompts, batches, new, reps, {srv.name: frac}, singles, short)
+    ms = decode_ms([base, srv], prompts, batches, new, reps, {srv.name: frac}, singles, short, stream)
     mg = ms[srv.name]
     return {"base": ms[base.name]["plain"], "mg": mg["det"] or mg["plain"], "mg_plain": mg["plain"],
             "verdicts": mg["verdicts"], **rates(before, metrics(srv.url))}
@@ -173,7 +184,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
     margins = [m for key in ("det_margins", "prefix_margins") for row in refs[key] for m in row]
     mem = ["--mem-fraction-static", "0.85", "--max-total-tokens", str(E.POOL_TOKENS[name])]
     res = {"model": name, "shape": E.SHAPES[name], "batches": args.batches, "decode_tokens": args.decode_tokens,
-           "reps": args.reps, "short_tokens": args.short_tokens, "mixed_share": MIXED, "seam": args.seam, "configs": []}
+           "reps": args.reps, "short_tokens": args.short_tokens, "stream_interval": args.stream_interval, "mixed_share": MIXED, "seam": args.seam, "configs": []}
     seam = ["--mg-seam", args.seam]
     path = out / f"gpu_sweep-{name}.json"
     base = E.start(mdir, name, "off", out, mem, args.device)
@@ -184,7 +195,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             srv.name = f"{name}/sglang-det"
             try:
                 res["sglang_det"] = timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 0.0,
-                                          short=args.short_tokens)
+                                          short=args.short_tokens, stream=args.stream_interval)
             finally:
                 srv.stop()
             path.write_text(json.dumps(res, indent=2))
@@ -199,9 +210,10 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
                 singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
                 cfg = {"target": rate, "tau": tau, "commit": commit, "det_requests": "single" if singles else "batch",
                        "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles,
-                                    args.short_tokens),
+                                    args.short_tokens, args.stream_interval),
                        "mixed": timed(base, srv, others, [b for b in args.batches if b >= 4],
-                                      args.decode_tokens, args.reps, MIXED, singles, args.short_tokens)}
+                                      args.decode_tokens, args.reps, MIXED, singles, args.short_tokens,
+                                      args.stream_interval)}
             finally:
                 srv.stop()
                 srv.log_path.rename(out / f"server-{name}-{rate}-{commit}.log")  # one log per server
@@ -232,8 +244,10 @@ def summarize(r: dict) -> str:
     """The README table: ms/step (overhead vs plain SGLang) per configuration and batch size;
     in mixed batches, the plain neighbours' ms/step, then the deterministic rows'."""
     big = [b for b in r["batches"] if b >= 4]
+    how = (f"streamed answers, a chunk every {r['stream_interval']} tokens" if r.get("stream_interval")
+           else f"time of {r['decode_tokens']} tokens - time of {r.get('short_tokens', 2)}")
     lines = [f"## {r['model']} (mg seam: {r.get('seam', 'sync')}): ms per decode step (overhead vs plain SGLang "
-             "timed alternately in the same minutes)", "",
+             f"timed alternately in the same minutes; {how})", "",
              "| config | tau | trigger (measured) | repair | corrected answers | verdicts | verify call ms | "
              + " | ".join(f"bs {b} all det." for b in r["batches"]) + " | "
              + " | ".join(f"bs {b} 25 % det.: plain / det." for b in big) + " |",
@@ -305,6 +319,8 @@ def main() -> int:
     ap.add_argument("--decode-tokens", type=int, default=130)
     ap.add_argument("--short-tokens", type=int, default=2,
                     help="the shorter run of each ms/step difference (decode_ms says why 2)")
+    ap.add_argument("--stream-interval", type=int, default=0,
+                    help="> 0: time streamed answers instead, a chunk every this many tokens (stream_timing.py)")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--rates", default="0.05,0.1,0.2,always", help="target trigger rates; 'always' = mode always")
     ap.add_argument("--batches", default="1,8,32")

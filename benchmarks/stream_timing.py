@@ -1,0 +1,96 @@
+"""Decode ms/step from streamed /generate answers (`gpu_sweep.py --timing stream`).
+
+Why: the difference of two runs' wall times ((time of N tokens - time of S) / (N - S)) carries
+every one-off cost of either run (prefill, the prompts' catch-up, the final audit) and every
+stall of ~1 s that one run hits and the other does not; over 32 rows of 128 tokens those swamp a
+few ms per step (README, "On a GPU"). Here each answer streams a chunk every `interval` tokens
+(SGLang's per-request `stream_interval`), the client stamps each chunk as it arrives, and a row's
+ms/step is the time between its first chunk at or past token N/4 and its last chunk (token N),
+over the tokens between: prefill, the first steps and the verdict's wait stay out, every
+decode step in between (held forwards included) stays in. A body's ms/step is the median of its
+rows' (they decode in the same forwards).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+
+
+def read_stream(resp, clock=time.perf_counter) -> tuple[dict[int, list[tuple[int, float]]], list]:
+    """SSE lines of a /generate stream -> ({index: [(completion tokens, arrival time)]}, the
+    states of mg's verdict comment, `: mg-verdict {...}`, if one came). Raises on an error event."""
+    points: dict[int, list[tuple[int, float]]] = {}
+    states: list = []
+    buf = b""
+    for chunk in resp.iter_content(chunk_size=None):  # as the bytes arrive, not in 512-byte reads
+        now = clock()
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.startswith(b": mg-verdict "):
+                states = json.loads(line[len(b": mg-verdict "):]).get("states", [])
+            elif line.startswith(b"data: ") and line != b"data: [DONE]":
+                ev = json.loads(line[len(b"data: "):])
+                if "error" in ev:
+                    raise RuntimeError(f"stream error: {ev['error']}")
+                points.setdefault(ev.get("index", 0), []).append((ev["meta_info"]["completion_tokens"], now))
+    return points, states
+
+
+def steady_ms(points: list[tuple[int, float]], new: int) -> float:
+    """ms/step of one row from its (tokens, time) chunks: first chunk at or past new/4 to the last."""
+    if not points or points[-1][0] != new:
+        raise RuntimeError(f"a row streamed {points[-1][0] if points else 0} of {new} tokens")
+    first = next(p for p in points if p[0] >= new // 4)
+    last = points[-1]
+    if last[0] <= first[0]:
+        raise RuntimeError(f"too few chunks to time ({len(points)}); lower --stream-interval")
+    return (last[1] - first[1]) / (last[0] - first[0]) * 1e3
+
+
+def stream_batch(url: str, rows: list[list[int]], new: int, n_det: int, singles: bool = False,
+                 interval: int = 8) -> dict:
+    """gpu_sweep.front_batch with streamed answers: the first n_det rows deterministic (one body,
+    or one request each with singles), the rest one plain body, all posted at the same moment.
+    -> {"det"/"plain": ms/step (median over the rows), "det_verdict": the verdict states}."""
+    import requests
+
+    params = {"max_new_tokens": new, "ignore_eos": True, "temperature": 0, "stream_interval": interval}
+    out: dict = {}
+
+    def post(key: str, part: list[list[int]], headers: dict) -> None:
+        try:
+            with requests.post(url + "/generate", json={"input_ids": part, "sampling_params": params,
+                                                        "stream": True},
+                               headers=headers, timeout=600, stream=True) as r:
+                r.raise_for_status()
+                points, states = read_stream(r)
+            if len(points) != len(part):
+                raise RuntimeError(f"{len(points)} of {len(part)} rows streamed")
+            out[key] = [steady_ms(p, new) for p in points.values()]
+            out[key + "_verdict"] = ",".join(sorted(set(states))) if headers else ""
+        except Exception as e:  # noqa: BLE001 - reported by the caller
+            out[key + "_error"] = repr(e)
+
+    parts = [[row] for row in rows[:n_det]] if singles else [rows[:n_det]] if n_det else []
+    jobs = [threading.Thread(target=post, args=(f"det{k}", part, {"X-Deterministic": "1"}))
+            for k, part in enumerate(parts)]
+    if n_det < len(rows):
+        jobs.append(threading.Thread(target=post, args=("plain", rows[n_det:], {})))
+    for j in jobs:
+        j.start()
+    for j in jobs:
+        j.join()
+    if errors := [v for k, v in out.items() if k.endswith("_error")]:
+        raise RuntimeError(f"a timed request failed: {errors[0]}")
+    res: dict = {}
+    if parts:
+        res["det"] = statistics.median([x for k in range(len(parts)) for x in out[f"det{k}"]])
+        verdicts = {out[f"det{k}_verdict"] for k in range(len(parts))}
+        res["det_verdict"] = verdicts.pop() if len(verdicts) == 1 else "mixed: " + ";".join(sorted(verdicts))
+    if "plain" in out:
+        res["plain"] = statistics.median(out["plain"])
+    return res

@@ -1,0 +1,133 @@
+"""The controller's audit side: missed flips, a request's end, its tail audit and its verdict.
+
+A mixin of `server.Controller` (the same process and state; split out to keep each file
+readable): it uses the controller's request table (`reqs`), deferred tail audits (`pending`),
+metrics (`m`), config (`cfg`), verifier client (`vclient`, `verifier_up`) and its catch-up
+(`_catch_up`, `_item`). A request's verdict is `verified` only when its answer is complete and
+every emitted token was checked against the verifier (server module doc).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from mg_server.runtime import protocol as P
+from mg_server.runtime.controller.correct import can_correct, complete_answer, resume_point
+from mg_server.runtime.controller.state import ReqState
+
+log = logging.getLogger("mg.controller")
+
+
+class AuditMixin:
+    def _missed_flip(self, rid: str, st: ReqState, pos: int, what: str, token: int) -> None:
+        """t_{pos+1} is not the verifier's `token`."""
+        if not st.mismatches or pos < min(st.mismatches):
+            st.flip_token = token
+        st.mismatches.append(pos)
+        self.m.audit_mismatch.inc()
+        log.warning("missed flip: request %s position %d (%s)", rid, pos, what)
+
+    def _audit(self, rid: str, st: ReqState, res: P.VerifyResult) -> None:
+        """The verifier's catch-up recomputed steps that were committed from the fast path."""
+        q, start = res.first_mismatch, res.pos - len(res.audit_tokens)  # it covered start .. pos
+        if q >= 0:  # the verifier's t_{q+1}: its previous prediction (q = start - 1) or this audit's
+            token = st.pred if q < start else res.audit_tokens[q - start]
+            self._missed_flip(rid, st, q, "fast-path token differs from the verifier's", token)
+        st.pred = res.token
+
+    def _audit_through(self, rid: str, st: ReqState, pos: int, res: P.VerifyResult, what: str) -> None:
+        """A result at pos whose t_{pos+1} was decided already (a check, the tail audit): audit its
+        catch-up and that token too; the verifier has then seen t_0 .. t_pos."""
+        self._audit(rid, st, res)
+        if res.first_mismatch < 0 and res.token != st.tokens[pos + 1]:
+            self._missed_flip(rid, st, pos, what, res.token)
+        st.verifier_len = pos + 1
+
+    def _finish(self, msg: P.Finish) -> None:
+        st = self.reqs.get(msg.rid)
+        if st is None:
+            st = self.reqs[msg.rid] = ReqState(error="request finished without a step the controller saw")
+        if not st.error and st.tokens:
+            extra = st.reconcile(msg.output)
+            if extra:  # the overlap scheduler's look-ahead forward(s) after the last token
+                self.m.lookahead.inc(extra)
+                log.debug("request %s: %d look-ahead step(s) dropped", msg.rid, extra)
+        st.aborted = (msg.reason or "aborted") if msg.aborted else ""
+        st.end = msg
+        st.finished_at, st.audit_pending = time.monotonic(), True
+        self.pending[msg.rid] = None
+
+    def _complete(self, rid: str) -> None:
+        """The deferred part of Finish: audit the tail, free the verifier's shadow cache."""
+        self.pending.pop(rid, None)
+        st = self.reqs.get(rid)
+        if st is None or not st.audit_pending:
+            return
+        n = len(st.tokens)
+        # t_{n-1} was chosen at position n-2; unless that step was verified, audit the tail
+        # (if the request emitted a token at all: with max_new_tokens 0, t_{n-1} is the prompt's).
+        emitted = n > st.prompt_len
+        diverged = st.resumable and st.mismatches  # resumed from its first flip: the rest is not audited
+        if (emitted and not st.aborted and not st.error and not diverged and self.cfg.mode != "off"
+                and st.verifier_len < n - 1):
+            self._final_audit(rid, st, n)
+        st.audit_pending = False
+        if self.vclient is not None and self.verifier_up():
+            try:
+                self.vclient.release([rid], timeout_s=5)
+            except Exception as e:  # noqa: BLE001 - a failed release only costs verifier memory
+                log.warning("release %s failed: %s", rid, e)
+        self._expire()
+
+    def _final_audit(self, rid: str, st: ReqState, n: int) -> None:
+        from mg_server.runtime.verifier.client import VerifierError
+
+        if not self.verifier_up():
+            st.error = "deterministic verifier is not running (final audit)"
+            return
+        st.error = self._catch_up(rid, st, n - 2)
+        if st.error:
+            return
+        try:
+            (res,) = self.vclient.verify_many([self._item(rid, st, n - 2)])
+            if isinstance(res, P.ErrorReply):
+                raise VerifierError(res.code, res.message)
+        except VerifierError as e:
+            st.error = f"verifier (final audit): {e}"
+            return
+        self._audit_through(rid, st, n - 2, res, "final token")
+
+    def _verdict(self, rid: str, correct: bool = False) -> P.VerdictReply:
+        if rid in self.pending:
+            self._complete(rid)  # its response is waiting for this audit
+        st = self.reqs.get(rid)
+        if st is None:
+            return P.VerdictReply(rid=rid, state=P.VerdictState.UNKNOWN)
+        if correct and st.correction is None and can_correct(st, self.cfg.mode) and st.resumable:
+            st.correction = resume_point(st)
+            self.m.corrections.inc()
+            log.info("request %s: diverged at answer token %d; the front resumes it", rid, st.correction.first)
+        elif (correct and st.resumable and st.mismatches and st.correction is None
+              and st.state(self.cfg.mode) != P.VerdictState.RUNNING):
+            e = st.end
+            log.warning("request %s: diverged at position %d but cannot be resumed (error %r, aborted %r, end %s, "
+                        "flip token %d)", rid, min(st.mismatches), st.error, st.aborted,
+                        e and (e.max_new, e.correctable), st.flip_token)
+        elif correct and st.correction is None and can_correct(st, self.cfg.mode) and self.verifier_up():
+            try:
+                st.correction = complete_answer(self.vclient, rid, st, self.cfg.verify_timeout_s)
+                self.m.corrections.inc()
+                log.warning("request %s: missed flip at answer token %d corrected by the verifier (%d tokens)",
+                            rid, st.correction.first, len(st.correction.output))
+            except Exception as e:  # noqa: BLE001 - the verdict stays `mismatch`
+                log.error("request %s: correction failed: %s", rid, e)
+        return P.VerdictReply(rid=rid, state=st.state(self.cfg.mode), steps=st.steps,
+                              verified_steps=len(st.verified), repairs=len(st.repairs),
+                              mismatch_positions=list(st.mismatches), error=st.error or st.aborted,
+                              correction=st.correction if correct else None)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for rid in [r for r, s in self.reqs.items() if s.finished_at and now - s.finished_at > self.cfg.verdict_ttl_s]:
+            del self.reqs[rid]
