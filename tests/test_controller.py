@@ -148,6 +148,25 @@ def test_missed_flip_is_found_by_the_audit(make_ctl):
     assert v.state == "mismatch" and v.mismatch_positions == [3]
 
 
+def test_finished_requests_tails_are_audited_together_and_fail_alone(make_ctl):
+    """A verdict runs every pending tail audit in one verify call (one batched verifier forward);
+    a request whose audit fails there fails alone, and all shadow caches are freed at once."""
+    ctl = make_ctl("margin", 0.5)
+    run_request(ctl, "p", [1, 2], 4, [9.0] * 4)
+    run_request(ctl, "q", [3, 4], 5, [9.0] * 5, flip_at=1)  # a missed flip: the audit must see it
+    run_request(ctl, "r", [5], 3, [9.0] * 3)
+    ctl.vclient.seen["r"] = [0]  # the fake verifier now expects r to start at 1: its audit fails
+    calls = []
+    real = ctl.vclient.verify_many
+    ctl.vclient.verify_many = lambda items, timeout_s=None: calls.append([it.rid for it in items]) or real(items)
+    assert ctl._verdict("p").state == "verified"
+    assert calls == [["p", "q", "r"]] and not ctl.pending
+    assert ctl._verdict("q").state == "mismatch" and ctl._verdict("q").mismatch_positions == [2]
+    v = ctl._verdict("r")
+    assert v.state == "failed" and "final audit" in v.error and "position_mismatch" in v.error
+    assert calls == [["p", "q", "r"]] and ctl.vclient.released == ["p", "q", "r"]
+
+
 def reference(prompt, max_new, stop=()):
     out = list(prompt)
     while len(out) - len(prompt) < max_new:

@@ -18,6 +18,11 @@ from mg_server.runtime.controller.state import ReqState
 
 log = logging.getLogger("mg.controller")
 
+# Tail audits per verify call: finished requests' tails go to the verifier together (one batched
+# forward; on the H100 8 requests' step costs 1.61 ms where one costs 1.36), bounded well below
+# the verifier's slots per message (VerifierConfig.n_slots, 64).
+AUDIT_ITEMS = 32
+
 
 class AuditMixin:
     def _missed_flip(self, rid: str, st: ReqState, pos: int, what: str, token: int) -> None:
@@ -58,49 +63,65 @@ class AuditMixin:
         st.finished_at, st.audit_pending = time.monotonic(), True
         self.pending[msg.rid] = None
 
-    def _complete(self, rid: str) -> None:
-        """The deferred part of Finish: audit the tail, free the verifier's shadow cache."""
-        self.pending.pop(rid, None)
-        st = self.reqs.get(rid)
-        if st is None or not st.audit_pending:
-            return
-        n = len(st.tokens)
-        # t_{n-1} was chosen at position n-2; unless that step was verified, audit the tail
-        # (if the request emitted a token at all: with max_new_tokens 0, t_{n-1} is the prompt's).
-        emitted = n > st.prompt_len
-        diverged = st.resumable and st.mismatches  # resumed from its first flip: the rest is not audited
-        if (emitted and not st.aborted and not st.error and not diverged and self.cfg.mode != "off"
-                and st.verifier_len < n - 1):
-            self._final_audit(rid, st, n)
-        st.audit_pending = False
-        if self.vclient is not None and self.verifier_up():
+    def _complete(self, rids: list[str]) -> None:
+        """The deferred part of Finish for these finished requests: audit their tails (together:
+        one verify call serves up to AUDIT_ITEMS of them in one batched forward), then free the
+        verifier's shadow caches."""
+        done, todo = [], []  # todo: (rid, state, tokens) of the tails to audit
+        for rid in dict.fromkeys(rids):  # each once, in order
+            self.pending.pop(rid, None)
+            st = self.reqs.get(rid)
+            if st is None or not st.audit_pending:
+                continue
+            done.append((rid, st))
+            n = len(st.tokens)
+            # t_{n-1} was chosen at position n-2; unless that step was verified, audit the tail
+            # (if the request emitted a token at all: with max_new_tokens 0, t_{n-1} is the prompt's).
+            emitted = n > st.prompt_len
+            diverged = st.resumable and st.mismatches  # resumed from its first flip: the rest is not audited
+            if (emitted and not st.aborted and not st.error and not diverged and self.cfg.mode != "off"
+                    and st.verifier_len < n - 1):
+                todo.append((rid, st, n))
+        if todo:
+            self._final_audits(todo)
+        for _, st in done:
+            st.audit_pending = False
+        if done and self.vclient is not None and self.verifier_up():
             try:
-                self.vclient.release([rid], timeout_s=5)
+                self.vclient.release([rid for rid, _ in done], timeout_s=5)
             except Exception as e:  # noqa: BLE001 - a failed release only costs verifier memory
-                log.warning("release %s failed: %s", rid, e)
+                log.warning("release of %d request(s) failed: %s", len(done), e)
         self._expire()
 
-    def _final_audit(self, rid: str, st: ReqState, n: int) -> None:
+    def _final_audits(self, todo: list[tuple[str, ReqState, int]]) -> None:
+        """Each request's catch-up, then its last decided step (position n - 2), AUDIT_ITEMS per
+        verify call; a request's failure is its own (the others' results stand)."""
         from mg_server.runtime.verifier.client import VerifierError
 
         if not self.verifier_up():
-            st.error = "deterministic verifier is not running (final audit)"
+            for _, st, _ in todo:
+                st.error = "deterministic verifier is not running (final audit)"
             return
-        st.error = self._catch_up(rid, st, n - 2)
-        if st.error:
-            return
-        try:
-            (res,) = self.vclient.verify_many([self._item(rid, st, n - 2)])
-            if isinstance(res, P.ErrorReply):
-                raise VerifierError(res.code, res.message)
-        except VerifierError as e:
-            st.error = f"verifier (final audit): {e}"
-            return
-        self._audit_through(rid, st, n - 2, res, "final token")
+        ready = []
+        for rid, st, n in todo:
+            st.error = self._catch_up(rid, st, n - 2)
+            if not st.error:
+                ready.append((rid, st, n))
+        for k in range(0, len(ready), AUDIT_ITEMS):
+            part = ready[k:k + AUDIT_ITEMS]
+            try:
+                results = self.vclient.verify_many([self._item(rid, st, n - 2) for rid, st, n in part])
+            except VerifierError as e:
+                results = [P.ErrorReply(code=e.code, message=e.message) for _ in part]
+            for (rid, st, n), res in zip(part, results):
+                if isinstance(res, P.ErrorReply):
+                    st.error = f"verifier (final audit): {VerifierError.of(res)}"
+                else:
+                    self._audit_through(rid, st, n - 2, res, "final token")
 
     def _verdict(self, rid: str, correct: bool = False) -> P.VerdictReply:
-        if rid in self.pending:
-            self._complete(rid)  # its response is waiting for this audit
+        if rid in self.pending:  # its response is waiting for this audit: run every pending one with it
+            self._complete([rid, *self.pending])
         st = self.reqs.get(rid)
         if st is None:
             return P.VerdictReply(rid=rid, state=P.VerdictState.UNKNOWN)

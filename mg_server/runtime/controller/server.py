@@ -45,6 +45,8 @@ from mg_server.runtime.policy import Policy
 
 log = logging.getLogger("mg.controller")
 
+IDLE_AUDITS = 8  # finished requests' tail audits per idle turn (one verify call; a Step waits at most that long)
+
 
 @dataclass(frozen=True)
 class ControllerConfig:
@@ -312,8 +314,8 @@ class Controller(AuditMixin):
             if not self.sock.poll(0 if self.pending or self.checks else 200):
                 if self.checks:  # idle: check the resumable requests' low-margin steps first
                     self._run_checks()
-                elif self.pending:  # idle: run one deferred tail audit
-                    self._complete(next(iter(self.pending)))
+                elif self.pending:  # idle: run deferred tail audits, a few at a time (a Step may come)
+                    self._complete(list(self.pending)[:IDLE_AUDITS])
                 else:  # idle: notice a dead verifier without traffic (health, metric)
                     self.verifier_up()
                 if idle_exit_s and time.monotonic() - last > idle_exit_s:
