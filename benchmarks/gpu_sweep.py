@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_e2e as E  # noqa: E402 - the sibling script is the shared harness
-from stream_timing import stream_batch  # noqa: E402
+from stream_timing import post_all, stream_batch  # noqa: E402
 
 MIXED = 0.25  # share of deterministic rows in mixed batches
 
@@ -86,8 +86,6 @@ def front_batch(url: str, rows: list[list[int]], max_new: int, n_det: int, singl
     """Decode `rows` as clients send them (module doc): the first n_det as one deterministic
     /generate body (singles: one request each, all at once), the rest as a plain body, posted at
     the same moment. -> {"det"/"plain": seconds until that answer (the last one), "det_verdict"}."""
-    import threading
-
     import requests
 
     params = {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 0}
@@ -103,22 +101,10 @@ def front_batch(url: str, rows: list[list[int]], max_new: int, n_det: int, singl
         except Exception as e:  # noqa: BLE001 - reported by the caller
             out[key + "_error"] = repr(e)
 
-    # singles: independent client requests, each its own body (a batch body is never resumable:
-    # front.policy.mark_resumable); "det" is then the time until the last one answered
-    parts = [[row] for row in rows[:n_det]] if singles else [rows[:n_det]] if n_det else []
-    jobs = [threading.Thread(target=post, args=(f"det{k}", part, {"X-Deterministic": "1"}))
-            for k, part in enumerate(parts)]
-    if n_det < len(rows):
-        jobs.append(threading.Thread(target=post, args=("plain", rows[n_det:], {})))
-    for j in jobs:
-        j.start()
-    for j in jobs:
-        j.join()
-    if errors := [v for k, v in out.items() if k.endswith("_error")]:
-        raise RuntimeError(f"a timed request failed: {errors[0]}")
-    if parts:
-        out["det"] = max(out.pop(f"det{k}") for k in range(len(parts)))
-        verdicts = {out.pop(f"det{k}_verdict") for k in range(len(parts))}
+    # singles: "det" is then the time until the last one answered
+    if n_parts := post_all(rows, n_det, singles, post, out):
+        out["det"] = max(out.pop(f"det{k}") for k in range(n_parts))
+        verdicts = {out.pop(f"det{k}_verdict") for k in range(n_parts)}
         out["det_verdict"] = verdicts.pop() if len(verdicts) == 1 else "mixed: " + ",".join(sorted(verdicts))
     return out
 

@@ -75,6 +75,22 @@ def stream_batch(url: str, rows: list[list[int]], new: int, n_det: int, singles:
         except Exception as e:  # noqa: BLE001 - reported by the caller
             out[key + "_error"] = repr(e)
 
+    n_parts = post_all(rows, n_det, singles, post, out)
+    res: dict = {}
+    if n_parts:
+        res["det"] = statistics.median([x for k in range(n_parts) for x in out[f"det{k}"]])
+        verdicts = {out[f"det{k}_verdict"] for k in range(n_parts)}
+        res["det_verdict"] = verdicts.pop() if len(verdicts) == 1 else "mixed: " + ";".join(sorted(verdicts))
+    if "plain" in out:
+        res["plain"] = statistics.median(out["plain"])
+    return res
+
+
+def post_all(rows: list[list[int]], n_det: int, singles: bool, post, out: dict) -> int:
+    """Send the rows as clients send them, all at the same moment, one thread each: the first
+    n_det deterministic as one body (singles: one request each; a batch body is never resumable,
+    front.policy.mark_resumable), the rest as one plain body. post(key, part, headers) records
+    into `out` ("<key>_error" on failure). -> the number of deterministic parts (keys det0..)."""
     parts = [[row] for row in rows[:n_det]] if singles else [rows[:n_det]] if n_det else []
     jobs = [threading.Thread(target=post, args=(f"det{k}", part, {"X-Deterministic": "1"}))
             for k, part in enumerate(parts)]
@@ -86,11 +102,4 @@ def stream_batch(url: str, rows: list[list[int]], new: int, n_det: int, singles:
         j.join()
     if errors := [v for k, v in out.items() if k.endswith("_error")]:
         raise RuntimeError(f"a timed request failed: {errors[0]}")
-    res: dict = {}
-    if parts:
-        res["det"] = statistics.median([x for k in range(len(parts)) for x in out[f"det{k}"]])
-        verdicts = {out[f"det{k}_verdict"] for k in range(len(parts))}
-        res["det_verdict"] = verdicts.pop() if len(verdicts) == 1 else "mixed: " + ";".join(sorted(verdicts))
-    if "plain" in out:
-        res["plain"] = statistics.median(out["plain"])
-    return res
+    return len(parts)
