@@ -162,12 +162,14 @@ def test_margin_mode_commits_high_margins_locally_and_waits_only_for_low_ones(ho
 
 
 def test_a_skipped_position_fails_the_request(hook_mod, runner, tmp_path, monkeypatch):
+    from mg_server.sglang_ext.reasons import INTERNAL_REASON
+
     seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch)
     req = FakeReq("c", [1, 2])
     seam(None, sampler_args([(req, True)], torch.randn(1, VOCAB), [1]))
     seam(None, sampler_args([(req, True)], torch.randn(1, VOCAB), [3]))  # position 2 never sampled
     # the client is told briefly; mg's positions stay in the log
-    assert req.to_finish is not None and req.to_finish.message.endswith(hook_mod.INTERNAL_REASON)
+    assert req.to_finish is not None and req.to_finish.message.endswith(INTERNAL_REASON)
     assert "position" not in req.to_finish.message
 
 

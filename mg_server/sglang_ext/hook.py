@@ -46,6 +46,7 @@ from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, RESUME_PARAM,
 from mg_server.kernels import sampled_choice
 from mg_server.runtime import protocol as P
 from mg_server.sglang_ext.link import ControllerLink, Tracked
+from mg_server.sglang_ext.reasons import public_reason, unmodelled
 
 log = logging.getLogger(__name__)
 
@@ -113,38 +114,6 @@ def write_kv_column(token_to_kv_pool, req_to_token: Tensor, req_pool_idx: int, p
     column = column.to(device=pool.k_buffer[0].device)  # same dtype: check_dtype at start-up, no cast
     for layer in range(n_layers):
         pool.set_kv_buffer(None, loc, column[layer, 0][None], column[layer, 1][None], layer_id_override=layer)
-
-
-UNMODELLED_REASONS = {
-    "grammar": "grammar-constrained decoding is not verified (the verifier decodes unconstrained)",
-    "penalties": "penalties, logit_bias and min_new_tokens are not verified (the verifier does not apply them)",
-    "logprobs": "logprobs are not served (mg forces the logits of every deterministic step)",
-    "lora": "LoRA adapters are not verified (the verifier runs the base model)",
-}
-PUBLIC_REASONS = frozenset(UNMODELLED_REASONS.values())
-# (prefix of an internal reason, what the client is told)
-PUBLIC_PREFIXES = (("mg controller unavailable", "mg controller unavailable"),
-                   ("deterministic verifier is not running", "deterministic verifier is not running"),
-                   ("verifier: [", "the deterministic verifier failed on this request"))
-INTERNAL_REASON = "mg could not verify this request (the server log has the details)"
-
-
-def unmodelled(req) -> str:
-    """Why the verifier could not compute this request's greedy tokens ("" if it can).
-
-    The front refuses these parameters with a 400 naming them; this catches any other way in
-    (a grammar SGLang adds itself, e.g. for strict tools; mg's flag set in custom_params without
-    the header), so such a request fails instead of getting a verdict about other tokens."""
-    sp = req.sampling_params
-    if req.grammar is not None:
-        return UNMODELLED_REASONS["grammar"]
-    if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1 or sp.min_new_tokens or sp.logit_bias:
-        return UNMODELLED_REASONS["penalties"]
-    if req.return_logprob:
-        return UNMODELLED_REASONS["logprobs"]
-    if req.lora_id:
-        return UNMODELLED_REASONS["lora"]
-    return ""
 
 
 def find_model_runner():
@@ -385,8 +354,7 @@ class StepSeam:
         log.error("mg: deterministic request %s failed: %s", req.rid, why)
         # The client learns what it can act on (a parameter, its request id); mg's internal
         # state (positions, token counts, controller and verifier errors) stays in the log.
-        public = why if why in PUBLIC_REASONS or why.startswith("request id ") else next(
-            (short for prefix, short in PUBLIC_PREFIXES if why.startswith(prefix)), INTERNAL_REASON)
+        public = public_reason(why)
         if req.to_finish is None:  # the first reason is the one the client gets
             req.to_finish = FINISH_ABORT(f"deterministic decoding failed: {public}", HTTPStatus.SERVICE_UNAVAILABLE,
                                          "ServiceUnavailable")

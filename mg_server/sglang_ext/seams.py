@@ -71,7 +71,7 @@ def check() -> str:
           "self.tokenizer.eos_token_id", "self.tokenizer.additional_stop_token_ids")),
         ("Req.check_finished", Req.check_finished,
          ("len(self.output_ids) >= self.sampling_params.max_new_tokens", "self._check_str_based_finish()")),
-        # hook.unmodelled reads these to refuse what the verifier does not compute
+        # reasons.unmodelled reads these to refuse what the verifier does not compute
         ("SamplingParams.__init__", SamplingParams.__init__,
          ("self.frequency_penalty", "self.presence_penalty", "self.repetition_penalty", "self.min_new_tokens",
           "self.logit_bias", "self.stop_strs", "self.stop_regex_strs")),
