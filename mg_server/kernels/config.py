@@ -27,9 +27,9 @@ KERNEL_CONFIG: dict = {
     # changes with the table, since every GPU entry is hashed.)
     "version": 3,
     # ---- GPU (Triton) -------------------------------------------------------------------
-    # Persistent matmul: ONE tile config per dtype, no split-K, no autotune.
-    # why: the K loop (BLOCK_K steps, in order) is the reduction order of every output element;
-    # a fixed table means the order can never depend on M.
+    # Persistent matmul, no autotune. Per dtype: BLOCK_K and the ascending K loop (the reduction
+    # order of every output element: fixed, so it can never depend on M), the base tile (fp32's
+    # only one) and the TMA switch; 16-bit tile shapes by weight shape and M: "matmul_tiles".
     "matmul": {
         # tma: loads/stores through TMA descriptors when the weight's rows are 16-byte aligned
         # (a property of N, K only; otherwise the pointer-load kernel).  Same tile walk, same
