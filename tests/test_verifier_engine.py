@@ -110,9 +110,7 @@ class _ReplayedRows:
         e.kv_table[t(table_rows), t(positions)] = t(slots)  # as the graph does (the engine leaves it to it)
         logits = e.model.forward_rows(t(tokens), t(positions), t(slots), t(table_rows), e.kv_table, e.pool,
                                       e.max_seq_len)  # [R, V] fp32
-        vals, idx = ops.top2(logits)
-        top = torch.stack([(vals[:, 0] - vals[:, 1]).double(), idx[:, 0].double()], dim=1)
-        outs = (logits, vals, idx, top)
+        outs = (logits, ops.margin_rows(logits))
         if self.out is None:
             self.out = [torch.empty((self.max_rows, *x.shape[1:]), dtype=x.dtype) for x in outs]
         r = len(tokens)

@@ -21,7 +21,7 @@ import math
 import torch
 
 from .bench import SHAPES
-from .config import KERNEL_CONFIG, kernel_config_id, matmul_tile, parse_tile, tile_name
+from .config import KERNEL_CONFIG, kernel_config_id, matmul_tile, parse_tile, tile_name, tile_names
 
 
 def _tile(bm: int, bn: int, warps: int, stages: int) -> dict:
@@ -71,10 +71,8 @@ def _cublas(x, w, out_dtype):
 
 def table_tiles(n: int, k: int, out_fp32: bool) -> list[dict]:
     """The tiles config "matmul_tiles" names for this shape (every row bucket), base tile first."""
-    t = KERNEL_CONFIG["matmul_tiles"]
-    names = t.get(f"{n}x{k}:f32" if out_fp32 else f"{n}x{k}") or t["default"]
     base = KERNEL_CONFIG["matmul"]["bfloat16"]
-    return [base] + [parse_tile(x) for x in dict.fromkeys(names) if x != tile_name(base)]
+    return [base] + [parse_tile(x) for x in dict.fromkeys(tile_names(n, k, out_fp32)) if x != tile_name(base)]
 
 
 def sweep(shapes: dict, ms: list[int], candidates: list[dict] | None) -> dict:

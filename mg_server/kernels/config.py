@@ -167,15 +167,20 @@ def _parsed(name: str, block_k: int) -> dict:
     return parse_tile(name, block_k)
 
 
+def tile_names(n: int, k: int, out_fp32: bool) -> list[str]:
+    """The "matmul_tiles" list of an [N, K] weight (one tile name per row bucket)."""
+    table = KERNEL_CONFIG["matmul_tiles"]
+    return table.get(f"{n}x{k}:f32" if out_fp32 else f"{n}x{k}") or table["default"]
+
+
 def matmul_tile(dtype_name: str, m: int, n: int, k: int, out_fp32: bool) -> dict:
     """The tile config of one 16-bit matmul call (float32 has one: the dtype entry). Its BLOCK_K
     is the dtype entry's (the reduction order); the entry's "tma" switches TMA off for all."""
     base = KERNEL_CONFIG["matmul"][dtype_name]
     if dtype_name == "float32":
         return base
-    table = KERNEL_CONFIG["matmul_tiles"]
-    names = table.get(f"{n}x{k}:f32" if out_fp32 else f"{n}x{k}") or table["default"]
-    rows = table["rows"]
+    rows = KERNEL_CONFIG["matmul_tiles"]["rows"]
+    names = tile_names(n, k, out_fp32)
     tile = dict(_parsed(names[min(bisect.bisect_left(rows, m), len(rows) - 1)], base["BLOCK_K"]))
     tile["tma"] = tile["tma"] and bool(base.get("tma"))
     return tile

@@ -209,9 +209,7 @@ class VerifierEngine:
         else:
             self.kv_table[t(table_rows), t(positions)] = t(out_slots)  # the new positions' slots
             logits = self.model.forward(t(tokens), t(positions), t(out_slots), segs, self.pool)  # [R, V] fp32
-            vals, idx = ops.top2(logits)  # [R, 2] fp32, [R, 2] int64 (ties -> lower id)
-            # [R, 2] fp64: the margin is the fp32 difference, exact in fp64 (as a Python float)
-            top = torch.stack([(vals[:, 0] - vals[:, 1]).double(), idx[:, 0].double()], dim=1)
+            top = ops.margin_rows(logits)  # [R, 2] fp64: margin, argmax
         top = top.tolist()  # one device-to-host copy
         margins = [row[0] for row in top]
         preds = [int(row[1]) for row in top]
@@ -258,13 +256,11 @@ class VerifierEngine:
         n = self.graphs.max_rows
         if len(tokens) <= n:
             self.graph_forwards += 1
-            lg, _, _, top = self.graphs.run(tokens, positions, slots, table_rows)
-            return lg, top
+            return self.graphs.run(tokens, positions, slots, table_rows)
         logits: dict[int, Tensor] = {}
         tops = []
         for a in range(0, len(tokens), n):
-            lg, _, _, top = self.graphs.run(tokens[a:a + n], positions[a:a + n], slots[a:a + n],
-                                            table_rows[a:a + n])
+            lg, top = self.graphs.run(tokens[a:a + n], positions[a:a + n], slots[a:a + n], table_rows[a:a + n])
             self.graph_forwards += 1
             for r in keep:
                 if a <= r < a + n:

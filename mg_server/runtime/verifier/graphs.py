@@ -42,10 +42,7 @@ class RowGraphs:
         # rows write the scratch slot into the scratch table row, which holds nothing else).
         self.kv_table[trow, pos] = slot
         logits = self.model.forward_rows(tok, pos, slot, trow, self.kv_table, self.pool, self.max_len)  # [b, V] fp32
-        vals, idx = ops.top2(logits)  # [b, 2] fp32, [b, 2] int64
-        # [b, 2] fp64: margin (the fp32 difference, exact in fp64) and argmax: one copy to the host
-        top = torch.stack([(vals[:, 0] - vals[:, 1]).double(), idx[:, 0].double()], dim=1)
-        return logits, vals, idx, top
+        return logits, ops.margin_rows(logits)  # [b, V] fp32, [b, 2] fp64
 
     def capture(self) -> None:
         """Warm up (Triton compiles outside the capture) and capture every bucket, largest first
@@ -75,12 +72,12 @@ class RowGraphs:
         self.copied.record(torch.cuda.current_stream(self.inputs.device))
 
     def run(self, tokens: list[int], positions: list[int], slots: list[int], table_rows: list[int]):
-        """-> (logits [R, V] fp32, top-2 values [R, 2] fp32, indices [R, 2] int64, margin and
-        argmax [R, 2] fp64): views of the graph's outputs, valid until the next run. The graph
-        also writes kv_table[table_rows, positions] = slots. R must be <= the largest bucket."""
+        """-> (logits [R, V] fp32, margin and argmax [R, 2] fp64: ops.margin_rows): views of the
+        graph's outputs, valid until the next run. The graph also writes
+        kv_table[table_rows, positions] = slots. R must be <= the largest bucket."""
         r = len(tokens)
         b = next(x for x in BUCKETS if x >= r)
         self._fill([tokens, positions, slots, table_rows])
-        g, logits, vals, idx, top = self.graphs[b]
+        g, logits, top = self.graphs[b]
         g.replay()
-        return logits[:r], vals[:r], idx[:r], top[:r]
+        return logits[:r], top[:r]
