@@ -217,20 +217,30 @@ def test_decide_and_force_kernels_match_their_torch_reference():
     expected[::4] += 1  # not the step mg expects
     lazy = (torch.arange(n) % 7 == 0).to(torch.int64)
     meta = torch.cat([rows, expected, lazy]).pin_memory()
-    for always, tau in ((False, 1.0), (False, 0.0), (True, 0.0)):
+    # each case twice (the second launch goes through the compiled kernel kernels.launch kept), then
+    # with logits at an odd address and row stride (a specialization the first kernel must not serve)
+    cases = [(False, 1.0, 0), (False, 1.0, 0), (False, 0.0, 0), (True, 0.0, 0), (True, 0.0, 0), (False, 1.0, 1),
+             (False, 1.0, 1), (False, 1.0, 0)]
+    for always, tau, odd in cases:
         tt = torch.tensor([tau], dtype=torch.float64).pin_memory()
         outs = [torch.zeros(n, device=dev), *(torch.zeros(n, dtype=torch.int64, device=dev) for _ in range(2)),
                 torch.zeros(n, dtype=torch.int32, device=dev), torch.zeros(n, dtype=torch.int64, device=dev)]
         ref = [torch.zeros(n), torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
                torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int64)]
-        lgd = lg.to(dev)
+        if odd:  # [bs, V] view of a flat buffer: first element at byte 4 (mod 16), row stride V + 1
+            flat = torch.zeros(1 + bs * (V + 1), device=dev)
+            lgd = flat[1:].view(bs, V + 1)[:, :V]
+            lgd.copy_(lg)
+            assert lgd.data_ptr() % 16 != 0 and lgd.stride(0) % 16 != 0
+        else:
+            lgd = lg.to(dev)
         DC.decide(lgd, positions.to(dev), meta, tt, always, *outs)
         DC.decide_reference(lg, positions, meta, tt, always, *ref)
         for name, a, b in zip(("margin", "fast", "pos", "need", "rows"), outs, ref):  # (row 6's margin: NaN)
-            torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0, equal_nan=True, msg=f"{name} {always} {tau}")
+            torch.testing.assert_close(a.cpu(), b, rtol=0, atol=0, equal_nan=True, msg=f"{name} {always} {tau} {odd}")
         chosen = (outs[1] + 3) % V
         DC.force(lgd, outs[4], chosen)
         want = lg.clone()
         want[rows] = float("-inf")
         want[rows, chosen.cpu()] = 0.0
-        assert torch.equal(lgd.cpu(), want)
+        assert torch.equal(lgd.cpu(), want), (always, tau, odd)

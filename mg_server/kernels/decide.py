@@ -24,6 +24,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from mg_server.kernels.launch import Launcher
+
 CHUNK = 2048  # columns per step of a row walk (control values only: no output bits depend on it)
 
 
@@ -75,6 +77,11 @@ def _force_kernel(logits_ptr, sl, V, rows_ptr, chosen_ptr, CHUNK: tl.constexpr):
         tl.store(base + cols, val, mask=cols < V)
 
 
+# host time per call matters here (the scheduler thread is CPU-bound): kernels.launch says why
+_DECIDE = Launcher(_decide_kernel, constexprs=2, num_warps=8)
+_FORCE = Launcher(_force_kernel, constexprs=1, num_warps=4)
+
+
 def decide(logits: Tensor,  # [bs, V] float, the sampler's logits (rows unit-strided)
            positions: Tensor,  # [bs] int, the forward's positions, same device
            meta: Tensor,  # [>= 3n] int64: n batch rows, n expected positions, n resumable flags
@@ -92,8 +99,8 @@ def decide(logits: Tensor,  # [bs, V] float, the sampler's logits (rows unit-str
         logits = logits.contiguous()
     if not positions.is_contiguous():
         positions = positions.contiguous()
-    _decide_kernel[(n,)](logits, logits.stride(0), logits.shape[1], positions, meta, tau, n,
-                         margin, fast, pos, need, rows, ALWAYS=bool(always), CHUNK=CHUNK, num_warps=8)
+    _DECIDE((n,), logits, logits.stride(0), logits.shape[1], positions, meta, tau, n,
+            margin, fast, pos, need, rows, bool(always), CHUNK)
 
 
 def force(logits: Tensor, rows: Tensor, chosen: Tensor) -> None:
@@ -108,7 +115,7 @@ def force(logits: Tensor, rows: Tensor, chosen: Tensor) -> None:
         logits.index_fill_(0, idx, float("-inf"))
         logits.index_put_((idx, chosen.to(logits.device)), torch.zeros((), dtype=logits.dtype, device=logits.device))
         return
-    _force_kernel[(n,)](logits, logits.stride(0), logits.shape[1], rows, chosen, CHUNK=CHUNK, num_warps=4)
+    _FORCE((n,), logits, logits.stride(0), logits.shape[1], rows, chosen, CHUNK)
 
 
 def decide_reference(logits, positions, meta, tau, always, margin, fast, pos, need, rows) -> None:

@@ -46,6 +46,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from mg_server.kernels.launch import Launcher, current_stream
+
 
 @triton.jit
 def _fence_sys(x):
@@ -127,6 +129,10 @@ def _apply_kernel(fast_ptr, need_ptr, chosen_ptr,  # [n] device
     tl.store(ack_ptr + 1, status)
     tl.store(ack_ptr, _fence_sys(target.to(tl.int64)))  # the status before the target
 
+
+# host time per call matters here (the scheduler thread is CPU-bound): kernels.launch says why
+_PUBLISH = Launcher(_publish_kernel, constexprs=1, num_warps=4)
+_APPLY = Launcher(_apply_kernel, constexprs=4, num_warps=4)
 
 _WAIT_VALUE = []  # [cuStreamWaitValue64_v2], loaded on first use
 
@@ -215,6 +221,8 @@ class StepGate(_Mailboxes):
             raise ValueError("pool and slot buffer are not element-aligned")
         self.slots, self.req_to_token, self.col, self.layers = slots, req_to_token, col, len(k_buffers)
         self.slot_numel = slots[0].numel()
+        self.flag_ptr, self.r2t_stride = self.flag.data_ptr(), req_to_token.stride(0)
+        self.cb = triton.next_power_of_2(col)  # lanes of one K/V column copy
         # compile and load both kernels now: a first launch (module load) queued behind a holding
         # gate blocks the launching thread until the gate opens (measured: a deadlock when the
         # thread that would answer it is the one launching). target 0: a pass-through of one row
@@ -237,11 +245,11 @@ class StepGate(_Mailboxes):
         # the kernels index element k as ptr + k: a strided view (topk's indices[:, 0], measured on
         # the H100) would hand row k another row's token
         margin, fast, pos, need = (t.contiguous() for t in (margin, fast, pos, need))
-        _publish_kernel[(1,)](margin, fast, pos, need, self.out, self.flag, n, int(target), RB=32, num_warps=4)
-        _stream_wait_geq(torch.cuda.current_stream(margin.device).cuda_stream, self.flag.data_ptr(), int(target))
-        _apply_kernel[(1,)](fast, need, chosen, self.inbox, self.ack, self.slots, self.k_off, self.v_off,
-                            self.req_to_token, self.req_to_token.stride(0), n, self.capacity, int(target),
-                            COL=self.col, LAYERS=self.layers, RB=32, CB=triton.next_power_of_2(self.col), num_warps=4)
+        _PUBLISH((1,), margin, fast, pos, need, self.out, self.flag, n, int(target), 32)
+        _stream_wait_geq(current_stream(margin.device), self.flag_ptr, int(target))
+        _APPLY((1,), fast, need, chosen, self.inbox, self.ack, self.slots, self.k_off, self.v_off,
+               self.req_to_token, self.r2t_stride, n, self.capacity, int(target),
+               self.col, self.layers, 32, self.cb)
 
 
 class ReferenceStepGate(_Mailboxes):

@@ -120,6 +120,8 @@ class LaggedControl:
         self.need = torch.zeros(cap, dtype=torch.int32, device=device)  # [cap] 1: needs the verifier
         self.rows = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap] batch rows (for force)
         self.chosen = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap] the gate's tokens
+        self._meta_np, self._tau_np = self.meta_host.numpy(), self.tau_host.numpy()  # host views of both
+        self._views: dict[int, tuple[Tensor, ...]] = {}  # n -> the buffers' [:n] views
         if device.type == "cuda":  # compile and load decide/force now (StepGate's construction says why)
             lg = torch.zeros(1, 16, dtype=torch.float32, device=device)  # SGLang's logits are fp32
             decide(lg, self.pos[:1], self.meta_host, self.tau_host, seam.link.policy.mode == "always",
@@ -151,17 +153,20 @@ class LaggedControl:
         link, n = self.link, len(rows)
         with link.lock:
             expected = [self.expected(req, key) for _, req, key in rows]
-        mh = self.meta_host.numpy()
+        mh = self._meta_np
         mh[:n], mh[n:2 * n], mh[2 * n:3 * n] = [i for i, _, _ in rows], expected, [resumable(r) for _, r, _ in rows]
-        self.tau_host.numpy()[0] = link.policy.tau
-        margin, fast, pos, need = self.margin[:n], self.fast[:n], self.pos[:n], self.need[:n]
+        self._tau_np[0] = link.policy.tau
+        views = self._views.get(n)
+        if views is None:  # (a slice costs ~2-4 us of host time: made once per row count)
+            views = self._views[n] = tuple(t[:n] for t in (self.margin, self.fast, self.pos, self.need, self.rows,
+                                                           self.chosen))
+        margin, fast, pos, need, rows_dev, chosen = views
         # one kernel: each row's margin and argmax, its position, whether it is the step mg expects
         # (a resumable row's check runs behind: it never holds) and the policy (fp64 as
         # Policy.should_verify compares; NaN margins are verified); kernels.decide says more
         decide(logits, positions.to(logits.device), self.meta_host, self.tau_host, link.policy.mode == "always",
-               margin, fast, pos, need, self.rows[:n])
+               margin, fast, pos, need, rows_dev)
         self.last_target += 1
-        chosen = self.chosen[:n]
         f = Forward(self.last_target, rows)
         # pending first: once the gate is enqueued, this thread's next CUDA call may block until
         # the gate opens (a lazy module load, an allocation: implicit synchronization), and only
@@ -175,7 +180,7 @@ class LaggedControl:
             with self.lock:
                 self.pending.remove(f)
             raise
-        force(logits, self.rows[:n], chosen)  # every protected row samples its chosen token
+        force(logits, rows_dev, chosen)  # every protected row samples its chosen token
 
     def drain(self, wait: bool) -> None:
         """Process pending forwards in order; wait=False stops at the first whose values are not
