@@ -122,6 +122,19 @@ def test_prefill_chunks_are_skipped_and_steps_follow_positions(hook_mod, runner,
     assert seam.link.tracked["a"].tokens == [1, 2, 3, 4, 5, want, int(logits[0].argmax())]
 
 
+def test_a_tracked_request_is_not_rebuilt_at_each_step(hook_mod, runner, tmp_path, monkeypatch):
+    """mg's state of a request (a copy of its prompt) is made at its first step only: building it
+    at every step of every row cost time in proportion to the prompt, on the scheduler's thread."""
+    seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch)
+    made = []
+    build = seam.new_tracked
+    monkeypatch.setattr(seam, "new_tracked", lambda req: made.append(req.rid) or build(req))
+    req = FakeReq("a", [1, 2, 3])
+    for pos in range(2, 6):
+        seam(None, sampler_args([(req, True)], torch.randn(1, VOCAB), [pos]))
+    assert made == ["a"] and len(seam.link.tracked["a"].tokens) == 3 + 4
+
+
 def test_verified_disagreement_forces_the_verifier_token_and_repairs_the_column(hook_mod, runner, tmp_path,
                                                                                monkeypatch):
     def verify(row):

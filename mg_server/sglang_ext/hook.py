@@ -299,7 +299,9 @@ class StepSeam:
         link, done = self.link, []
         with link.lock:
             for (i, req, pos, *_, key), d in zip(live, decisions):
-                t = link.tracked.setdefault(key, self.new_tracked(req))
+                t = link.tracked.get(key)
+                if t is None:  # (not setdefault: a new Tracked copies the prompt, at every step of every row)
+                    t = link.tracked[key] = self.new_tracked(req)
                 if d.error:
                     fails.append((req, key, d.error))
                     continue
