@@ -207,7 +207,7 @@ def test_matmul_tiles_bit_equal_gpu(key):
     the tile may follow M), with the output dtype that shape's entry serves; "default" on a shape
     of no entry, bf16 and fp16, both outputs."""
     from mg_server.kernels.config import parse_tile
-    from mg_server.kernels.triton_ops import matmul_with_tile
+    from mg_server.kernels.matmul_triton import matmul_with_tile
     names = dict.fromkeys(K.KERNEL_CONFIG["matmul_tiles"][key])
     if key == "default":
         cases = [(1000, 4096, dt, out) for dt in (torch.bfloat16, torch.float16) for out in (None, torch.float32)]

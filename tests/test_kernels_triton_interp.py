@@ -63,7 +63,7 @@ SCRIPT = textwrap.dedent("""
     close(got, want, 1e-6)
     close(got[:5], full[rows[:5]], 1e-6)
     # split-K (16-bit weights with few column tiles): accurate, and rows do not depend on M
-    from mg_server.kernels import triton_ops as T
+    from mg_server.kernels import matmul_triton as T
     K.KERNEL_CONFIG["matmul_splitk"]["max_n_tiles"] = 32  # off in the table; the kernel stays tested
     xh = torch.randn(70, 2100).half(); wh = (torch.randn(300, 2100) * 0.05).half(); bh = torch.randn(300).half()
     assert T.use_splitk(300, 2100, torch.float16) and not T.use_splitk(300, 2100, torch.float32)

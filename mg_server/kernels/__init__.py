@@ -5,7 +5,7 @@ attention, on the request's keys/values up to the row's position) -- never on th
 rows in the call, the row's position in it, the thread count, or how a sequence is chunked
 into prefill pieces / decode steps.
 
-Dispatch is by tensor device: CUDA -> Triton kernels (`triton_ops`, `attention_triton`),
+Dispatch is by tensor device: CUDA -> Triton kernels (`matmul_triton`, `triton_ops`, `attention_triton`),
 anything else -> plain-torch exact-integer implementations (`cpu`).  CPU and GPU results are
 each self-consistent but NOT bit-equal to each other; `kernel_config_id(device)` names the
 numerics a result came from.
@@ -74,6 +74,11 @@ def _tri():
     return triton_ops
 
 
+def _mm():
+    from . import matmul_triton
+    return matmul_triton
+
+
 def _att():
     from . import attention_triton
     return attention_triton
@@ -88,7 +93,7 @@ def prepare_weight(w: Tensor):
 
 def matmul(x: Tensor, w, bias: Tensor | None = None, out_dtype: torch.dtype | None = None) -> Tensor:
     if _gpu(x) and not isinstance(w, PreparedWeight):
-        return _tri().matmul(x, w, bias, out_dtype)
+        return _mm().matmul(x, w, bias, out_dtype)
     return _cpu.matmul(x, w, bias, out_dtype)
 
 

@@ -77,7 +77,7 @@ def table_tiles(n: int, k: int, out_fp32: bool) -> list[dict]:
 
 def sweep(shapes: dict, ms: list[int], candidates: list[dict] | None) -> dict:
     """candidates None: each shape's own table tiles (a check of the table as it is)."""
-    from .triton_ops import matmul_with_tile
+    from .matmul_triton import matmul_with_tile
     base = KERNEL_CONFIG["matmul"]["bfloat16"]  # version 3's one tile: the bits to equal
     gen = torch.Generator(device="cpu").manual_seed(0)
     rows, bits = [], {}
