@@ -64,7 +64,8 @@ def metrics(url: str) -> dict:
             "resumes": c["mg_corrections_total"], "stops": c["mg_resume_stops_total"],
             "vsum": val("mg_verify_seconds_sum"), "vcount": val("mg_verify_seconds_count"),
             "fsum": val("mg_verifier_forward_seconds_sum"), "rsum": val("mg_verify_rows_sum"),
-            "csum": val("mg_control_seconds_sum"), "ccount": val("mg_control_seconds_count")}
+            "csum": val("mg_control_seconds_sum"), "ccount": val("mg_control_seconds_count"),
+            "arows": val("mg_prefill_ahead_rows_total")}
 
 
 def rates(before: dict, after: dict) -> dict:
@@ -79,7 +80,8 @@ def rates(before: dict, after: dict) -> dict:
             "calls_per_forward": d["vcount"] / d["ccount"] if d["ccount"] else None,
             "verify_call_ms": 1e3 * d["vsum"] / d["vcount"] if d["vcount"] else None,
             # the seam's time per forward whose rows were all fast-committed (mg_control_seconds)
-            "fast_control_ms": 1e3 * d["csum"] / d["ccount"] if d["ccount"] else None, "verify_calls": d["vcount"]}
+            "fast_control_ms": 1e3 * d["csum"] / d["ccount"] if d["ccount"] else None, "verify_calls": d["vcount"],
+            "prefill_ahead_rows": d["arows"]}
 
 
 def front_batch(url: str, rows: list[list[int]], max_new: int, n_det: int, singles: bool = False) -> dict:
@@ -121,11 +123,14 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
     measured noisier (H100, README: per-run stalls of ~1 s over half the steps), so it is an option.
     stream > 0: one streamed run per rep instead, a chunk every `stream` tokens, ms/step from the
     chunks' arrival times (stream_timing.py: prefill, first steps and the verdict's wait left out)."""
-    res = {s.name: {"det": {}, "plain": {}, "verdicts": {}} for s in servers}
+    res = {s.name: {"det": {}, "plain": {}, "verdicts": {}, "by_batch": {}} for s in servers}
     for bs in batches:
         rows = [prompts[i % len(prompts)] for i in range(bs)]
         n_det = {s.name: round(frac.get(s.name, 0.0) * bs) for s in servers}
         samples = {s.name: {"det": [], "plain": []} for s in servers}
+        # mg's counters around this batch size (warm-up included): its own trigger rate, verify
+        # calls and share of forwards that held, which the whole config's totals blur
+        before = {s.name: metrics(s.url) for s in servers if n_det[s.name]}
         for s in servers:
             front_batch(s.url, rows, 4, n_det[s.name], singles)  # warm this batch size
         for rep in range(reps):
@@ -151,6 +156,9 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
             for kind, xs in kinds.items():
                 if xs:
                     res[name][kind][bs] = {"median": statistics.median(xs), "all": xs}
+        for s in servers:
+            if s.name in before:
+                res[s.name]["by_batch"][bs] = rates(before[s.name], metrics(s.url))
     return res
 
 
@@ -161,7 +169,7 @@ def timed(base, srv, prompts, batches, new, reps, frac, singles=False, short=2, 
     ms = decode_ms([base, srv], prompts, batches, new, reps, {srv.name: frac}, singles, short, stream)
     mg = ms[srv.name]
     return {"base": ms[base.name]["plain"], "mg": mg["det"] or mg["plain"], "mg_plain": mg["plain"],
-            "verdicts": mg["verdicts"], **rates(before, metrics(srv.url))}
+            "verdicts": mg["verdicts"], "by_batch": mg["by_batch"], **rates(before, metrics(srv.url))}
 
 
 def run_model(name: str, args, prompts: dict, out: Path) -> dict:
@@ -185,16 +193,18 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             finally:
                 srv.stop()
             path.write_text(json.dumps(res, indent=2))
-        for rate, commit in args.configs:
+        for rate, commit, *rest in args.configs:
             always = rate == "always"
+            ahead = int(rest[0]) if rest else 0  # serve --mg-prefill-ahead
             tau = None if always else tau_for_rate(margins, float(rate))
-            flags = [] if always else ["--mg-tau", f"{tau:.6g}"]
+            flags = ([] if always else ["--mg-tau", f"{tau:.6g}"]) + (["--mg-prefill-ahead", str(ahead)] if ahead else [])
             srv = E.start(mdir, name, "always" if always else "margin", out,
                           [*flags, *seam, "--mg-commit", commit, *mem], args.device)
-            srv.name = f"{name}/{rate}/{commit}"
+            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "")
             try:
                 singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
-                cfg = {"target": rate, "tau": tau, "commit": commit, "det_requests": "single" if singles else "batch",
+                cfg = {"target": rate, "tau": tau, "commit": commit, "prefill_ahead": ahead,
+                       "det_requests": "single" if singles else "batch",
                        "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles,
                                     args.short_tokens, args.stream_interval),
                        "mixed": timed(base, srv, others, [b for b in args.batches if b >= 4],
@@ -202,7 +212,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
                                       args.stream_interval)}
             finally:
                 srv.stop()
-                srv.log_path.rename(out / f"server-{name}-{rate}-{commit}.log")  # one log per server
+                srv.log_path.rename(out / f"server-{srv.name.replace('/', '-')}.log")  # one log per server
             res["configs"].append(cfg)
             E.log(f"{name} {rate} {commit}: tau {tau}, trigger {cfg['det']['trigger']:.3f}, resumes "
                   f"{cfg['det']['resumes']:.0f}, verdicts {cfg['det']['verdicts']} {cfg['mixed']['verdicts']}")
@@ -251,7 +261,8 @@ def summarize(r: dict) -> str:
         vc = d["verify_call_ms"]
         verdicts = {k: d["verdicts"].get(k, 0) + m["verdicts"].get(k, 0)
                     for k in {*d.get("verdicts", {}), *m.get("verdicts", {})}}
-        label = "always" if c["target"] == "always" else f"margin ~{c['target']}"
+        label = ("always" if c["target"] == "always" else f"margin ~{c['target']}") + (
+            f", prefill ahead {c['prefill_ahead']}" if c.get("prefill_ahead") else "")
         mixed = [f"{pct(m['mg_plain'][b]['median'], m['base'][b]['median'])} / "
                  f"{pct(m['mg'][b]['median'], m['base'][b]['median'])}" if b in m.get("mg_plain", {}) else ""
                  for b in big]
@@ -261,6 +272,18 @@ def summarize(r: dict) -> str:
                      f"{'' if vc is None else format(vc, '.2f')} | "
                      + " | ".join(pct(d["mg"][b]["median"], d["base"][b]["median"]) for b in d["mg"]) + " | "
                      + " | ".join(mixed) + " |")
+    held = [(c, part, bs, x) for c in r["configs"] for part in ("det", "mixed")
+            for bs, x in sorted(c[part].get("by_batch", {}).items())]
+    if held:
+        lines += ["", "Per batch size (mg's counters around each batch size's runs):", "",
+                  "| config | traffic | bs | trigger | verify calls per deterministic forward | verify call ms | rows per call |",
+                  "|---|---|---|---|---|---|---|"]
+        for c, part, bs, x in held:
+            ahead = f", prefill ahead {c['prefill_ahead']}" if c.get("prefill_ahead") else ""
+            lines.append(f"| margin ~{c['target']}, {c.get('commit', 'hold')}{ahead} | "
+                         f"{'all det.' if part == 'det' else '25 % det.'} | {bs} | {100 * x['trigger']:.1f} % | "
+                         + " | ".join("" if x[k] is None else format(x[k], ".2f")
+                                      for k in ("calls_per_forward", "verify_call_ms", "rows_per_call")) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -317,7 +340,11 @@ def main() -> int:
     ap.add_argument("--commit", default="resume,hold",
                     help="serve --mg-commit modes to time at each rate (comma list; default resume,hold)")
     ap.add_argument("--configs", default="",
-                    help="RATE:COMMIT,... to time instead of every --rates x --commit pair (e.g. 0.1:hold,0.1:resume)")
+                    help="RATE:COMMIT[:N],... to time instead of every --rates x --commit pair (e.g. "
+                         "0.1:hold,0.1:resume; N: serve --mg-prefill-ahead N)")
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="> 0: lengthen every timed prompt to this many tokens (its own tokens repeated): the "
+                         "cost of long prompts' first checks (--mg-prefill-ahead)")
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--summarize", type=Path, nargs="+", metavar="JSON",
                     help="only print the tables of earlier results files (no GPU needed)")
@@ -337,6 +364,8 @@ def main() -> int:
     prompts = json.loads(E.PROMPTS_FILE.read_text())
     if args.limit:
         prompts = {k: v[: args.limit] for k, v in prompts.items()}
+    if args.prompt_tokens:  # the timed prompts only (tau still comes from the reference prompts' margins)
+        prompts["other"] = [(p * (args.prompt_tokens // len(p) + 1))[: args.prompt_tokens] for p in prompts["other"]]
     results = []
     for name in args.models.split(","):
         t0 = time.monotonic()

@@ -52,6 +52,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="longest wait for one verifier call (one catch-up chunk or one verify step; default 30)")
     s.add_argument("--mg-catchup-chunk", type=int, default=256, metavar="N",
                    help="tokens per verifier call when it catches up (long prompts; default 256)")
+    s.add_argument("--mg-prefill-ahead", type=int, default=0, metavar="N",
+                   help="experimental: teach the verifier every deterministic prompt of at least N tokens while "
+                        "the controller is idle, instead of in the request's first check, which holds the "
+                        "batch (default 0: off)")
     s.add_argument("--mg-seam", choices=["lagged", "sync"], default="lagged",
                    help="CUDA with the overlap scheduler: 'lagged' (default) decides deterministic rows one "
                         "forward late behind a device-side step gate; 'sync' reads their margins before "
@@ -139,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     model = _model_path(args.model)
     if not args.mg_drain_timeout >= 0:
         _parser().error("--mg-drain-timeout must be >= 0")
-    if not (args.mg_verify_timeout > 0 and args.mg_verdict_wait > 0 and args.mg_catchup_chunk >= 1):
-        _parser().error("--mg-verify-timeout and --mg-verdict-wait must be > 0, --mg-catchup-chunk >= 1")
+    if not (args.mg_verify_timeout > 0 and args.mg_verdict_wait > 0 and args.mg_catchup_chunk >= 1
+            and args.mg_prefill_ahead >= 0):
+        _parser().error("--mg-verify-timeout and --mg-verdict-wait must be > 0, --mg-catchup-chunk >= 1, "
+                        "--mg-prefill-ahead >= 0")
     if args.mg_verifier_memory_gb is not None and not args.mg_verifier_memory_gb > 0:
         _parser().error("--mg-verifier-memory-gb must be > 0")
     try:
@@ -168,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         drain_timeout_s=args.mg_drain_timeout,
         verify_timeout_s=args.mg_verify_timeout,
         catchup_chunk=args.mg_catchup_chunk,
+        prefill_ahead=args.mg_prefill_ahead,
         verdict_wait_s=args.mg_verdict_wait,
         lagged_commit=args.mg_seam == "lagged",
         commit=args.mg_commit,

@@ -89,6 +89,7 @@ class ServeConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: the longest wait for requests to drain before stopping
     verify_timeout_s: float = 30.0  # one verifier call (a catch-up chunk or a verify step)
     catchup_chunk: int = 256  # tokens per verifier call when it catches up
+    prefill_ahead: int = 0  # prompts of >= this many tokens are taught to the verifier while idle (0: off)
     verdict_wait_s: float = 120.0  # a response's longest wait for its verdict
     lagged_commit: bool = True  # CUDA + overlap: the one-forward-late seam (sglang_ext/lagged.py; --mg-seam)
     commit: str = "hold"  # "hold" | "resume": single non-streamed deterministic requests (--mg-commit)

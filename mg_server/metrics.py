@@ -75,7 +75,8 @@ class ControllerMetrics:
                                  multiprocess_mode="mostrecent")
         self.verify_errors = Counter("mg_verify_errors", "Verify calls that failed (timeout, verifier down, rejected)")
         self.verify_seconds = Histogram(
-            "mg_verify_seconds", "Latency of one verify call (all rows of a forward), seconds",
+            "mg_verify_seconds", "Latency of one verify call (all rows of a forward, with the catch-up chunks "
+            "sent before it), seconds",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
         )
         # The profile of a verify call: the verifier's own forward (the rest of mg_verify_seconds
@@ -85,6 +86,8 @@ class ControllerMetrics:
             "mg_verifier_forward_seconds", "The verifier's forward inside one verify call, seconds",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
         )
+        self.prefill_ahead = Counter("mg_prefill_ahead_rows", "Tokens taught to the verifier in the controller's "
+                                     "idle turns, ahead of their requests' checks (--mg-prefill-ahead)")
         self.verify_rows = Histogram(
             "mg_verify_rows", "Rows of the verifier forward serving one verify call (verified rows + catch-up)",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),

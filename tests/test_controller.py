@@ -424,3 +424,71 @@ def test_a_resume_point_that_ends_the_answer_needs_no_continuation(make_ctl):
                 correctable=True)
     c = ctl._verdict("y", correct=True).correction
     assert not c.resume and c.finish == "stop" and c.output == ref[:2]
+
+
+def _ahead_ctl(make_ctl, n=8, chunk=16):
+    from dataclasses import replace
+
+    ctl = make_ctl("margin", 0.5)
+    ctl.cfg = replace(ctl.cfg, prefill_ahead=n, catchup_chunk=chunk)
+    return ctl
+
+
+def _steps(ctl, rid, tokens, margins, first, flip_at=None, idle=0):
+    """Decide len(margins) steps of request rid (tokens: its tokens so far, extended), with `idle`
+    of the controller's idle turns (prefill ahead) after the first step."""
+    for k, m in enumerate(margins):
+        fast = ref_next(tokens) if k != flip_at else (ref_next(tokens) + 1) % 50
+        (d,) = ctl._step([P.StepRow(rid=rid, pos=len(tokens) - 1, prompt=list(tokens) if first and k == 0 else [],
+                                    margin=m, fast_token=fast)])
+        assert not d.error, d.error
+        tokens.append(d.token)
+        for _ in range(idle if k == 0 else 0):
+            ctl._prefill_ahead()
+    return tokens
+
+
+def test_a_prompt_is_taught_ahead_in_idle_turns_so_its_first_check_carries_only_what_followed(make_ctl):
+    ctl = _ahead_ctl(make_ctl)
+    prompt = [(7 * i) % 50 for i in range(30)]
+    emitted = _steps(ctl, "a", list(prompt), [3.0, 3.0, 0.1, 3.0], first=True, idle=3)
+    items = ctl.vclient.items
+    # two chunks of the prompt (16 + 14 tokens; the second audits the first decided token), then
+    # the low-margin check at step 2 with only the two tokens that followed
+    assert [len(it.tokens) for it in items] == [16, 14, 2] and items[0].prompt_len == 30
+    assert "a" not in ctl.ahead and ctl.m.prefill_ahead._value.get() == 30
+    ctl._finish(P.Finish(rid="a", output=emitted[len(prompt):]))
+    v = ctl._verdict("a")
+    assert v.state == "verified" and v.verified_steps == 1
+    assert sum(len(it.tokens) for it in ctl.vclient.items) == len(emitted) - 1  # each token once, in order
+
+
+def test_the_prefill_ahead_audits_the_first_decided_token(make_ctl):
+    ctl = _ahead_ctl(make_ctl)
+    prompt = [(7 * i) % 50 for i in range(30)]
+    emitted = _steps(ctl, "m", list(prompt), [3.0, 3.0], first=True, flip_at=0, idle=2)  # a missed flip at step 0
+    assert ctl.reqs["m"].mismatches == [29] and "m" not in ctl.ahead
+    ctl._finish(P.Finish(rid="m", output=emitted[len(prompt):]))
+    assert ctl._verdict("m").state == "mismatch"
+
+
+def test_short_prompts_other_modes_and_a_failing_verifier_are_left_to_the_checks(make_ctl):
+    ctl = _ahead_ctl(make_ctl)
+    _steps(ctl, "short", [1, 2, 3], [3.0], first=True)
+    assert not ctl.ahead  # below --mg-prefill-ahead
+    fake, calls = ctl.vclient, []
+
+    def failing(items, timeout_s=None):
+        calls.append(items)
+        return [P.ErrorReply(code=P.ErrorCode.TIMEOUT, message="deadline passed", rid=it.rid) for it in items]
+
+    ctl.vclient = type("Failing", (), {"verify_many": staticmethod(failing)})()
+    tokens = _steps(ctl, "f", list(range(20)), [3.0], first=True, idle=2)
+    assert len(calls) == 1 and not ctl.ahead  # one try, then dropped: no retry loop
+    ctl.vclient = fake  # the request's own check catches up the whole prompt
+    _steps(ctl, "f", tokens, [0.1], first=False)
+    assert [len(it.tokens) for it in fake.items if it.rid == "f"] == [16, 5] and not ctl.reqs["f"].error
+    ctl2 = _ahead_ctl(make_ctl)
+    ctl2.cfg = type(ctl2.cfg)(**{**ctl2.cfg.__dict__, "mode": "always"})
+    _steps(ctl2, "x", list(range(20)), [0.0], first=True)
+    assert not ctl2.ahead  # mode always checks every step anyway

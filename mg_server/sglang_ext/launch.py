@@ -168,7 +168,7 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
     )
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
                             metrics_dir=cfg.metrics_dir, verifier=verifier, verify_timeout_s=cfg.verify_timeout_s,
-                            catchup_chunk=cfg.catchup_chunk)
+                            catchup_chunk=cfg.catchup_chunk, prefill_ahead=cfg.prefill_ahead)
     proc = start_controller(ccfg)
 
     def controller_gone() -> str:  # a dead or stopped controller fails the start now, not after start_timeout_s

@@ -49,6 +49,42 @@ class AuditMixin:
             self._missed_flip(rid, st, pos, what, res.token)
         st.verifier_len = pos + 1
 
+    def _prefill_ahead(self) -> None:
+        """One idle turn's verifier call: a chunk (catchup_chunk tokens) of each waiting request's
+        prompt and decided tokens, up to the last position whose next token is decided (that
+        token is audited, as any catch-up's). A request leaves `ahead` once its prompt is taught,
+        or when it failed, finished or diverged. A failed call changes nothing: the request's
+        next check catches up itself (and fails there if the verifier does)."""
+        from mg_server.runtime.verifier.client import VerifierError
+
+        batch = []
+        for rid in list(self.ahead)[:AUDIT_ITEMS]:
+            st = self.reqs.get(rid)
+            last = len(st.tokens) - 2 if st is not None else -1  # t_{last+1} is decided
+            if st is None or st.error or st.finished_at or st.mismatches or st.verifier_len >= st.prompt_len:
+                del self.ahead[rid]
+            elif last >= st.verifier_len:  # (else its first step is not decided yet)
+                batch.append((rid, st, min(last, st.verifier_len + self.cfg.catchup_chunk - 1)))
+        if not batch:
+            return
+        try:
+            if not self.verifier_up():
+                raise VerifierError(P.ErrorCode.PEER_DOWN, "the verifier is not running")
+            results = self.vclient.verify_many([self._item(rid, st, pos) for rid, st, pos in batch])
+        except VerifierError as e:  # (no retry: the idle loop would spin on a failing verifier)
+            log.warning("prefill ahead of %d request(s) failed: %s", len(batch), e)
+            results = [P.ErrorReply(code=e.code, message=e.message) for _ in batch]
+        for (rid, st, pos), res in zip(batch, results):
+            if not isinstance(res, P.ErrorReply):
+                self.m.prefill_ahead.inc(pos + 1 - st.verifier_len)
+                if pos >= st.prompt_len - 1:  # t_{pos+1} was decided: audit it too
+                    self._audit_through(rid, st, pos, res, "token after a prefill ahead")
+                else:  # t_{pos+1} is the prompt's: as a catch-up chunk (controller.catchup)
+                    self._audit(rid, st, res)
+                    st.verifier_len = pos + 1
+            if isinstance(res, P.ErrorReply) or st.verifier_len >= st.prompt_len:
+                del self.ahead[rid]
+
     def _finish(self, msg: P.Finish) -> None:
         st = self.reqs.get(msg.rid)
         if st is None:

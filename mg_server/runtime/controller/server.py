@@ -59,6 +59,10 @@ class ControllerConfig:
     # Catch-up (prompt prefill, unverified stretches) goes to the verifier in calls of at most
     # this many tokens, so verify_timeout_s bounds one chunk, not a whole long prompt.
     catchup_chunk: int = 256
+    # Prompts of at least this many tokens are taught to the verifier in the controller's idle
+    # turns, ahead of the request's first check, so a held forward does not wait for that
+    # prefill (0: off; experimental, --mg-prefill-ahead; audit.AuditMixin._prefill_ahead).
+    prefill_ahead: int = 0
     start_timeout_s: float = 300.0  # verifier model load
     verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept
     parent_pid: int = 0  # mg-server's pid: the controller exits once it is gone (0: no watch)
@@ -73,6 +77,7 @@ class Controller(AuditMixin):
         self.policy = Policy(cfg.mode, cfg.tau)
         self.m = controller_metrics()
         self.reqs: dict[str, ReqState] = {}
+        self.ahead: dict[str, None] = {}  # live requests whose prompt the verifier has not been taught yet
         # Finished requests whose tail audit waits until no Step is queued (or their verdict is
         # asked for): a Step holds up an SGLang forward, an audit holds up nobody yet.
         self.pending: dict[str, None] = {}
@@ -220,6 +225,8 @@ class Controller(AuditMixin):
         self.pending.pop(row.rid, None)  # a finished request of the same id: its verdict is replaced
         st = self.reqs[row.rid] = ReqState(tokens=list(row.prompt), prompt_len=len(row.prompt),
                                            temperature=row.temperature, seed=row.seed)
+        if 0 < self.cfg.prefill_ahead <= len(row.prompt) and self.cfg.mode == "margin" and not row.resumable:
+            self.ahead[row.rid] = None
         return st
 
     def _catch_up(self, rid: str, st: ReqState, pos: int) -> str:
@@ -228,11 +235,12 @@ class Controller(AuditMixin):
                         st, pos, self.cfg.catchup_chunk)
 
     def _verify(self, batch, decisions: list[P.StepDecision]) -> None:
+        t0 = time.perf_counter()  # what the held forward waits for: the catch-up chunks too
         for i, row, st in batch:  # errors fail the row like a failed verify below
             st.error = decisions[i].error = self._catch_up(row.rid, st, row.pos)
         if not (batch := [(i, row, st) for i, row, st in batch if not st.error]):
             return
-        results = self._call_verifier([self._item(row.rid, st, row.pos) for _, row, st in batch])
+        results = self._call_verifier([self._item(row.rid, st, row.pos) for _, row, st in batch], t0)
         for (i, row, st), res in zip(batch, results):
             d = decisions[i]
             if isinstance(res, P.ErrorReply):
@@ -252,11 +260,12 @@ class Controller(AuditMixin):
                 self.m.flip_margin.observe(row.margin)
             st.tokens.append(d.token)
 
-    def _call_verifier(self, items: list[P.VerifyItem]) -> list[P.VerifyResult | P.ErrorReply]:
-        """One verify call (its items share one batched forward), timed; errors become replies."""
+    def _call_verifier(self, items: list[P.VerifyItem], t0: float | None = None) -> list[P.VerifyResult | P.ErrorReply]:
+        """One verify call (its items share one batched forward), timed from t0 (default: now);
+        errors become replies."""
         from mg_server.runtime.verifier.client import VerifierError
 
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if t0 is None else t0
         try:
             results = self.vclient.verify_many(items)
         except VerifierError as e:
@@ -311,11 +320,13 @@ class Controller(AuditMixin):
         Orphaning is the lifeline's job: it exits the process whatever this loop is doing."""
         last = time.monotonic()
         while self.running:
-            if not self.sock.poll(0 if self.pending or self.checks else 200):
+            if not self.sock.poll(0 if self.pending or self.checks or self.ahead else 200):
                 if self.checks:  # idle: check the resumable requests' low-margin steps first
                     self._run_checks()
                 elif self.pending:  # idle: run deferred tail audits, a few at a time (a Step may come)
                     self._complete(list(self.pending)[:IDLE_AUDITS])
+                elif self.ahead:  # idle: teach the verifier new requests' prompts (one call)
+                    self._prefill_ahead()
                 else:  # idle: notice a dead verifier without traffic (health, metric)
                     self.verifier_up()
                 if idle_exit_s and time.monotonic() - last > idle_exit_s:
