@@ -276,7 +276,7 @@ def summarize(r: dict) -> str:
             for bs, x in sorted(c[part].get("by_batch", {}).items())]
     if held:
         lines += ["", "Per batch size (mg's counters around each batch size's runs):", "",
-                  "| config | traffic | bs | trigger | verify calls per deterministic forward | verify call ms | rows per call |",
+                  "| config | traffic | bs | trigger | verify calls per deterministic forward (lagged seam) | verify call ms | rows per call |",
                   "|---|---|---|---|---|---|---|"]
         for c, part, bs, x in held:
             ahead = f", prefill ahead {c['prefill_ahead']}" if c.get("prefill_ahead") else ""
