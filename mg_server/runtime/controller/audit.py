@@ -53,8 +53,8 @@ class AuditMixin:
         """One idle turn's verifier call: a chunk (catchup_chunk tokens) of each waiting request's
         prompt and decided tokens, up to the last position whose next token is decided (that
         token is audited, as any catch-up's). A request leaves `ahead` once its prompt is taught,
-        or when it failed, finished or diverged. A failed call changes nothing: the request's
-        next check catches up itself (and fails there if the verifier does)."""
+        or when it failed, finished or diverged, or when this call failed for it: then its next
+        check catches up itself, as without prefill ahead (and fails there if the verifier does)."""
         from mg_server.runtime.verifier.client import VerifierError
 
         batch = []
