@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mg_server.evaluation.determinism import scrape as scrape_names  # noqa: E402
 from mg_server.evaluation.server_process import ServerProcess  # noqa: E402
 
 COUNTERS = ("mg_prefill_ahead_rows_total", "mg_verify_rows_sum", "mg_verify_rows_count", "mg_verify_seconds_sum",
@@ -35,12 +35,7 @@ TOPICS = ["a transformer decodes text", "a compiler optimizes loops", "a databas
 
 
 def scrape(url: str) -> dict[str, float]:
-    text = requests.get(url + "/metrics", timeout=30).text
-    out = {}
-    for name in COUNTERS:
-        m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-        out[name] = float(m.group(1)) if m else 0.0
-    return out
+    return {k: v for k, v in scrape_names(url, COUNTERS).items() if k in COUNTERS}
 
 
 def run(ahead: int, args, log_dir: Path) -> dict:

@@ -95,6 +95,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _port_taken(host: str, port: int) -> str:
+    """Why SGLang's HTTP server could not listen on host:port, else "". Checked before anything
+    starts: a bind failure inside SGLang's server is logged and then hangs in its shutdown
+    (measured: `serve` on a busy port never exited). SO_REUSEADDR as uvicorn sets it, so a port
+    in TIME_WAIT is not reported."""
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except (OSError, OverflowError) as e:  # (socket.gaierror included: an unknown host; a port > 65535)
+        return f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}"
+    return ""
+
+
 def _model_path(model: str | None) -> str:
     """The --model folder, else the embedded SmolLM2 (prepared on first use)."""
     if model is not None:
@@ -140,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"mg-server: {e}", file=sys.stderr)
             return 2
+    if why := _port_taken(args.host, args.port):
+        print(f"mg-server: {why}", file=sys.stderr)
+        return 2
     model = _model_path(args.model)
     if not args.mg_drain_timeout >= 0:
         _parser().error("--mg-drain-timeout must be >= 0")

@@ -84,3 +84,22 @@ def test_kill_9_of_mg_server_during_start_up_leaves_no_process(tmp_path, prepare
         assert wait_until(lambda: not running(seen), GONE_WITHIN_S), {p: seen[p] for p in running(seen)}
     finally:
         srv.stop()
+
+
+def test_a_port_in_use_fails_the_start_at_once(tmp_path):
+    # Before: SGLang's server logged the bind error and then hung in its shutdown, for good.
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        srv = ServerProcess(["--host", "127.0.0.1"], tmp_path / "server.log", port=port)
+        try:
+            rc, took, log = _exit(srv, t0)
+        finally:
+            srv.stop()
+    assert rc == 2 and took < FAIL_WITHIN_S, log[-2000:]
+    assert f"mg-server: cannot listen on 127.0.0.1:{port}: Address already in use" in log
+    assert "mg::verifier" not in log and "SGLang compatibility" not in log  # nothing was started

@@ -71,10 +71,11 @@ class Report:
         return d
 
 
-def scrape(url: str) -> dict[str, float]:
+def scrape(url: str, names: tuple[str, ...] = MG_COUNTERS) -> dict[str, float]:
+    """mg's counters `names` (unlabelled samples, 0 where absent) and its steps by decision."""
     text = requests.get(url + "/metrics", timeout=30).text
     out = {}
-    for name in MG_COUNTERS:
+    for name in names:
         m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
     for decision in ("fast", "verify"):

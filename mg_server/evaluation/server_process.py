@@ -14,7 +14,25 @@ import requests
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free port below the kernel's ephemeral range. Why: a port the OS handed out for port 0
+    is in that range, and once closed it can be handed again to a bind of port 0 in the server
+    starting on it (its own internal sockets) before the HTTP server binds it (seen once in CI:
+    `address already in use`, then a server that never became ready)."""
+    import random
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default start
+    for _ in range(100):
+        port = random.randrange(10000, max(10001, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # (no free port there: the OS's choice)
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
