@@ -492,3 +492,19 @@ def test_short_prompts_other_modes_and_a_failing_verifier_are_left_to_the_checks
     ctl2.cfg = type(ctl2.cfg)(**{**ctl2.cfg.__dict__, "mode": "always"})
     _steps(ctl2, "x", list(range(20)), [0.0], first=True)
     assert not ctl2.ahead  # mode always checks every step anyway
+
+
+def test_one_idle_turn_teaches_at_most_one_chunk_in_all(make_ctl):
+    # the verify timeout bounds a call of catchup_chunk tokens, and a Step arriving during an idle
+    # turn's call waits for it: the chunk is shared by the waiting requests, in order
+    ctl = _ahead_ctl(make_ctl, n=8, chunk=16)
+    calls = []
+    fake = ctl.vclient
+    ctl.vclient = type("Recording", (), {"verify_many": staticmethod(
+        lambda items, timeout_s=None: calls.append([len(it.tokens) for it in items]) or fake.verify_many(items))})()
+    _steps(ctl, "a", list(range(1, 21)), [3.0], first=True)
+    _steps(ctl, "b", list(range(2, 22)), [3.0], first=True)
+    while ctl.ahead:
+        ctl._prefill_ahead()
+    assert calls == [[16], [4, 12], [8]]
+    assert ctl.reqs["a"].verifier_len == ctl.reqs["b"].verifier_len == 20

@@ -50,21 +50,25 @@ class AuditMixin:
         st.verifier_len = pos + 1
 
     def _prefill_ahead(self) -> None:
-        """One idle turn's verifier call: a chunk (catchup_chunk tokens) of each waiting request's
-        prompt and decided tokens, up to the last position whose next token is decided (that
-        token is audited, as any catch-up's). A request leaves `ahead` once its prompt is taught,
-        or when it failed, finished or diverged, or when this call failed for it: then its next
-        check catches up itself, as without prefill ahead (and fails there if the verifier does)."""
+        """One idle turn's verifier call, catchup_chunk tokens in all (so the verify timeout bounds
+        it, and a Step that comes meanwhile waits for one chunk's forward at most): the waiting
+        requests' prompts and decided tokens in order, each up to the last position whose next
+        token is decided (that token is audited, as any catch-up's). A request leaves `ahead` once
+        its prompt is taught, or when it failed, finished or diverged, or when this call failed for
+        it: then its next check catches up itself, as without prefill ahead (and fails there if
+        the verifier does)."""
         from mg_server.runtime.verifier.client import VerifierError
 
-        batch = []
-        for rid in list(self.ahead)[:AUDIT_ITEMS]:
+        batch, budget = [], self.cfg.catchup_chunk
+        for rid in list(self.ahead):
             st = self.reqs.get(rid)
             last = len(st.tokens) - 2 if st is not None else -1  # t_{last+1} is decided
             if st is None or st.error or st.finished_at or st.mismatches or st.verifier_len >= st.prompt_len:
                 del self.ahead[rid]
-            elif last >= st.verifier_len:  # (else its first step is not decided yet)
-                batch.append((rid, st, min(last, st.verifier_len + self.cfg.catchup_chunk - 1)))
+            elif last >= st.verifier_len and budget > 0 and len(batch) < AUDIT_ITEMS:
+                pos = min(last, st.verifier_len + budget - 1)
+                budget -= pos + 1 - st.verifier_len
+                batch.append((rid, st, pos))
         if not batch:
             return
         try:
