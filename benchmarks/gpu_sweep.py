@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -48,24 +47,18 @@ def tau_for_rate(margins: list[float], rate: float) -> float:
 
 
 def metrics(url: str) -> dict:
-    """mg's step counters (evaluation.determinism.scrape) and the verify/control histograms' sums."""
-    import requests
+    """mg's step counters and the verify/control histograms' sums, from one /metrics read
+    (evaluation.determinism.scrape)."""
+    from mg_server.evaluation.determinism import MG_COUNTERS, scrape
 
-    from mg_server.evaluation.determinism import scrape
-
-    c = scrape(url)
-    text = requests.get(url + "/metrics", timeout=30).text
-
-    def val(name: str) -> float:
-        m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-        return float(m.group(1)) if m else 0.0
-
+    sums = {"vsum": "mg_verify_seconds_sum", "vcount": "mg_verify_seconds_count",
+            "fsum": "mg_verifier_forward_seconds_sum", "rsum": "mg_verify_rows_sum",
+            "csum": "mg_control_seconds_sum", "ccount": "mg_control_seconds_count",
+            "arows": "mg_prefill_ahead_rows_total"}
+    c = scrape(url, (*MG_COUNTERS, *sums.values()))
     return {"fast": c["steps_fast"], "verify": c["steps_verify"], "repair": c["mg_repair_total"],
             "resumes": c["mg_corrections_total"], "stops": c["mg_resume_stops_total"],
-            "vsum": val("mg_verify_seconds_sum"), "vcount": val("mg_verify_seconds_count"),
-            "fsum": val("mg_verifier_forward_seconds_sum"), "rsum": val("mg_verify_rows_sum"),
-            "csum": val("mg_control_seconds_sum"), "ccount": val("mg_control_seconds_count"),
-            "arows": val("mg_prefill_ahead_rows_total")}
+            **{k: c[name] for k, name in sums.items()}}
 
 
 def rates(before: dict, after: dict) -> dict:
