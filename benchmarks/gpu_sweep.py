@@ -188,15 +188,17 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             path.write_text(json.dumps(res, indent=2))
         for rate, commit, *rest in args.configs:
             always = rate == "always"
-            ahead = int(rest[0]) if rest else 0  # serve --mg-prefill-ahead
+            ahead = next((int(x) for x in rest if x.isdigit()), 0)  # serve --mg-prefill-ahead
+            early = "off" if "late" in rest else "on"  # serve --mg-early-verify
             tau = None if always else tau_for_rate(margins, float(rate))
-            flags = ([] if always else ["--mg-tau", f"{tau:.6g}"]) + (["--mg-prefill-ahead", str(ahead)] if ahead else [])
+            flags = (([] if always else ["--mg-tau", f"{tau:.6g}"]) + (["--mg-prefill-ahead", str(ahead)] if ahead else [])
+                     + ["--mg-early-verify", early])
             srv = E.start(mdir, name, "always" if always else "margin", out,
                           [*flags, *seam, "--mg-commit", commit, *mem], args.device)
-            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "")
+            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/late" if early == "off" else "")
             try:
                 singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
-                cfg = {"target": rate, "tau": tau, "commit": commit, "prefill_ahead": ahead,
+                cfg = {"target": rate, "tau": tau, "commit": commit, "prefill_ahead": ahead, "early_verify": early,
                        "det_requests": "single" if singles else "batch",
                        "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles,
                                     args.short_tokens, args.stream_interval),
@@ -229,6 +231,12 @@ def load(path: Path) -> dict:
     return ints(json.loads(path.read_text()))
 
 
+def _variant(c: dict) -> str:
+    """A configuration's serve flags beyond rate and commit, for the tables."""
+    return ((f", prefill ahead {c['prefill_ahead']}" if c.get("prefill_ahead") else "")
+            + (", early verify off" if c.get("early_verify") == "off" else ""))
+
+
 def summarize(r: dict) -> str:
     """The README table: ms/step (overhead vs plain SGLang) per configuration and batch size;
     in mixed batches, the plain neighbours' ms/step, then the deterministic rows'."""
@@ -254,8 +262,7 @@ def summarize(r: dict) -> str:
         vc = d["verify_call_ms"]
         verdicts = {k: d["verdicts"].get(k, 0) + m["verdicts"].get(k, 0)
                     for k in {*d.get("verdicts", {}), *m.get("verdicts", {})}}
-        label = ("always" if c["target"] == "always" else f"margin ~{c['target']}") + (
-            f", prefill ahead {c['prefill_ahead']}" if c.get("prefill_ahead") else "")
+        label = ("always" if c["target"] == "always" else f"margin ~{c['target']}") + _variant(c)
         mixed = [f"{pct(m['mg_plain'][b]['median'], m['base'][b]['median'])} / "
                  f"{pct(m['mg'][b]['median'], m['base'][b]['median'])}" if b in m.get("mg_plain", {}) else ""
                  for b in big]
@@ -272,8 +279,7 @@ def summarize(r: dict) -> str:
                   "| config | traffic | bs | trigger | verify calls per deterministic forward (lagged seam) | verify call ms | rows per call |",
                   "|---|---|---|---|---|---|---|"]
         for c, part, bs, x in held:
-            ahead = f", prefill ahead {c['prefill_ahead']}" if c.get("prefill_ahead") else ""
-            lines.append(f"| margin ~{c['target']}, {c.get('commit', 'hold')}{ahead} | "
+            lines.append(f"| margin ~{c['target']}{_variant(c)}, {c.get('commit', 'hold')} | "
                          f"{'all det.' if part == 'det' else '25 % det.'} | {bs} | {100 * x['trigger']:.1f} % | "
                          + " | ".join("" if x[k] is None else format(x[k], ".2f")
                                       for k in ("calls_per_forward", "verify_call_ms", "rows_per_call")) + " |")
@@ -333,8 +339,8 @@ def main() -> int:
     ap.add_argument("--commit", default="resume,hold",
                     help="serve --mg-commit modes to time at each rate (comma list; default resume,hold)")
     ap.add_argument("--configs", default="",
-                    help="RATE:COMMIT[:N],... to time instead of every --rates x --commit pair (e.g. "
-                         "0.1:hold,0.1:resume; N: serve --mg-prefill-ahead N)")
+                    help="RATE:COMMIT[:N][:late],... to time instead of every --rates x --commit pair (e.g. "
+                         "0.1:hold,0.1:hold:late; N: serve --mg-prefill-ahead N; late: --mg-early-verify off)")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="> 0: lengthen every timed prompt to this many tokens (its own tokens repeated): the "
                          "cost of long prompts' first checks (--mg-prefill-ahead)")

@@ -60,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="CUDA with the overlap scheduler: 'lagged' (default) decides deterministic rows one "
                         "forward late behind a device-side step gate; 'sync' reads their margins before "
                         "sampling (slower: README, GPU performance). CPU and no-overlap runs always use sync")
+    s.add_argument("--mg-early-verify", choices=["on", "off"], default="on",
+                   help="lagged seam: 'on' (default) verifies a forward's low-margin rows as soon as the GPU "
+                        "has decided them, from a thread of SGLang's scheduler process; 'off' waits for the "
+                        "scheduler's next sampler call, one host step later")
     s.add_argument("--mg-commit", choices=["hold", "resume"], default="hold",
                    help="single non-streamed deterministic requests: 'hold' (default) waits for the verifier at "
                         "each low-margin step, as streams and batch bodies always do; 'resume' (experimental) "
@@ -197,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill_ahead=args.mg_prefill_ahead,
         verdict_wait_s=args.mg_verdict_wait,
         lagged_commit=args.mg_seam == "lagged",
+        early_verify=args.mg_early_verify == "on",
         commit=args.mg_commit,
         verifier_memory_gb=args.mg_verifier_memory_gb,
     )

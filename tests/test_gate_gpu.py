@@ -244,3 +244,31 @@ def test_decide_and_force_kernels_match_their_torch_reference():
         want[rows] = float("-inf")
         want[rows, chosen.cpu()] = 0.0
         assert torch.equal(lgd.cpu(), want), (always, tau, odd)
+
+
+def test_a_waiting_thread_wakes_at_the_publish_while_the_stream_is_held():
+    """Early verify (sglang_ext/lagged.py): another thread sleeps on the event recorded between
+    the publish kernel and the stream wait; it must wake with the values out while the gate still
+    holds (an event after the wait would never fire before the answer), and answer it."""
+    gpu, _, dev = _setup()
+    gpu.watch_publish()
+    woke = {}
+
+    def early():
+        gpu.bind_thread()
+        gpu.wait_published()
+        woke["published"], woke["acked"] = gpu.published(1, N), gpu.acked(1)
+        _answer(gpu, 1, [])
+
+    chosen = torch.full((N,), -1, dtype=torch.int64, device=dev)
+    slow = torch.randn(4096, 4096, device=dev)
+    torch.cuda.synchronize()
+    for _ in range(20):  # ~50 ms of GPU work ahead of the publish: the thread must really wait for it
+        slow = slow @ slow / 64
+    gpu.launch(*_inputs(dev, [0, 1, 0, 0, 0]), chosen, 1)
+    th = threading.Thread(target=early)  # (after the launch: an event never recorded counts as done)
+    th.start()
+    th.join(10)
+    assert not th.is_alive() and woke == {"published": True, "acked": None}
+    torch.cuda.synchronize()
+    assert gpu.acked(1) == 1 and chosen.cpu().tolist() == [11, 112, 13, 14, 15]

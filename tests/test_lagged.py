@@ -5,6 +5,9 @@ device is told (which rows need the verifier, the gate), what the host does one 
 gate is kernels.gate's CPU reference here (its CUDA kernel is checked against that reference in
 tests/test_gate_gpu.py)."""
 
+import sys
+import threading
+import time
 from types import SimpleNamespace
 
 import torch
@@ -25,15 +28,15 @@ class Slots:
         self.gens[5] = 9
 
 
-def lagged_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy):
+def lagged_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy, early=False):
     """A seam on the lagged path with the CPU reference gate, its launches and answers recorded
     in seam.gates = SimpleNamespace(gates=[(need_any, target)], releases=[target])."""
     from mg_server.sglang_ext.lagged import LaggedControl
 
     seam = make_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy=policy)
     seam.link.slots = Slots(seam.link.slots.col)
-    seam.lagged = LaggedControl(seam, torch.device("cpu"))
-    log = seam.gates = SimpleNamespace(gates=[], releases=[])
+    seam.lagged = LaggedControl(seam, torch.device("cpu"), early=early)
+    log = seam.gates = SimpleNamespace(gates=[], releases=[], threads=[])
     gate = seam.lagged.gate
     launch, release = gate.launch, gate.release
 
@@ -43,6 +46,7 @@ def lagged_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy):
 
     def rec_release(target, tokens, repairs):
         log.releases.append(target)
+        log.threads.append(threading.current_thread().name)
         release(target, tokens, repairs)
 
     monkeypatch.setattr(gate, "launch", rec_launch)
@@ -353,3 +357,36 @@ def test_a_resumable_low_margin_step_never_holds_the_gate(hook_mod, runner, tmp_
     # stop strings (a text rule the resume cannot follow): never resumable, whatever the flag
     text = FakeReq("t", [1, 2], pool_idx=2, custom_params={RESUME_PARAM: True}, stop_strs=["\n"])
     assert not hook_mod.resumable(text) and hook_mod.resumable(lazy)
+
+
+def test_early_verify_answers_a_holding_gate_without_waiting_for_the_next_sampler_call(hook_mod, runner, tmp_path,
+                                                                                       monkeypatch):
+    """--mg-early-verify: the thread verifies a holding forward once it is published (the
+    scheduler thread never drains here), repairs and answers it; fast-only forwards are left to
+    the scheduler's next drain, as without it."""
+    from mg_server.sglang_ext import lagged
+
+    switch = sys.getswitchinterval()
+    try:
+        seam = lagged_seam(hook_mod, runner, _verify, tmp_path, monkeypatch, Policy("margin", 0.5), early=True)
+        gates, client, gate = seam.gates, seam.link.client, seam.lagged.gate
+        req = FakeReq("e", [4, 5])
+        seam(None, sampler_args([(req, True)], logits_with(20, 0.1), [1]))
+        deadline = time.monotonic() + 5
+        while gate.acked(1) is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert gate.acked(1) == 1 and gates.threads == ["mg-early-verify"]  # released by the thread
+        assert seam.lagged.chosen[:1].tolist() == [21] and [r.pos for r in client.rows] == [1]
+        assert not seam.lagged.pending and seam.link.tracked["e"].tokens == [4, 5, 21]
+        pool = runner.token_to_kv_pool
+        assert torch.equal(pool.k_buffer[0][11], seam.link.slots.data[5, 0, 0])  # repaired
+        assert sys.getswitchinterval() <= lagged.EARLY_SWITCH_S
+        # a fast-only forward: not the thread's (the next sampler call reports it, as before)
+        seam(None, sampler_args([(req, True)], logits_with(7, 3.0), [2]))
+        time.sleep(0.3)
+        assert client.reported == [] and len(seam.lagged.pending) == 1
+        seam.lagged.drain(wait=True)
+        assert [r.pos for r in client.reported] == [2] and [r.pos for r in client.rows] == [1]
+        assert gates.releases == [1] and seam.link.tracked["e"].tokens == [4, 5, 21, 7]
+    finally:
+        sys.setswitchinterval(switch)

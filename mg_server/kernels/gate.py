@@ -134,19 +134,28 @@ def _apply_kernel(fast_ptr, need_ptr, chosen_ptr,  # [n] device
 _PUBLISH = Launcher(_publish_kernel, constexprs=1, num_warps=4)
 _APPLY = Launcher(_apply_kernel, constexprs=4, num_warps=4)
 
-_WAIT_VALUE = []  # [cuStreamWaitValue64_v2], loaded on first use
+_DRIVER: dict = {}  # CUDA driver entry points, loaded on first use
+_VP, _U64, _UINT = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint
+_SIGNATURES = {"cuStreamWaitValue64_v2": [_VP, _U64, _U64, _UINT], "cuEventCreate": [ctypes.POINTER(_VP), _UINT],
+               "cuEventRecord": [_VP, _VP], "cuEventSynchronize": [_VP],
+               "cuCtxGetCurrent": [ctypes.POINTER(_VP)], "cuCtxSetCurrent": [_VP]}
+
+
+def _cu(name: str, *args) -> None:
+    """Call a CUDA driver function; raise on an error. (ctypes drops the GIL for the call.)"""
+    fn = _DRIVER.get(name)
+    if fn is None:
+        fn = getattr(ctypes.CDLL("libcuda.so.1"), name)
+        fn.argtypes, fn.restype = _SIGNATURES[name], ctypes.c_int
+        _DRIVER[name] = fn
+    rc = fn(*args)
+    if rc != 0:
+        raise RuntimeError(f"{name} failed (CUresult {rc})")
 
 
 def _stream_wait_geq(stream: int, address: int, value: int) -> None:
     """Enqueue on `stream`: wait until the 64-bit word at `address` (device-visible) is >= value."""
-    if not _WAIT_VALUE:
-        fn = ctypes.CDLL("libcuda.so.1").cuStreamWaitValue64_v2
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-        fn.restype = ctypes.c_int
-        _WAIT_VALUE.append(fn)
-    rc = _WAIT_VALUE[0](ctypes.c_void_p(stream), address, value, 0)  # 0: CU_STREAM_WAIT_VALUE_GEQ
-    if rc != 0:
-        raise RuntimeError(f"cuStreamWaitValue64 failed (CUresult {rc})")
+    _cu("cuStreamWaitValue64_v2", _VP(stream), address, value, 0)  # 0: CU_STREAM_WAIT_VALUE_GEQ
 
 
 class _Mailboxes:
@@ -195,6 +204,21 @@ class _Mailboxes:
         """The gate's status once applied (0 passed, 1 released, 2 opened unanswered), else None."""
         return int(self._ack[1]) if self._ack[0] == target else None
 
+    def holding(self, target: int, n: int) -> bool:
+        """Published, and some row needs the verifier: the stream waits for the host."""
+        return self.published(target, n) and bool((self._out[4:1 + 5 * n:5] != 0).any())
+
+    # The early-verify thread's wait (sglang_ext/lagged.py): the reference gate publishes inside
+    # launch, so there is nothing to wait for; StepGate overrides these three.
+    def watch_publish(self) -> None:
+        """From now on, let wait_published() block until each launch's values are out."""
+
+    def bind_thread(self) -> None:
+        """Make the calling thread able to wait (once per thread)."""
+
+    def wait_published(self) -> None:
+        """Block (without the GIL) until the last launch's publish kernel has run."""
+
 
 class StepGate(_Mailboxes):
     """The CUDA step gate (module doc). k_buffers/v_buffers: SGLang's per-layer pools, each
@@ -222,6 +246,8 @@ class StepGate(_Mailboxes):
         self.slots, self.req_to_token, self.col, self.layers = slots, req_to_token, col, len(k_buffers)
         self.slot_numel = slots[0].numel()
         self.flag_ptr, self.r2t_stride = self.flag.data_ptr(), req_to_token.stride(0)
+        self._event: int | None = None  # recorded after each publish once watch_publish() ran
+        self._ctx: int | None = None
         self.cb = triton.next_power_of_2(col)  # lanes of one K/V column copy
         # compile and load both kernels now: a first launch (module load) queued behind a holding
         # gate blocks the launching thread until the gate opens (measured: a deadlock when the
@@ -245,11 +271,30 @@ class StepGate(_Mailboxes):
         # the kernels index element k as ptr + k: a strided view (topk's indices[:, 0], measured on
         # the H100) would hand row k another row's token
         margin, fast, pos, need = (t.contiguous() for t in (margin, fast, pos, need))
+        stream = current_stream(margin.device)
         _PUBLISH((1,), margin, fast, pos, need, self.out, self.flag, n, int(target), 32)
-        _stream_wait_geq(current_stream(margin.device), self.flag_ptr, int(target))
+        if self._event is not None:  # between publish and the wait: it completes whatever the host answers
+            _cu("cuEventRecord", _VP(self._event), _VP(stream))
+        _stream_wait_geq(stream, self.flag_ptr, int(target))
         _APPLY((1,), fast, need, chosen, self.inbox, self.ack, self.slots, self.k_off, self.v_off,
                self.req_to_token, self.r2t_stride, n, self.capacity, int(target),
                self.col, self.layers, 32, self.cb)
+
+
+    def watch_publish(self) -> None:
+        if self._event is None:
+            ctx, ev = _VP(), _VP()
+            _cu("cuCtxGetCurrent", ctypes.byref(ctx))  # the constructing thread's (torch's) context
+            # why blocking sync: the waiting thread sleeps (no core spun per forward); the wake-up
+            # costs tens of microseconds against a verify call's milliseconds
+            _cu("cuEventCreate", ctypes.byref(ev), 0x1 | 0x2)  # CU_EVENT_BLOCKING_SYNC | DISABLE_TIMING
+            self._ctx, self._event = ctx.value, ev.value
+
+    def bind_thread(self) -> None:
+        _cu("cuCtxSetCurrent", _VP(self._ctx))
+
+    def wait_published(self) -> None:
+        _cu("cuEventSynchronize", _VP(self._event))
 
 
 class ReferenceStepGate(_Mailboxes):

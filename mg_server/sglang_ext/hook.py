@@ -150,14 +150,16 @@ class StepSeam:
             from mg_server.sglang_ext.lagged import LaggedControl
 
             try:
-                self.lagged = LaggedControl(self, torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)))
+                self.lagged = LaggedControl(self, torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)),
+                                            early=config.early_verify)
             except Exception as e:  # noqa: BLE001 - e.g. a driver without stream memory operations
                 log.warning("mg: lagged commit unavailable (%s: %s); deterministic rows use the synchronous seam",
                             type(e).__name__, e)
                 return
             self.link.before_finish = self.lagged.drain
             self.link.gate_watchdog = self.lagged.watchdog
-            log.warning("mg: lagged commit on (step gate capacity %d rows)", self.lagged.capacity)
+            log.warning("mg: lagged commit on (step gate capacity %d rows, early verify %s)", self.lagged.capacity,
+                        "on" if config.early_verify else "off")
 
     def __call__(self, module, args):
         # Sampler.forward(logits_output, sampling_info, return_logprob, top_logprobs_nums,

@@ -34,6 +34,16 @@ work, so a release queued on a stream could wait behind the gate it should open 
 gate timeouts with a side-stream release). With host stores, such an allocation in the
 scheduler thread just waits until the watcher thread has answered.
 
+Early verify (on unless `serve --mg-early-verify off`): the host work above is done for the
+scheduler thread, which would reach it only at the next sampler call, one whole host step later
+(SmolLM2 on an H100: the step is CPU-bound, so the verify call came on top of it). A thread
+sleeps on a CUDA event recorded between each forward's publish kernel and its stream wait (a
+ctypes call: no GIL held); when the values are out and some row needs the verifier, it drains at
+once, so the verify call runs while the scheduler thread prepares the next batch, and the
+scheduler's own drain finds the forward done. Forwards with only fast steps are left to the
+scheduler as before. The process's GIL switch interval is lowered (EARLY_SWITCH_S) so that this
+thread gets the GIL within that time of its event, and again of the verifier's answer.
+
 So a deterministic token is never sampled from a low-margin row before the verifier decided it,
 and a forward with only fast steps costs a few small kernels. A gate that nobody answers within
 `gate_timeout_s` (the hook's step timeout, which bounds a verify call: at least GATE_TIMEOUT_S)
@@ -47,6 +57,7 @@ construction, but nothing rules it out.)
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections import deque
@@ -68,6 +79,10 @@ log = logging.getLogger(__name__)
 GATE_TIMEOUT_S = 15.0
 # The host gives up waiting for a forward's values (or a gate's acknowledgement) after this.
 HOST_WAIT_S = GATE_TIMEOUT_S + 15.0
+# The scheduler process's GIL switch interval with early verify (CPython's default is 5 ms).
+# why: a thread that wakes from a GIL-free wait gets the GIL only after the holder's switch
+# interval, which the early thread would pay twice per verify call (its event, the answer).
+EARLY_SWITCH_S = 2e-4
 
 
 @dataclass
@@ -93,7 +108,7 @@ class LaggedControl:
     """The seam's control path on CUDA (see module doc). `seam` is the hook's StepSeam; on a CPU
     device (unit tests) the gate is kernels.gate.ReferenceStepGate."""
 
-    def __init__(self, seam, device: torch.device):
+    def __init__(self, seam, device: torch.device, early: bool = False):
         self.seam = seam
         self.link = seam.link
         self.device = device
@@ -135,6 +150,12 @@ class LaggedControl:
         self.timeouts = metrics.gate_timeouts()  # gates that did not wait for mg's answer
         self.pending: deque[Forward] = deque()
         self.lock = threading.Lock()  # processing order; taken before the link's locks
+        self.early = early  # a thread drains each holding forward as soon as it is published
+        self._armed = 0  # the last forward whose gate is enqueued (the early thread's next wait)
+        self._armed_cv = threading.Condition()
+        if early:
+            self.gate.watch_publish()
+            threading.Thread(target=self._early_loop, name="mg-early-verify", daemon=True).start()
 
     def fits(self, rows) -> bool:
         return len(rows) <= self.capacity
@@ -181,6 +202,31 @@ class LaggedControl:
                 self.pending.remove(f)
             raise
         force(logits, rows_dev, chosen)  # every protected row samples its chosen token
+        if self.early:
+            with self._armed_cv:
+                self._armed = f.target
+                self._armed_cv.notify()
+
+    def _early_loop(self) -> None:
+        """The early-verify thread (module doc): wait for each launched forward's publish, then
+        drain if its gate holds. A failure to wait ends the thread (the scheduler still drains)."""
+        sys.setswitchinterval(min(sys.getswitchinterval(), EARLY_SWITCH_S))
+        done = 0
+        try:
+            self.gate.bind_thread()
+            while True:
+                with self._armed_cv:
+                    self._armed_cv.wait_for(lambda: self._armed > done)
+                    done = self._armed
+                self.gate.wait_published()  # this launch's values, or a later one's (then `done` is stale: fine)
+                try:
+                    f = self.pending[0]
+                except IndexError:  # the scheduler or the watcher got there first
+                    continue
+                if self.gate.holding(f.target, len(f.rows)):
+                    self.drain(wait=False)  # (drain's own errors fail the rows and open the gate)
+        except Exception:  # noqa: BLE001 - e.g. a driver error: verify calls wait for the scheduler again
+            log.exception("mg: the early-verify thread stopped; holding forwards are drained by the scheduler")
 
     def drain(self, wait: bool) -> None:
         """Process pending forwards in order; wait=False stops at the first whose values are not
