@@ -208,3 +208,17 @@ def test_idle_requests_are_evicted_when_full(setup):
     strict.step([VerifyItem(rid="a", pos=9, tokens=seq[:10])])
     out = strict.step([VerifyItem(rid="b", pos=9, tokens=seq[:10])])[0]
     assert out.code == ErrorCode.NO_CAPACITY
+
+
+def test_items_that_fit_the_pool_alone_but_not_together_get_no_capacity(setup):
+    """One forward's items each fit the free slots, together they do not (32 finished requests'
+    tail audits in one call, on the H100): the last ones get NO_CAPACITY, the rest are served,
+    and nothing raises (it was an IndexError that failed every request of the call)."""
+    _, engine, _, seq, _ = setup
+    small = VerifierEngine(engine.model, max_requests=4, pool_tokens=32, max_seq_len=64)  # 30 free slots
+    solo = VerifierEngine(engine.model, max_requests=4, pool_tokens=32, max_seq_len=64)
+    items = [VerifyItem(rid=r, pos=11, tokens=seq[:12]) for r in ("a", "b", "c")]  # 12 + 12 fit, + 12 not
+    out = small.step(items)
+    assert [type(o).__name__ for o in out] == ["StepOutput", "StepOutput", "ErrorReply"]
+    assert out[2].code == ErrorCode.NO_CAPACITY and set(small.seqs) == {"a", "b"} and small.pool_used == 24
+    assert out[0].token == solo.step([items[0]])[0].token  # served as it would be alone

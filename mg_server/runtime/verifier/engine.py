@@ -114,8 +114,10 @@ class VerifierEngine:
     def pool_used(self) -> int:
         return self.pool.n_tokens - 1 - len(self._free)  # the scratch slot is never a request's
 
-    def _check(self, it: VerifyItem, busy: set[str]) -> ErrorReply | None:
-        """Validate an item against the request table; on success, prepare its state."""
+    def _check(self, it: VerifyItem, busy: set[str], reserved: int = 0) -> ErrorReply | int:
+        """Validate an item against the request table; on success, prepare its state and return
+        the pool slots it takes. `reserved`: slots already promised to earlier items of the same
+        forward (each item's need alone could fit where all of them together do not)."""
         n = len(it.tokens)
         start = it.pos + 1 - n
         if n == 0 or start < 0:
@@ -138,19 +140,20 @@ class VerifierEngine:
                 return ErrorReply(code=ErrorCode.POSITION_MISMATCH, rid=it.rid, expected_pos=st.length,
                                   message=f"tokens start at {start}, verifier holds {st.length} positions")
             need = it.pos + 1 - min(start, st.length)
-        self._evict_idle(need, int(st is None), busy | {it.rid})
+        self._evict_idle(need + reserved, int(st is None), busy | {it.rid})
         if st is None and len(self.seqs) >= self.max_requests:
             return ErrorReply(code=ErrorCode.NO_CAPACITY, rid=it.rid,
                               message=f"{self.max_requests} requests already held")
-        if need > len(self._free):
+        if need > len(self._free) - reserved:
             return ErrorReply(code=ErrorCode.NO_CAPACITY, rid=it.rid,
-                              message=f"K/V pool has {len(self._free)} free tokens, need {need}")
+                              message=f"K/V pool has {len(self._free) - reserved} free tokens, need {need} "
+                                      f"(pool: {self.pool.n_tokens} tokens)")
         if st is None:
             self.seqs[it.rid] = SeqState(it.rid, self._free_rows.pop(), prompt_len=it.prompt_len or n,
                                          last_used=time.monotonic())
         elif start < st.length:  # rewind
             self._truncate(st, start)
-        return None
+        return n
 
     # ---- forward ------------------------------------------------------------------------
     def step(self, items: list[VerifyItem]) -> list[StepOutput | ErrorReply]:
@@ -162,13 +165,14 @@ class VerifierEngine:
             for i in pending:
                 (later if items[i].rid in seen else batch).append(i)
                 seen.add(items[i].rid)
-            ok = []
+            ok, reserved = [], 0
             for i in batch:
-                err = self._check(items[i], {items[j].rid for j in ok})
-                if err is None:
+                got = self._check(items[i], {items[j].rid for j in ok}, reserved)
+                if isinstance(got, int):
                     ok.append(i)
+                    reserved += got
                 else:
-                    out[i] = err
+                    out[i] = got
             if ok:
                 try:
                     for i, res in zip(ok, self._forward([items[i] for i in ok])):
