@@ -189,13 +189,13 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
         for rate, commit, *rest in args.configs:
             always = rate == "always"
             ahead = next((int(x) for x in rest if x.isdigit()), 0)  # serve --mg-prefill-ahead
-            early = "off" if "late" in rest else "on"  # serve --mg-early-verify
+            early = "on" if "early" in rest else "off"  # serve --mg-early-verify
             tau = None if always else tau_for_rate(margins, float(rate))
             flags = (([] if always else ["--mg-tau", f"{tau:.6g}"]) + (["--mg-prefill-ahead", str(ahead)] if ahead else [])
                      + ["--mg-early-verify", early])
             srv = E.start(mdir, name, "always" if always else "margin", out,
                           [*flags, *seam, "--mg-commit", commit, *mem], args.device)
-            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/late" if early == "off" else "")
+            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "")
             try:
                 singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
                 cfg = {"target": rate, "tau": tau, "commit": commit, "prefill_ahead": ahead, "early_verify": early,
@@ -234,7 +234,7 @@ def load(path: Path) -> dict:
 def _variant(c: dict) -> str:
     """A configuration's serve flags beyond rate and commit, for the tables."""
     return ((f", prefill ahead {c['prefill_ahead']}" if c.get("prefill_ahead") else "")
-            + (", early verify off" if c.get("early_verify") == "off" else ""))
+            + (", early verify on" if c.get("early_verify") == "on" else ""))
 
 
 def summarize(r: dict) -> str:
@@ -339,8 +339,8 @@ def main() -> int:
     ap.add_argument("--commit", default="resume,hold",
                     help="serve --mg-commit modes to time at each rate (comma list; default resume,hold)")
     ap.add_argument("--configs", default="",
-                    help="RATE:COMMIT[:N][:late],... to time instead of every --rates x --commit pair (e.g. "
-                         "0.1:hold,0.1:hold:late; N: serve --mg-prefill-ahead N; late: --mg-early-verify off)")
+                    help="RATE:COMMIT[:N][:early],... to time instead of every --rates x --commit pair (e.g. "
+                         "0.1:hold,0.1:hold:early; N: serve --mg-prefill-ahead N; early: --mg-early-verify on)")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="> 0: lengthen every timed prompt to this many tokens (its own tokens repeated): the "
                          "cost of long prompts' first checks (--mg-prefill-ahead)")

@@ -60,10 +60,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="CUDA with the overlap scheduler: 'lagged' (default) decides deterministic rows one "
                         "forward late behind a device-side step gate; 'sync' reads their margins before "
                         "sampling (slower: README, GPU performance). CPU and no-overlap runs always use sync")
-    s.add_argument("--mg-early-verify", choices=["on", "off"], default="on",
-                   help="lagged seam: 'on' (default) verifies a forward's low-margin rows as soon as the GPU "
-                        "has decided them, from a thread of SGLang's scheduler process; 'off' waits for the "
-                        "scheduler's next sampler call, one host step later")
+    s.add_argument("--mg-early-verify", choices=["on", "off"], default="off",
+                   help="experimental, lagged seam: 'on' verifies a forward's low-margin rows as soon as the "
+                        "GPU has decided them, from a thread of SGLang's scheduler process, instead of at the "
+                        "scheduler's next sampler call (default off: no gain measured where SGLang's step is "
+                        "GPU-bound; README, GPU performance)")
     s.add_argument("--mg-commit", choices=["hold", "resume"], default="hold",
                    help="single non-streamed deterministic requests: 'hold' (default) waits for the verifier at "
                         "each low-margin step, as streams and batch bodies always do; 'resume' (experimental) "

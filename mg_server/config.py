@@ -46,9 +46,9 @@ class HookConfig:
     # CUDA with the overlap scheduler: decide one forward late behind a device-side gate
     # (sglang_ext/lagged.py); False: read the margins before sampling (--mg-seam sync)
     lagged_commit: bool = True
-    # lagged path: a thread verifies a holding forward as soon as the device publishes it, not
-    # at the next sampler call (lagged.py, "Early verify"; --mg-early-verify)
-    early_verify: bool = True
+    # lagged path, experimental: a thread verifies a holding forward as soon as the device
+    # publishes it, not at the next sampler call (lagged.py, "Early verify"; --mg-early-verify)
+    early_verify: bool = False
 
     def to_json_dict(self) -> dict:
         return asdict(self)
@@ -95,7 +95,7 @@ class ServeConfig:
     prefill_ahead: int = 0  # prompts of >= this many tokens are taught to the verifier while idle (0: off)
     verdict_wait_s: float = 120.0  # a response's longest wait for its verdict
     lagged_commit: bool = True  # CUDA + overlap: the one-forward-late seam (sglang_ext/lagged.py; --mg-seam)
-    early_verify: bool = True  # lagged seam: verify as soon as a forward is published (--mg-early-verify)
+    early_verify: bool = False  # lagged seam: verify as soon as a forward is published (--mg-early-verify)
     commit: str = "hold"  # "hold" | "resume": single non-streamed deterministic requests (--mg-commit)
 
     @property
