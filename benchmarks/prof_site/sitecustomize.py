@@ -3,10 +3,14 @@
 With MG_PROF=1 and this folder first on PYTHONPATH, every Python process that loads one of the
 modules in TARGETS times the listed functions per call -- wall time and this thread's CPU time (a
 gap between them is waiting: the GPU, a socket, a lock, the GIL) -- and writes the sums to
-/tmp/mgprof/<pid>.json every 50 calls of a function in DUMP_ON. Calls over 20 ms (first calls,
+/tmp/mgprof/<pid>.json every 50 calls of a function in DUMP_ON (or its first call a second after the
+last dump). Calls over 20 ms (first calls,
 compiles) are counted apart under "<name>_slow". Covered: the seam's host work in SGLang's
 scheduler (LaggedControl), the controller's verify calls, and the verifier worker's serving path
 (receive, decode, engine step, graph replay, slot writes, encode).
+The functions in TIMELINE also keep each call's (start, end) on CLOCK_MONOTONIC, which every
+process on the host shares (the first 20000 calls), under "timeline": benchmarks/verify_timeline.py
+lines the three processes' calls up into one verify call's segments.
 """
 
 import os
@@ -22,6 +26,7 @@ if os.environ.get("MG_PROF") == "1":
     # module -> {"Class.method" or "function": short name}
     TARGETS = {
         "mg_server.sglang_ext.lagged": {"LaggedControl.launch": "launch", "LaggedControl._process": "process",
+                                         "LaggedControl._settle": "settle",
                                          "LaggedControl.drain": "drain", "decide": "decide", "force": "force",
                                          "StepGate.launch": "gate_launch"},
         "mg_server.runtime.controller.server": {"Controller._step": "ctl_step",
@@ -32,31 +37,43 @@ if os.environ.get("MG_PROF") == "1":
                                               "VerifierEngine._check": "v_check",
                                               "VerifierEngine._forward": "v_forward"},
         "mg_server.runtime.verifier.graphs": {"RowGraphs.run": "v_graph_run", "RowGraphs._fill": "v_graph_fill"},
-        "mg_server.runtime.shm": {"SlotBuffer.write": "shm_write", "SlotBuffer.read": "shm_read"},
+        "mg_server.runtime.shm": {"SlotBuffer.write": "shm_write", "SlotBuffer.read": "shm_read",
+                                  "SlotBuffer.write_many": "shm_write_many"},
+        "mg_server.runtime.controller.client": {"ControllerClient.step": "client_step"},
         "mg_server.runtime.protocol": {"encode": "encode", "decode": "decode"},
     }
-    DUMP_ON = {"launch", "v_verify", "ctl_verify_call"}
-    STATS: dict = {}  # name -> [calls, wall seconds, thread CPU seconds]
+    DUMP_ON = {"launch", "v_verify", "ctl_verify_call", "client_step"}
+    TIMELINE = {"client_step", "process", "settle", "ctl_step", "ctl_verify_call", "v_handle_batch", "v_forward",
+                "v_graph_run", "shm_write_many", "v_send"}
+    STATS: dict = {}  # name -> [calls, wall seconds, thread CPU seconds]; "timeline": [[name, t0, t1]]
     LOCK = threading.Lock()
+    LAST = [0.0]  # monotonic time of the last dump
 
-    def rec(name: str, wall: float, cpu: float) -> None:
+    def rec(name: str, wall: float, cpu: float, t1: float) -> None:
         with LOCK:
+            if name in TIMELINE:
+                line = STATS.setdefault("timeline", [])
+                if len(line) < 20000:
+                    line.append([name, t1 - wall, t1])
             s = STATS.setdefault(name + ("_slow" if wall > 0.02 else ""), [0, 0.0, 0.0])
             s[0] += 1
             s[1] += wall
             s[2] += cpu
-            if name in DUMP_ON and s[0] % 50 == 0:
+            now = time.monotonic()
+            if name in DUMP_ON and (s[0] % 50 == 0 or now - LAST[0] > 1.0):  # (the server is killed: no atexit)
+                LAST[0] = now
                 os.makedirs("/tmp/mgprof", exist_ok=True)
                 with open(f"/tmp/mgprof/{os.getpid()}.json", "w") as f:
                     json.dump({"argv": sys.argv[:3], **STATS}, f)
 
     def wrap(name: str, fn):
         def timed(*a, **k):
-            t0, c0 = time.perf_counter(), time.thread_time()
+            t0, c0 = time.monotonic(), time.thread_time()
             try:
                 return fn(*a, **k)
             finally:
-                rec(name, time.perf_counter() - t0, time.thread_time() - c0)
+                t1 = time.monotonic()
+                rec(name, t1 - t0, time.thread_time() - c0, t1)
         return timed
 
     def patch(mod, table: dict) -> None:
