@@ -2,8 +2,9 @@
 # One call on the GPU device machine ($OUT set): where a held verify call's time goes. One SmolLM2
 # mg server (tau for ~10 % of steps, lagged seam) under benchmarks/prof_site's timelines, 3 streamed
 # batches of 8 deterministic rows, then benchmarks/verify_timeline.py over the three processes'
-# dumps. Needs .whl/ and .cache/gpu-tokenizer/ in the carried tree.  (~2 minutes on an H100)
-#   TAU=0.0270147 BS=8 bash benchmarks/device_timeline.sh
+# dumps; once per SPINS value (serve --mg-ipc-spin-us). Needs .whl/ and .cache/gpu-tokenizer/ in the
+# carried tree.  (~2 minutes per value on an H100)
+#   TAU=0.0270147 BS=8 SPINS="0 5000" bash benchmarks/device_timeline.sh
 set -o pipefail
 OUT=${OUT:-/tmp/mg-out}; mkdir -p "$OUT"
 # (DEVICE=cpu NO_INSTALL=1 PYTHON=.venv/bin/python: a smoke run of this script on a CPU host)
@@ -11,16 +12,17 @@ OUT=${OUT:-/tmp/mg-out}; mkdir -p "$OUT"
   --target /tmp/mg-site .whl/*.whl || exit 1
 PY=${PYTHON:-python3}
 export PYTHONPATH=$PWD:/tmp/mg-site PYTHONUNBUFFERED=1 MG_GPU_TOKENIZER=$PWD/.cache/gpu-tokenizer
+for SPIN in ${SPINS:-0 5000}; do
 rm -rf /tmp/mgprof
-MG_PROF=1 PYTHONPATH=$PWD/benchmarks/prof_site:$PYTHONPATH timeout 300 "$PY" - "$OUT" "${TAU:-0.0270147}" "${BS:-8}" "${DEVICE:-cuda}" <<'PY'
+MG_PROF=1 PYTHONPATH=$PWD/benchmarks/prof_site:$PYTHONPATH timeout 300 "$PY" - "$OUT" "${TAU:-0.0270147}" "${BS:-8}" "${DEVICE:-cuda}" "$SPIN" <<'PY'
 import json, sys
 from pathlib import Path
 sys.path[:0] = ["benchmarks", "tests"]
 import gpu_e2e as E
 from stream_timing import stream_batch
-out, tau, bs, device = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+out, tau, bs, device, spin = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5]
 mdir = E.write_model("smol", Path("/tmp/mg-models/smol"), Path(".cache/gpu-tokenizer"))
-srv = E.start(mdir, "smol", "margin", out, ["--mg-tau", tau, *(["--mem-fraction-static", "0.85"] if device == "cuda" else [])], device)
+srv = E.start(mdir, "smol", "margin", out, ["--mg-tau", tau, "--mg-ipc-spin-us", spin, *(["--mem-fraction-static", "0.85"] if device == "cuda" else [])], device)
 try:
     rows = json.loads(E.PROMPTS_FILE.read_text())["other"][:bs]
     for _ in range(3):
@@ -28,6 +30,8 @@ try:
 finally:
     srv.stop()
 PY
-"$PY" benchmarks/verify_timeline.py /tmp/mgprof --out "$OUT/verify_timeline.json" | tee "$OUT/verify_timeline.md"
+echo "## --mg-ipc-spin-us $SPIN" | tee -a "$OUT/verify_timeline.md"
+"$PY" benchmarks/verify_timeline.py /tmp/mgprof --out "$OUT/verify_timeline_spin$SPIN.json" | tee -a "$OUT/verify_timeline.md"
 "$PY" -c "import glob,json,sys; json.dump({f: json.load(open(f)) for f in glob.glob('/tmp/mgprof/*.json')}, open(sys.argv[1], 'w'))" \
-  "$OUT/timeline_dumps.json"
+  "$OUT/timeline_dumps_spin$SPIN.json"
+done

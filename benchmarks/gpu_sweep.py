@@ -190,15 +190,17 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             always = rate == "always"
             ahead = next((int(x) for x in rest if x.isdigit()), 0)  # serve --mg-prefill-ahead
             early = "on" if "early" in rest else "off"  # serve --mg-early-verify
+            spin = next((int(x[4:]) for x in rest if x.startswith("spin") and x[4:].isdigit()), 0)  # --mg-ipc-spin-us
             tau = None if always else tau_for_rate(margins, float(rate))
             flags = (([] if always else ["--mg-tau", f"{tau:.6g}"]) + (["--mg-prefill-ahead", str(ahead)] if ahead else [])
-                     + ["--mg-early-verify", early])
+                     + ["--mg-early-verify", early, "--mg-ipc-spin-us", str(spin)])
             srv = E.start(mdir, name, "always" if always else "margin", out,
                           [*flags, *seam, "--mg-commit", commit, *mem], args.device)
-            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "")
+            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "")
             try:
                 singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
                 cfg = {"target": rate, "tau": tau, "commit": commit, "prefill_ahead": ahead, "early_verify": early,
+                       "ipc_spin_us": spin,
                        "det_requests": "single" if singles else "batch",
                        "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles,
                                     args.short_tokens, args.stream_interval),
@@ -234,7 +236,8 @@ def load(path: Path) -> dict:
 def _variant(c: dict) -> str:
     """A configuration's serve flags beyond rate and commit, for the tables."""
     return ((f", prefill ahead {c['prefill_ahead']}" if c.get("prefill_ahead") else "")
-            + (", early verify on" if c.get("early_verify") == "on" else ""))
+            + (", early verify on" if c.get("early_verify") == "on" else "")
+            + (f", IPC spin {c['ipc_spin_us']} µs" if c.get("ipc_spin_us") else ""))
 
 
 def summarize(r: dict) -> str:
@@ -339,8 +342,9 @@ def main() -> int:
     ap.add_argument("--commit", default="resume,hold",
                     help="serve --mg-commit modes to time at each rate (comma list; default resume,hold)")
     ap.add_argument("--configs", default="",
-                    help="RATE:COMMIT[:N][:early],... to time instead of every --rates x --commit pair (e.g. "
-                         "0.1:hold,0.1:hold:early; N: serve --mg-prefill-ahead N; early: --mg-early-verify on)")
+                    help="RATE:COMMIT[:N][:early][:spinU],... to time instead of every --rates x --commit pair (e.g. "
+                         "0.1:hold,0.1:hold:spin5000; N: serve --mg-prefill-ahead N; early: --mg-early-verify on; "
+                         "spinU: --mg-ipc-spin-us U)")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="> 0: lengthen every timed prompt to this many tokens (its own tokens repeated): the "
                          "cost of long prompts' first checks (--mg-prefill-ahead)")

@@ -65,6 +65,11 @@ def _parser() -> argparse.ArgumentParser:
                         "GPU has decided them, from a thread of SGLang's scheduler process, instead of at the "
                         "scheduler's next sampler call (default off: no gain measured where SGLang's step is "
                         "GPU-bound; README, GPU performance)")
+    s.add_argument("--mg-ipc-spin-us", type=int, default=0, metavar="N",
+                   help="experimental: mg's controller and verifier spin up to N microseconds for their next "
+                        "message after each one, and every call for its reply, before they block (a process "
+                        "woken from a blocking poll answers later; spinning burns a core per process while "
+                        "deterministic traffic flows; default 0: off)")
     s.add_argument("--mg-commit", choices=["hold", "resume"], default="hold",
                    help="single non-streamed deterministic requests: 'hold' (default) waits for the verifier at "
                         "each low-margin step, as streams and batch bodies always do; 'resume' (experimental) "
@@ -169,9 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.mg_drain_timeout >= 0:
         _parser().error("--mg-drain-timeout must be >= 0")
     if not (args.mg_verify_timeout > 0 and args.mg_verdict_wait > 0 and args.mg_catchup_chunk >= 1
-            and args.mg_prefill_ahead >= 0):
+            and args.mg_prefill_ahead >= 0 and 0 <= args.mg_ipc_spin_us <= 1_000_000):
         _parser().error("--mg-verify-timeout and --mg-verdict-wait must be > 0, --mg-catchup-chunk >= 1, "
-                        "--mg-prefill-ahead >= 0")
+                        "--mg-prefill-ahead >= 0, --mg-ipc-spin-us in [0, 1000000]")
     if args.mg_verifier_memory_gb is not None and not args.mg_verifier_memory_gb > 0:
         _parser().error("--mg-verifier-memory-gb must be > 0")
     try:
@@ -203,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         verdict_wait_s=args.mg_verdict_wait,
         lagged_commit=args.mg_seam == "lagged",
         early_verify=args.mg_early_verify == "on",
+        ipc_spin_s=args.mg_ipc_spin_us * 1e-6,
         commit=args.mg_commit,
         verifier_memory_gb=args.mg_verifier_memory_gb,
     )

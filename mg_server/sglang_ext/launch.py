@@ -165,10 +165,11 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         shm_name=shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),
         device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
         memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=max(16384, 2 * context_len),
+        ipc_spin_s=cfg.ipc_spin_s,
     )
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
                             metrics_dir=cfg.metrics_dir, verifier=verifier, verify_timeout_s=cfg.verify_timeout_s,
-                            catchup_chunk=cfg.catchup_chunk, prefill_ahead=cfg.prefill_ahead)
+                            catchup_chunk=cfg.catchup_chunk, prefill_ahead=cfg.prefill_ahead, ipc_spin_s=cfg.ipc_spin_s)
     proc = start_controller(ccfg)
 
     def controller_gone() -> str:  # a dead or stopped controller fails the start now, not after start_timeout_s
@@ -281,7 +282,7 @@ def serve(cfg: ServeConfig) -> None:
     hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
                       step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
                       fault_missed_flip=env.fault_missed_flip(), fault_flip_margin=env.fault_flip_margin(),
-                      lagged_commit=cfg.lagged_commit, early_verify=cfg.early_verify)
+                      lagged_commit=cfg.lagged_commit, early_verify=cfg.early_verify, ipc_spin_s=cfg.ipc_spin_s)
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(
         DeterministicMiddleware,

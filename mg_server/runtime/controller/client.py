@@ -17,9 +17,9 @@ from mg_server.runtime.liveness import beat_path, stale_reason
 
 class ControllerClient(RpcClient):
     def __init__(self, ipc_path: str, timeout_s: float = 60.0, client_name: str = "",
-                 peer_check: Callable[[], str] | None = None):
+                 peer_check: Callable[[], str] | None = None, spin_s: float = 0.0):
         super().__init__(ipc_path, timeout_s, client_name,
-                         peer_check or partial(stale_reason, beat_path(ipc_path)))
+                         peer_check or partial(stale_reason, beat_path(ipc_path)), spin_s)
 
     def hello(self, timeout_s: float | None = None) -> P.ControllerInfo:
         info = self.call(P.ControllerHello(protocol_version=P.PROTOCOL_VERSION, client=self.client_name), timeout_s)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 import zmq
 
 from mg_server.runtime import protocol as P
+from mg_server.runtime.channel import wait_readable
 from mg_server.runtime.controller.audit import AuditMixin
 from mg_server.runtime.controller.catchup import catch_up
 from mg_server.runtime.controller.state import ReqState
@@ -63,6 +64,9 @@ class ControllerConfig:
     # turns, ahead of the request's first check, so a held forward does not wait for that
     # prefill (0: off; experimental, --mg-prefill-ahead; audit.AuditMixin._prefill_ahead).
     prefill_ahead: int = 0
+    # experimental (--mg-ipc-spin-us): spin this long for the next message after each one, and for
+    # the verifier's reply, before a blocking poll (channel.wait_readable says why)
+    ipc_spin_s: float = 0.0
     start_timeout_s: float = 300.0  # verifier model load
     verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept
     parent_pid: int = 0  # mg-server's pid: the controller exits once it is gone (0: no watch)
@@ -111,7 +115,7 @@ class Controller(AuditMixin):
         self.verifier_proc = start_verifier(vcfg)
         self._verifier_beat = beat_path(vcfg.ipc_path)
         self.vclient = VerifierClient(vcfg.ipc_path, timeout_s=self.cfg.verify_timeout_s, client_name="controller",
-                                      peer_check=self._verifier_gone)
+                                      peer_check=self._verifier_gone, spin_s=self.cfg.ipc_spin_s)
         # attach_slots=False: the controller relays (slot, gen) to the hook; on CUDA attaching
         # would open a CUDA context here for nothing.
         self.vinfo = self.vclient.connect(timeout_s=self.cfg.start_timeout_s, attach_slots=False)
@@ -320,7 +324,8 @@ class Controller(AuditMixin):
         Orphaning is the lifeline's job: it exits the process whatever this loop is doing."""
         last = time.monotonic()
         while self.running:
-            if not self.sock.poll(0 if self.pending or self.checks or self.ahead else 200):
+            busy = self.pending or self.checks or self.ahead  # idle work waits: no blocking poll, no spin
+            if not wait_readable(self.sock, 0 if busy else 200, 0.0 if busy else last + self.cfg.ipc_spin_s):
                 if self.checks:  # idle: check the resumable requests' low-margin steps first
                     self._run_checks()
                 elif self.pending:  # idle: run deferred tail audits, a few at a time (a Step may come)

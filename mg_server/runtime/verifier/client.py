@@ -24,8 +24,8 @@ class VerifierClient(RpcClient):
     error_cls = VerifierError
 
     def __init__(self, ipc_path: str, timeout_s: float = 30.0, client_name: str = "",
-                 peer_check: Callable[[], str] | None = None):
-        super().__init__(ipc_path, timeout_s, client_name, peer_check)
+                 peer_check: Callable[[], str] | None = None, spin_s: float = 0.0):
+        super().__init__(ipc_path, timeout_s, client_name, peer_check, spin_s)
         self.info: P.HelloReply | None = None
         self.slots: SlotBuffer | None = None
 

@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from mg_server.runtime import protocol as P
+from mg_server.runtime.channel import wait_readable
 from mg_server.runtime.shm import SlotBuffer
 
 
@@ -41,6 +42,7 @@ class VerifierConfig:
     memory_gb: float = 0.0  # CUDA memory budget (weights + K/V pool + workspace); 0: pool_tokens as given
     shm_name: str = ""  # shared-memory name; "" derives one from ipc_path
     poll_ms: int = 50  # receive poll period
+    ipc_spin_s: float = 0.0  # experimental: spin this long for the next message after each one (channel.wait_readable)
     parent_pid: int = 0  # the process that started the worker: it exits once that one is gone (0: no watch)
 
     def __post_init__(self):
@@ -234,12 +236,12 @@ class VerifierServer:
         flush()
 
     def serve_forever(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        last = 0.0
         try:
             while self.running:
-                if not poller.poll(self.cfg.poll_ms):
+                if not wait_readable(self.sock, self.cfg.poll_ms, last + self.cfg.ipc_spin_s):
                     continue
+                last = time.monotonic()
                 frames = []
                 while len(frames) < self.cfg.max_batch_items:  # drain what is queued: one batch
                     try:
