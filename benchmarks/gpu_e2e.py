@@ -172,7 +172,10 @@ def make_prompts(tokenizer: Path, out: Path) -> None:
 
 
 def references(model: Path, prompts: dict, tokens: int, out: Path, device: str) -> dict:
-    """Verifier-alone greedy answers, computed in a subprocess (its GPU memory is freed after)."""
+    """Verifier-alone greedy answers, computed in a subprocess (its GPU memory is freed after).
+    Per step also the margin as SGLang's bf16 logits would show it ("<set>_margins_bf16")."""
+    if out.exists() and "det_margins_bf16" not in json.loads(out.read_text()):
+        out.unlink()  # an older cache without the bf16 margins
     if not out.exists():
         t0 = time.monotonic()
         (out.parent / "prompts.json").write_text(json.dumps(prompts))
@@ -189,13 +192,32 @@ def _refs_main(model: str, prompts_file: Path, tokens: int, out: Path, device: s
         from mg_server.sglang_ext.compat import fix_torchvision
 
         fix_torchvision()
+    import torch
+
+    from mg_server.runtime.protocol import ErrorReply
+
     prompts = json.loads(prompts_file.read_text())
     engine = load_engine(model, device=device, max_seq_len=2048, pool_tokens=65536)
+    snapped: dict[str, list[float]] = {}  # rid -> per step: top-1 - top-2 of the bf16-rounded logits
+    step = engine.step
+
+    def step_and_snap(items):
+        outs = step(items)
+        for it, o in zip(items, outs):
+            if not isinstance(o, ErrorReply):
+                # why: SGLang's lm_head is a bf16 matmul, so the seam compares bf16 logits: ties and
+                # one-ulp gaps where the verifier's fp32 margins are small but not zero
+                top = torch.topk(o.logits.to(torch.bfloat16).float(), 2).values
+                snapped.setdefault(it.rid, []).append(float(top[0] - top[1]))
+        return outs
+
+    engine.step = step_and_snap
     res = {}
     for key in ("det", "prefix"):
         refs = greedy_reference(engine, prompts[key], tokens, rid_prefix=key)
         res[key] = [r.tokens for r in refs]
         res[key + "_margins"] = [r.margins for r in refs]
+        res[key + "_margins_bf16"] = [snapped[f"{key}-{i}"] for i in range(len(refs))]
     out.write_text(json.dumps(res))
 
 

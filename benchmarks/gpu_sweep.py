@@ -46,6 +46,20 @@ def tau_for_rate(margins: list[float], rate: float) -> float:
     return xs[k] if xs[k] > 0 else 1e-6
 
 
+def tau_for_rate_quantized(margins: list[float], rate: float) -> tuple[float, float]:
+    """For margins that take few distinct values (bf16 steps): the tau halfway between two
+    neighbouring values whose share of margins below it is closest to rate -> (tau, that share).
+    A quantile would land on a value many margins equal, so the rate it gives could be far off."""
+    xs = sorted(margins)
+    values = sorted(set(xs))
+    best = None
+    for lo, hi in zip(values, values[1:]):
+        share = sum(1 for x in xs if x <= lo) / len(xs)
+        if best is None or abs(share - rate) < abs(best[1] - rate):
+            best = ((lo + hi) / 2, share)
+    return best if best is not None else (tau_for_rate(margins, rate), 0.0)
+
+
 def metrics(url: str) -> dict:
     """mg's step counters and the verify/control histograms' sums, from one /metrics read
     (evaluation.determinism.scrape)."""
@@ -168,10 +182,12 @@ def timed(base, srv, prompts, batches, new, reps, frac, singles=False, short=2, 
 def run_model(name: str, args, prompts: dict, out: Path) -> dict:
     mdir = E.write_model(name, Path(args.models_dir) / name, args.tokenizer)
     refs = E.references(mdir, prompts, args.tokens, out / f"refs-{name}.json", args.device)
-    margins = [m for key in ("det_margins", "prefix_margins") for row in refs[key] for m in row]
+    kind = "_margins_bf16" if args.tau_margins == "bf16" else "_margins"
+    margins = [m for key in ("det", "prefix") for row in refs[key + kind] for m in row]
     mem = ["--mem-fraction-static", "0.85", "--max-total-tokens", str(E.POOL_TOKENS[name])]
     res = {"model": name, "shape": E.SHAPES[name], "batches": args.batches, "decode_tokens": args.decode_tokens,
-           "reps": args.reps, "short_tokens": args.short_tokens, "stream_interval": args.stream_interval, "mixed_share": MIXED, "seam": args.seam, "configs": []}
+           "reps": args.reps, "short_tokens": args.short_tokens, "stream_interval": args.stream_interval, "mixed_share": MIXED, "seam": args.seam,
+           "tau_margins": args.tau_margins, "configs": []}
     seam = ["--mg-seam", args.seam]
     path = out / f"gpu_sweep-{name}.json"
     base = E.start(mdir, name, "off", out, mem, args.device)
@@ -191,7 +207,13 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             ahead = next((int(x) for x in rest if x.isdigit()), 0)  # serve --mg-prefill-ahead
             early = "on" if "early" in rest else "off"  # serve --mg-early-verify
             spin = next((int(x[4:]) for x in rest if x.startswith("spin") and x[4:].isdigit()), 0)  # --mg-ipc-spin-us
-            tau = None if always else tau_for_rate(margins, float(rate))
+            expected = None  # the reference steps' share below tau, when the margins are bf16 steps
+            if always:
+                tau = None
+            elif args.tau_margins == "bf16":
+                tau, expected = tau_for_rate_quantized(margins, float(rate))
+            else:
+                tau = tau_for_rate(margins, float(rate))
             flags = (([] if always else ["--mg-tau", f"{tau:.6g}"]) + (["--mg-prefill-ahead", str(ahead)] if ahead else [])
                      + ["--mg-early-verify", early, "--mg-ipc-spin-us", str(spin)])
             srv = E.start(mdir, name, "always" if always else "margin", out,
@@ -200,7 +222,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             try:
                 singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
                 cfg = {"target": rate, "tau": tau, "commit": commit, "prefill_ahead": ahead, "early_verify": early,
-                       "ipc_spin_us": spin,
+                       "ipc_spin_us": spin, "expected_trigger": expected,
                        "det_requests": "single" if singles else "batch",
                        "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles,
                                     args.short_tokens, args.stream_interval),
@@ -237,7 +259,9 @@ def _variant(c: dict) -> str:
     """A configuration's serve flags beyond rate and commit, for the tables."""
     return ((f", prefill ahead {c['prefill_ahead']}" if c.get("prefill_ahead") else "")
             + (", early verify on" if c.get("early_verify") == "on" else "")
-            + (f", IPC spin {c['ipc_spin_us']} µs" if c.get("ipc_spin_us") else ""))
+            + (f", IPC spin {c['ipc_spin_us']} µs" if c.get("ipc_spin_us") else "")
+            + (f", tau from bf16 margins (reference share {100 * c['expected_trigger']:.1f} %)"
+               if c.get("expected_trigger") is not None else ""))
 
 
 def summarize(r: dict) -> str:
@@ -345,6 +369,10 @@ def main() -> int:
                     help="RATE:COMMIT[:N][:early][:spinU],... to time instead of every --rates x --commit pair (e.g. "
                          "0.1:hold,0.1:hold:spin5000; N: serve --mg-prefill-ahead N; early: --mg-early-verify on; "
                          "spinU: --mg-ipc-spin-us U)")
+    ap.add_argument("--tau-margins", choices=["fp32", "bf16"], default="fp32",
+                    help="which reference margins tau comes from: the verifier's fp32 ones (default), or those "
+                         "of its logits rounded to bf16, as SGLang's bf16 lm_head shows them to the seam (the "
+                         "8B shape: its fp32-derived tau caught every bf16 tie, 17 %% of steps for a 10 %% target)")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="> 0: lengthen every timed prompt to this many tokens (its own tokens repeated): the "
                          "cost of long prompts' first checks (--mg-prefill-ahead)")
