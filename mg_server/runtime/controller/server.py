@@ -57,16 +57,11 @@ class ControllerConfig:
     metrics_dir: str  # prometheus multiprocess folder (set in the env before metrics exist)
     verifier: "object | None" = None  # VerifierConfig of the worker to spawn (None: mode "off")
     verify_timeout_s: float = 30.0  # per verify call: a live, beating verifier that does not answer (wedged)
-    # Catch-up (prompt prefill, unverified stretches) goes to the verifier in calls of at most
-    # this many tokens, so verify_timeout_s bounds one chunk, not a whole long prompt.
-    catchup_chunk: int = 256
-    # Prompts of at least this many tokens are taught to the verifier in the controller's idle
-    # turns, ahead of the request's first check, so a held forward does not wait for that
-    # prefill (0: off; experimental, --mg-prefill-ahead; audit.AuditMixin._prefill_ahead).
+    catchup_chunk: int = 256  # tokens per catch-up call: verify_timeout_s bounds a chunk, not a long prompt
+    # Prompts of at least this many tokens are taught to the verifier in idle turns, ahead of the
+    # request's first check (0: off; experimental, --mg-prefill-ahead; AuditMixin._prefill_ahead).
     prefill_ahead: int = 0
-    # experimental (--mg-ipc-spin-us): spin this long for the next message after each one, and for
-    # the verifier's reply, before a blocking poll (channel.wait_readable says why)
-    ipc_spin_s: float = 0.0
+    ipc_spin_s: float = 0.0  # experimental: spin for messages and replies first (channel.wait_readable)
     start_timeout_s: float = 300.0  # verifier model load
     verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept
     parent_pid: int = 0  # mg-server's pid: the controller exits once it is gone (0: no watch)
