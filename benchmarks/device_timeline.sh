@@ -15,7 +15,7 @@ export PYTHONPATH=$PWD:/tmp/mg-site PYTHONUNBUFFERED=1 MG_GPU_TOKENIZER=$PWD/.ca
 for SPIN in ${SPINS:-0 5000}; do
 rm -rf /tmp/mgprof
 MG_PROF=1 PYTHONPATH=$PWD/benchmarks/prof_site:$PYTHONPATH timeout 300 "$PY" - "$OUT" "${TAU:-0.0270147}" "${BS:-8}" "${DEVICE:-cuda}" "$SPIN" <<'PY'
-import json, sys
+import json, sys, time
 from pathlib import Path
 sys.path[:0] = ["benchmarks", "tests"]
 import gpu_e2e as E
@@ -27,6 +27,7 @@ try:
     rows = json.loads(E.PROMPTS_FILE.read_text())["other"][:bs]
     for _ in range(3):
         E.log(f"bs {bs}: {stream_batch(srv.url, rows, 128, len(rows), interval=8)}")
+    time.sleep(2)  # prof_site dumps once a process has been idle for 0.5 s
 finally:
     srv.stop()
 PY

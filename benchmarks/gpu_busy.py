@@ -95,7 +95,8 @@ def main() -> int:
                                args.rate)
             mem = ["--mem-fraction-static", "0.85", "--max-total-tokens", str(E.POOL_TOKENS[name])]
             runs = {"plain SGLang": ("off", [], False),
-                    f"mg ~{args.rate}, early verify on": ("margin", ["--mg-tau", f"{tau:.6g}"], True),
+                    f"mg ~{args.rate}, early verify on": ("margin", ["--mg-tau", f"{tau:.6g}", "--mg-early-verify",
+                                                                     "on"], True),
                     f"mg ~{args.rate}, early verify off": ("margin", ["--mg-tau", f"{tau:.6g}", "--mg-early-verify",
                                                                       "off"], True)}
             res["models"][name] = {"tau": tau}

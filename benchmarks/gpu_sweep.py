@@ -204,6 +204,8 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             path.write_text(json.dumps(res, indent=2))
         for rate, commit, *rest in args.configs:
             always = rate == "always"
+            if bad := [x for x in rest if not (x.isdigit() or x == "early" or (x.startswith("spin") and x[4:].isdigit()))]:
+                raise SystemExit(f"unknown config marker(s) {bad} in {rate}:{commit}:{':'.join(rest)}")
             ahead = next((int(x) for x in rest if x.isdigit()), 0)  # serve --mg-prefill-ahead
             early = "on" if "early" in rest else "off"  # serve --mg-early-verify
             spin = next((int(x[4:]) for x in rest if x.startswith("spin") and x[4:].isdigit()), 0)  # --mg-ipc-spin-us

@@ -64,8 +64,8 @@ def checks(calls) -> list[dict]:
                "verifier before forward": fwd[0][0] - h0, "forward": sum(b - a for a, b in fwd),
                "verifier after forward": h1 - fwd[-1][1], "verifier -> controller": v1 - h1,
                "controller after": c1 - v1, "controller -> seam": s1 - c1, "total (seam's call)": s1 - s0}
-        # several forwards (catch-up chunks): the gaps between them count as "forward"'s neighbours
-        seg["verifier after forward"] -= sum(b0 - a1 for (_, a1), (b0, _) in zip(fwd, fwd[1:]))
+        # several forwards (catch-up chunks): the host time between them counts as the verifier's "after"
+        seg["verifier after forward"] += sum(b0 - a1 for (_, a1), (b0, _) in zip(fwd, fwd[1:]))
         proc = [(a, b) for nn, a, b in calls if nn == "process" and a <= s0 and s1 <= b]
         if proc:
             seg["seam after"] = proc[0][1] - s1

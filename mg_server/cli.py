@@ -67,9 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                         "GPU-bound; README, GPU performance)")
     s.add_argument("--mg-ipc-spin-us", type=int, default=0, metavar="N",
                    help="experimental: mg's controller and verifier spin up to N microseconds for their next "
-                        "message after each one, and every call for its reply, before they block (a process "
-                        "woken from a blocking poll answers later; spinning burns a core per process while "
-                        "deterministic traffic flows; default 0: off)")
+                        "message after answering one, and the controller for the verifier's reply, before they "
+                        "block (a process woken from a blocking poll answers later; spinning burns a core per "
+                        "process while deterministic traffic flows; default 0: off)")
     s.add_argument("--mg-commit", choices=["hold", "resume"], default="hold",
                    help="single non-streamed deterministic requests: 'hold' (default) waits for the verifier at "
                         "each low-margin step, as streams and batch bodies always do; 'resume' (experimental) "

@@ -49,7 +49,6 @@ class HookConfig:
     # lagged path, experimental: a thread verifies a holding forward as soon as the device
     # publishes it, not at the next sampler call (lagged.py, "Early verify"; --mg-early-verify)
     early_verify: bool = False
-    ipc_spin_s: float = 0.0  # experimental: the seam's controller calls spin this long for the reply (--mg-ipc-spin-us)
 
     def to_json_dict(self) -> dict:
         return asdict(self)
@@ -97,7 +96,7 @@ class ServeConfig:
     verdict_wait_s: float = 120.0  # a response's longest wait for its verdict
     lagged_commit: bool = True  # CUDA + overlap: the one-forward-late seam (sglang_ext/lagged.py; --mg-seam)
     early_verify: bool = False  # lagged seam: verify as soon as a forward is published (--mg-early-verify)
-    ipc_spin_s: float = 0.0  # experimental: mg's processes spin this long for a message (--mg-ipc-spin-us)
+    ipc_spin_s: float = 0.0  # experimental: controller and verifier spin this long for a message (--mg-ipc-spin-us)
     commit: str = "hold"  # "hold" | "resume": single non-streamed deterministic requests (--mg-commit)
 
     @property

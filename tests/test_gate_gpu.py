@@ -261,14 +261,19 @@ def test_a_waiting_thread_wakes_at_the_publish_while_the_stream_is_held():
         _answer(gpu, 1, [])
 
     chosen = torch.full((N,), -1, dtype=torch.int64, device=dev)
+    inputs = _inputs(dev, [0, 1, 0, 0, 0])  # (made first: a pageable copy would wait for the work below)
     slow = torch.randn(4096, 4096, device=dev)
     torch.cuda.synchronize()
-    for _ in range(20):  # ~50 ms of GPU work ahead of the publish: the thread must really wait for it
-        slow = slow @ slow / 64
-    gpu.launch(*_inputs(dev, [0, 1, 0, 0, 0]), chosen, 1)
-    th = threading.Thread(target=early)  # (after the launch: an event never recorded counts as done)
-    th.start()
-    th.join(10)
-    assert not th.is_alive() and woke == {"published": True, "acked": None}
-    torch.cuda.synchronize()
-    assert gpu.acked(1) == 1 and chosen.cpu().tolist() == [11, 112, 13, 14, 15]
+    try:
+        for _ in range(20):  # ~50 ms of GPU work ahead of the publish: the thread must really wait for it
+            slow = slow @ slow / 64
+        gpu.launch(*inputs, chosen, 1)
+        assert not gpu.published(1, N)  # still behind the matmuls
+        th = threading.Thread(target=early)  # (after the launch: an event never recorded counts as done)
+        th.start()
+        th.join(10)
+        assert not th.is_alive() and woke == {"published": True, "acked": None}
+        torch.cuda.synchronize()
+        assert gpu.acked(1) == 1 and chosen.cpu().tolist() == [11, 112, 13, 14, 15]
+    finally:
+        gpu.open(1)  # never leave the stream held for the next test

@@ -373,9 +373,10 @@ def test_early_verify_answers_a_holding_gate_without_waiting_for_the_next_sample
         req = FakeReq("e", [4, 5])
         seam(None, sampler_args([(req, True)], logits_with(20, 0.1), [1]))
         deadline = time.monotonic() + 5
-        while gate.acked(1) is None and time.monotonic() < deadline:
+        while seam.lagged.pending and time.monotonic() < deadline:  # (popped once the thread is done)
             time.sleep(0.005)
-        assert gate.acked(1) == 1 and gates.threads == ["mg-early-verify"]  # released by the thread
+        with seam.lagged.lock:
+            assert gate.acked(1) == 1 and gates.threads == ["mg-early-verify"]  # released by the thread
         assert seam.lagged.chosen[:1].tolist() == [21] and [r.pos for r in client.rows] == [1]
         assert not seam.lagged.pending and seam.link.tracked["e"].tokens == [4, 5, 21]
         pool = runner.token_to_kv_pool

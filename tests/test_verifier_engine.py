@@ -215,7 +215,7 @@ def test_items_that_fit_the_pool_alone_but_not_together_get_no_capacity(setup):
     tail audits in one call, on the H100): the last ones get NO_CAPACITY, the rest are served,
     and nothing raises (it was an IndexError that failed every request of the call)."""
     _, engine, _, seq, _ = setup
-    small = VerifierEngine(engine.model, max_requests=4, pool_tokens=32, max_seq_len=64)  # 30 free slots
+    small = VerifierEngine(engine.model, max_requests=4, pool_tokens=32, max_seq_len=64)  # 31 free slots
     solo = VerifierEngine(engine.model, max_requests=4, pool_tokens=32, max_seq_len=64)
     items = [VerifyItem(rid=r, pos=11, tokens=seq[:12]) for r in ("a", "b", "c")]  # 12 + 12 fit, + 12 not
     out = small.step(items)

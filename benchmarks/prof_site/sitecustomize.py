@@ -3,8 +3,8 @@
 With MG_PROF=1 and this folder first on PYTHONPATH, every Python process that loads one of the
 modules in TARGETS times the listed functions per call -- wall time and this thread's CPU time (a
 gap between them is waiting: the GPU, a socket, a lock, the GIL) -- and writes the sums to
-/tmp/mgprof/<pid>.json every 50 calls of a function in DUMP_ON (or its first call a second after the
-last dump). Calls over 20 ms (first calls,
+/tmp/mgprof/<pid>.json from a thread, once the process has been idle for 0.5 s (so never inside
+a timed call). Calls over 20 ms (first calls,
 compiles) are counted apart under "<name>_slow". Covered: the seam's host work in SGLang's
 scheduler (LaggedControl), the controller's verify calls, and the verifier worker's serving path
 (receive, decode, engine step, graph replay, slot writes, encode).
@@ -42,15 +42,32 @@ if os.environ.get("MG_PROF") == "1":
         "mg_server.runtime.controller.client": {"ControllerClient.step": "client_step"},
         "mg_server.runtime.protocol": {"encode": "encode", "decode": "decode"},
     }
-    DUMP_ON = {"launch", "v_verify", "ctl_verify_call", "client_step"}
     TIMELINE = {"client_step", "process", "settle", "ctl_step", "ctl_verify_call", "v_handle_batch", "v_forward",
                 "v_graph_run", "shm_write_many", "v_send"}
     STATS: dict = {}  # name -> [calls, wall seconds, thread CPU seconds]; "timeline": [[name, t0, t1]]
     LOCK = threading.Lock()
-    LAST = [0.0]  # monotonic time of the last dump
+    LAST = [0.0, 0, 0]  # last call's end (monotonic), calls recorded, calls at the last dump
+
+    def dumper() -> None:
+        """Writes the stats once the process has recorded nothing for 0.5 s (between the timed
+        batches, after the run: the server is killed, so no atexit), never inside a timed call."""
+        while True:
+            time.sleep(0.25)
+            with LOCK:
+                if LAST[1] == LAST[2] or time.monotonic() - LAST[0] < 0.5:
+                    continue
+                LAST[2] = LAST[1]
+                text = json.dumps({"argv": sys.argv[:3], **STATS})
+            os.makedirs("/tmp/mgprof", exist_ok=True)
+            with open(f"/tmp/mgprof/{os.getpid()}.json", "w") as f:
+                f.write(text)
 
     def rec(name: str, wall: float, cpu: float, t1: float) -> None:
         with LOCK:
+            if not LAST[1]:
+                threading.Thread(target=dumper, name="mgprof-dump", daemon=True).start()
+            LAST[0] = t1
+            LAST[1] += 1
             if name in TIMELINE:
                 line = STATS.setdefault("timeline", [])
                 if len(line) < 20000:
@@ -59,12 +76,6 @@ if os.environ.get("MG_PROF") == "1":
             s[0] += 1
             s[1] += wall
             s[2] += cpu
-            now = time.monotonic()
-            if name in DUMP_ON and (s[0] % 50 == 0 or now - LAST[0] > 1.0):  # (the server is killed: no atexit)
-                LAST[0] = now
-                os.makedirs("/tmp/mgprof", exist_ok=True)
-                with open(f"/tmp/mgprof/{os.getpid()}.json", "w") as f:
-                    json.dump({"argv": sys.argv[:3], **STATS}, f)
 
     def wrap(name: str, fn):
         def timed(*a, **k):

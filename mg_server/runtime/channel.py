@@ -66,7 +66,7 @@ class RpcClient:
         self.sock.send(P.encode(msg))
         now = time.monotonic()
         deadline = now + (self.timeout_s if timeout_s is None else timeout_s)
-        spin_until = now + self.spin_s
+        spin_until = min(now + self.spin_s, deadline)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:

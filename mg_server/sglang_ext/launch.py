@@ -282,7 +282,7 @@ def serve(cfg: ServeConfig) -> None:
     hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
                       step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
                       fault_missed_flip=env.fault_missed_flip(), fault_flip_margin=env.fault_flip_margin(),
-                      lagged_commit=cfg.lagged_commit, early_verify=cfg.early_verify, ipc_spin_s=cfg.ipc_spin_s)
+                      lagged_commit=cfg.lagged_commit, early_verify=cfg.early_verify)
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(
         DeterministicMiddleware,

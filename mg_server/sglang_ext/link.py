@@ -62,8 +62,7 @@ class ControllerLink:
         from mg_server.runtime.shm import SlotBuffer
 
         self.config = config
-        self.client = ControllerClient(config.controller_ipc, timeout_s=config.step_timeout_s, client_name="hook",
-                                       spin_s=config.ipc_spin_s)
+        self.client = ControllerClient(config.controller_ipc, timeout_s=config.step_timeout_s, client_name="hook")
         self.info = self.client.hello()
         self.policy = Policy(self.info.mode, self.info.tau)  # the controller's own policy (pure)
         self.slots = SlotBuffer.attach(self.info.shm) if self.info.shm is not None else None

@@ -317,10 +317,10 @@ class Controller(AuditMixin):
     def serve_forever(self, idle_exit_s: float = 0.0) -> None:
         """Serve until Shutdown (or, if idle_exit_s, until that long without a message).
         Orphaning is the lifeline's job: it exits the process whatever this loop is doing."""
-        last = time.monotonic()
+        last = hot = time.monotonic()  # the last message's arrival; the end of its handling (spin from there)
         while self.running:
             busy = self.pending or self.checks or self.ahead  # idle work waits: no blocking poll, no spin
-            if not wait_readable(self.sock, 0 if busy else 200, 0.0 if busy else last + self.cfg.ipc_spin_s):
+            if not wait_readable(self.sock, 0 if busy else 200, 0.0 if busy else hot + self.cfg.ipc_spin_s):
                 if self.checks:  # idle: check the resumable requests' low-margin steps first
                     self._run_checks()
                 elif self.pending:  # idle: run deferred tail audits, a few at a time (a Step may come)
@@ -345,9 +345,11 @@ class Controller(AuditMixin):
                     log.exception("controller error")
                     reply = P.Error(error=P.ErrorReply(code=P.ErrorCode.INTERNAL, message=repr(e)))
                 if reply is None:  # a one-way report
+                    hot = time.monotonic()
                     continue
                 reply.msg_id = msg.msg_id
             self.sock.send_multipart([ident, P.encode(reply)])
+            hot = time.monotonic()
 
     def close(self) -> None:
         if self.vclient is not None:

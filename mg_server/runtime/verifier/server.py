@@ -241,7 +241,6 @@ class VerifierServer:
             while self.running:
                 if not wait_readable(self.sock, self.cfg.poll_ms, last + self.cfg.ipc_spin_s):
                     continue
-                last = time.monotonic()
                 frames = []
                 while len(frames) < self.cfg.max_batch_items:  # drain what is queued: one batch
                     try:
@@ -249,6 +248,7 @@ class VerifierServer:
                     except zmq.Again:
                         break
                 self._handle_batch(frames)
+                last = time.monotonic()  # replies sent: spin for the next request from here
         finally:
             self.close()
 
