@@ -5,10 +5,7 @@
 # the host time goes: profile.json). Needs .whl/ and .cache/gpu-tokenizer/ in the carried tree.
 #   bash benchmarks/device_seam.sh            (about 8 minutes on an H100)
 set -o pipefail
-OUT=${OUT:-/tmp/mg-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mg-site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=$PWD:/tmp/mg-site PYTHONUNBUFFERED=1 MG_GPU_TOKENIZER=$PWD/.cache/gpu-tokenizer
+source "$(dirname "$0")/device_env.sh"
 LOG=$OUT/device_seam.log
 nvidia-smi -L | tee "$LOG"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gate_gpu.py tests/test_launch.py \

@@ -5,10 +5,7 @@
 # TESTS=skip / SWEEP=skip leave a part out. Needs .whl/ (../shared/docs/gpu-wheels.txt) and
 # .cache/gpu-tokenizer/ (the embedded model's tokenizer files) in the carried tree.
 set -o pipefail
-OUT=${OUT:-/tmp/mg-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/mg-site .whl/*.whl \
-  || exit 1
-export PYTHONPATH=$PWD:/tmp/mg-site PYTHONUNBUFFERED=1 MG_GPU_TOKENIZER=$PWD/.cache/gpu-tokenizer
+source "$(dirname "$0")/device_env.sh"
 nvidia-smi -L | tee "$OUT/env.txt"
 if [ "${TESTS:-}" != skip ]; then
   # shellcheck disable=SC2086 - TESTS is a list of pytest arguments

@@ -6,12 +6,8 @@
 # carried tree.  (~2 minutes per value on an H100)
 #   TAU=0.0270147 BS=8 SPINS="0 5000" bash benchmarks/device_timeline.sh
 set -o pipefail
-OUT=${OUT:-/tmp/mg-out}; mkdir -p "$OUT"
-# (DEVICE=cpu NO_INSTALL=1 PYTHON=.venv/bin/python: a smoke run of this script on a CPU host)
-[ -n "${NO_INSTALL:-}" ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/mg-site .whl/*.whl || exit 1
-PY=${PYTHON:-python3}
-export PYTHONPATH=$PWD:/tmp/mg-site PYTHONUNBUFFERED=1 MG_GPU_TOKENIZER=$PWD/.cache/gpu-tokenizer
+source "$(dirname "$0")/device_env.sh"
+PY=${PYTHON:-python3}  # (DEVICE=cpu NO_INSTALL=1 PYTHON=.venv/bin/python: a smoke run on a CPU host)
 for SPIN in ${SPINS:-0 5000}; do
 rm -rf /tmp/mgprof
 MG_PROF=1 PYTHONPATH=$PWD/benchmarks/prof_site:$PYTHONPATH timeout 300 "$PY" - "$OUT" "${TAU:-0.0270147}" "${BS:-8}" "${DEVICE:-cuda}" "$SPIN" <<'PY'
