@@ -70,11 +70,13 @@ def _parser() -> argparse.ArgumentParser:
                         "message after answering one, and the controller for the verifier's reply, before they "
                         "block (a process woken from a blocking poll answers later; spinning burns a core per "
                         "process while deterministic traffic flows; default 0: off)")
-    s.add_argument("--mg-commit", choices=["hold", "resume"], default="hold",
-                   help="single non-streamed deterministic requests: 'hold' (default) waits for the verifier at "
-                        "each low-margin step, as streams and batch bodies always do; 'resume' (experimental) "
-                        "commits every step fast, checks the low-margin ones behind and, on a divergence, "
-                        "resumes the answer from the verifier's token (README, GPU performance)")
+    s.add_argument("--mg-commit", choices=["hold", "resume", "lag"], default="hold",
+                   help="'hold' (default) waits for the verifier at each low-margin step; 'resume' "
+                        "(experimental, single non-streamed requests) commits every step fast, checks the "
+                        "low-margin ones behind and, on a divergence, resumes the answer from the verifier's "
+                        "token; 'lag' (experimental, lagged seam) lets the fast token through, verifies it while "
+                        "the GPU runs the next forward and, on a disagreement, swaps the token before SGLang "
+                        "emits it and holds that request's next forward (README, GPU performance)")
     s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
                    help="longest wait of a response for its verdict (the final audit; default 120)")
 

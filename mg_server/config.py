@@ -49,6 +49,10 @@ class HookConfig:
     # lagged path, experimental: a thread verifies a holding forward as soon as the device
     # publishes it, not at the next sampler call (lagged.py, "Early verify"; --mg-early-verify)
     early_verify: bool = False
+    # lagged path, experimental (--mg-commit lag): verify low-margin rows one forward behind
+    # instead of holding the stream (sglang_ext/lagcommit.py)
+    lag_commit: bool = False
+    lagged_on_cpu: bool = False  # tests only (env MG_LAGGED_ON_CPU): the lagged path with the CPU reference gate
 
     def to_json_dict(self) -> dict:
         return asdict(self)
@@ -97,7 +101,7 @@ class ServeConfig:
     lagged_commit: bool = True  # CUDA + overlap: the one-forward-late seam (sglang_ext/lagged.py; --mg-seam)
     early_verify: bool = False  # lagged seam: verify as soon as a forward is published (--mg-early-verify)
     ipc_spin_s: float = 0.0  # experimental: controller and verifier spin this long for a message (--mg-ipc-spin-us)
-    commit: str = "hold"  # "hold" | "resume": single non-streamed deterministic requests (--mg-commit)
+    commit: str = "hold"  # "hold" | "resume" | "lag" (--mg-commit)
 
     @property
     def cpu(self) -> bool:

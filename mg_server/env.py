@@ -29,6 +29,12 @@ def prometheus_multiproc_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 
 
+def lagged_on_cpu() -> bool:
+    """Tests only: MG_LAGGED_ON_CPU=1 runs the lagged seam on a CPU server, with the CPU
+    reference gate answering each holding forward at once (sglang_ext/lagged.py)."""
+    return os.environ.get("MG_LAGGED_ON_CPU", "") == "1"
+
+
 def fault_missed_flip() -> int:
     """Tests only: MG_FAULT_MISSED_FLIP=k makes the seam fast-commit the runner-up as the k-th
     answer token of every deterministic request (a missed flip on demand); -1 = off."""

@@ -40,6 +40,13 @@ def gate_timeouts() -> Counter:
 
 
 @lru_cache(maxsize=None)
+def lag_corrections() -> Counter:
+    """--mg-commit lag: fast tokens the verifier, asked one forward late, replaced (sglang_ext/lagcommit.py)."""
+    return Counter("mg_lag_corrections", "Deterministic tokens verified one forward behind (--mg-commit lag) "
+                   "whose fast token the verifier replaced before SGLang emitted it")
+
+
+@lru_cache(maxsize=None)
 def resume_stops() -> Counter:
     """Resumable deterministic requests whose fast path the seam ended early (a divergence found behind)."""
     return Counter("mg_resume_stops", "Resumable deterministic requests whose fast path mg ended early after a "

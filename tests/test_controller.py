@@ -140,6 +140,17 @@ def test_flip_at_verified_step_is_repaired(make_ctl):
     assert v.repairs == 1 and v.state == "verified"
 
 
+def test_a_must_row_is_verified_and_repaired_whatever_its_margin(make_ctl):
+    """StepRow.must (--mg-commit lag: the fast path read a corrected token): verified although its
+    margin is high, and its K/V column repaired although the tokens agree."""
+    ctl = make_ctl("margin", 0.5)
+    (d,) = ctl._step([P.StepRow(rid="m", pos=1, prompt=[3, 4], margin=9.0, fast_token=ref_next([3, 4]))])
+    assert not d.verified and not d.repair
+    tok = ref_next([3, 4, d.token])
+    (d,) = ctl._step([P.StepRow(rid="m", pos=2, margin=9.0, fast_token=tok, must=True)])
+    assert d.verified and d.repair and d.token == tok and d.slot >= 0 and ctl.reqs["m"].repairs == [2]
+
+
 def test_missed_flip_is_found_by_the_audit(make_ctl):
     ctl = make_ctl("margin", 0.5)
     # the fast path flips at a high-margin step (never verified): the final audit must see it

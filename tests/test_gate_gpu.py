@@ -200,7 +200,7 @@ def test_strided_inputs_are_read_row_by_row():
 
 def test_decide_and_force_kernels_match_their_torch_reference():
     """kernels.decide on CUDA (the lagged seam's launch) against decide_reference: margins, the
-    lowest-index argmax on ties, positions, the step check, tau, resumable rows, mode always;
+    lowest-index argmax on ties, positions, the step check, tau, the row modes, mode always;
     meta read from page-locked host memory as the seam passes it; force's one-hot rows."""
     from mg_server.kernels import decide as DC
 
@@ -215,8 +215,8 @@ def test_decide_and_force_kernels_match_their_torch_reference():
     rows = torch.randperm(bs, generator=g)[:n]
     expected = positions[rows].clone()
     expected[::4] += 1  # not the step mg expects
-    lazy = (torch.arange(n) % 7 == 0).to(torch.int64)
-    meta = torch.cat([rows, expected, lazy]).pin_memory()
+    modes = torch.arange(n) % 4  # HOLD, LAZY, BEHIND, MUST
+    meta = torch.cat([rows, expected, modes]).pin_memory()
     # each case twice (the second launch goes through the compiled kernel kernels.launch kept), then
     # with logits at an odd address and row stride (a specialization the first kernel must not serve)
     cases = [(False, 1.0, 0), (False, 1.0, 0), (False, 0.0, 0), (True, 0.0, 0), (True, 0.0, 0), (False, 1.0, 1),

@@ -86,12 +86,12 @@ SCRIPT = textwrap.dedent("""
     gu = torch.randn(7, 64)  # silu_mul reads column slices of one [M, 2I] output in place
     close(K.silu_mul(gu[:, :32], gu[:, 32:]), K.silu_mul(gu[:, :32].contiguous(), gu[:, 32:].contiguous()), 1e-30)
     # the lagged seam's decide / force kernels against their torch reference (ties, -inf rows,
-    # positions that are not the expected step, resumable rows, tau, mode always)
+    # positions that are not the expected step, the row modes, tau, mode always)
     from mg_server.kernels import decide as DC
     lg = torch.randn(6, 5000); lg[1, 7] = lg[1, 4000] = 30.0; lg[2, :] = float("-inf"); lg[3, 9] = 1e-3
     positions = torch.tensor([10, 11, 12, 13, 14, 15])
-    n = 5
-    meta = torch.tensor([1, 2, 3, 5, 0,  11, 12, 99, 15, 10,  0, 0, 0, 1, 0])
+    n = 5  # modes: hold, behind, must (not the step: 0), lazy, must
+    meta = torch.tensor([1, 2, 3, 5, 0,  11, 12, 99, 15, 10,  0, 2, 3, 1, 3])
     for always, tau in ((False, 0.5), (True, 0.0), (False, float("inf"))):
         got = [torch.zeros(n), torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64),
                torch.zeros(n, dtype=torch.int32), torch.zeros(n, dtype=torch.int64)]
@@ -102,6 +102,8 @@ SCRIPT = textwrap.dedent("""
         for g_, w_ in zip(got, want):
             assert torch.equal(g_, w_) or torch.allclose(g_, w_, equal_nan=True), (always, tau, got, want)
         assert got[1][0].item() == 7 and got[0][0].item() == 0.0 and got[1][1].item() == 0
+        assert got[3][2].item() == 0 and got[3][3].item() == 0 and got[3][4].item() == 1  # must: a step only
+        assert got[3][1].item() in (0, 2) and got[3][0].item() in (0, 1)
         f1, f2 = lg.clone(), lg.clone()
         chosen = got[1] + 1
         DC._force_kernel[(n,)](f1, f1.stride(0), f1.shape[1], got[4], chosen, CHUNK=1024)

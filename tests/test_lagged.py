@@ -28,20 +28,20 @@ class Slots:
         self.gens[5] = 9
 
 
-def lagged_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy, early=False):
+def lagged_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy, early=False, lag=False):
     """A seam on the lagged path with the CPU reference gate, its launches and answers recorded
     in seam.gates = SimpleNamespace(gates=[(need_any, target)], releases=[target])."""
     from mg_server.sglang_ext.lagged import LaggedControl
 
     seam = make_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy=policy)
     seam.link.slots = Slots(seam.link.slots.col)
-    seam.lagged = LaggedControl(seam, torch.device("cpu"), early=early)
+    seam.lagged = LaggedControl(seam, torch.device("cpu"), early=early, lag=lag)
     log = seam.gates = SimpleNamespace(gates=[], releases=[], threads=[])
     gate = seam.lagged.gate
     launch, release = gate.launch, gate.release
 
     def rec_launch(margin, fast, pos, need, chosen, target):
-        log.gates.append((int(need.any()), target))
+        log.gates.append((int((need == 1).any()), target))  # (need 2: verified behind, no hold)
         launch(margin, fast, pos, need, chosen, target)
 
     def rec_release(target, tokens, repairs):
@@ -391,3 +391,59 @@ def test_early_verify_answers_a_holding_gate_without_waiting_for_the_next_sample
         assert gates.releases == [1] and seam.link.tracked["e"].tokens == [4, 5, 21, 7]
     finally:
         sys.setswitchinterval(switch)
+
+
+def test_lag_lets_the_fast_token_through_and_corrects_it_before_sglang_emits_it(hook_mod, runner, tmp_path,
+                                                                                 monkeypatch):
+    """--mg-commit lag (lagcommit.py): a low-margin row never holds; the verifier, asked one
+    forward late, disagrees; the token SGLang appends is the verifier's, and the request's next
+    forward (computed from the fast token) holds as a MUST row: verified whatever its margin,
+    forced to the verifier's token, its K/V column and the deferred one repaired."""
+    def verify(row):
+        if row.must:
+            return P.StepDecision(rid=row.rid, token=33, verified=True, repair=True, slot=5, gen=9)
+        return P.StepDecision(rid=row.rid, token=(row.fast_token + 1) % VOCAB, verified=True, repair=True,
+                              slot=5, gen=9)
+
+    seam = lagged_seam(hook_mod, runner, verify, tmp_path, monkeypatch, Policy("margin", 0.5), lag=True)
+    gates, client, lag = seam.gates, seam.link.client, seam.lagged
+    req = FakeReq("g", [4, 5])
+    logits = logits_with(20, 0.1)
+    seam(None, sampler_args([(req, True)], logits, [1]))
+    assert gates.gates == [(0, 1)] and int(logits[0].argmax()) == 20  # no hold: the fast token goes through
+    assert client.rows == [] and lag.gate.acked(1) == 0
+    # the next forward (input: the fast token 20) drains the first: the verifier says 21
+    seam(None, sampler_args([(req, True)], logits_with(7, 9.0), [2]))
+    assert [(r.pos, r.must) for r in client.rows] == [(1, False)] and seam.link.tracked["g"].tokens == [4, 5, 21]
+    assert gates.gates[-1] == (1, 2) and gates.releases == []  # a MUST row, whatever its margin: held
+    req.output_ids.append(20)  # SGLang processes the first forward after launching the second
+    assert req.output_ids == [21] and type(req.output_ids).__name__ == "Outputs"
+    lag.drain(wait=True)
+    assert [(r.pos, r.must) for r in client.rows] == [(1, False), (2, True)] and gates.releases == [2]
+    assert lag.chosen[:1].tolist() == [33] and seam.link.tracked["g"].tokens == [4, 5, 21, 33]
+    pool = runner.token_to_kv_pool
+    for pos in (1, 2):  # the deferred repair of position 1 and the MUST row's own (pool row 0: slot 10 + pos)
+        for layer in range(LAYERS):
+            assert torch.equal(pool.k_buffer[layer][10 + pos], seam.link.slots.data[5, layer, 0])
+    req.output_ids.append(33)
+    assert req.output_ids == [21, 33] and lag.fixups == {} and lag.corrections == {} and lag.unsettled == {}
+    assert req.to_finish is None
+
+
+def test_lag_agreement_costs_nothing_and_an_early_append_drains_its_forward(hook_mod, runner, tmp_path,
+                                                                            monkeypatch):
+    def agree(row):
+        return P.StepDecision(rid=row.rid, token=row.fast_token, verified=True, slot=5, gen=9)
+
+    seam = lagged_seam(hook_mod, runner, agree, tmp_path, monkeypatch, Policy("margin", 0.5), lag=True)
+    gates, client, lag = seam.gates, seam.link.client, seam.lagged
+    req = FakeReq("h", [4, 5])
+    seam(None, sampler_args([(req, True)], logits_with(20, 0.1), [1]))
+    # SGLang appends before any later sampler call (e.g. two prefills in a row): the append drains
+    req.output_ids.append(20)
+    assert [r.pos for r in client.rows] == [1] and req.output_ids == [20] and not lag.pending
+    seam(None, sampler_args([(req, True)], logits_with(9, 0.1), [2]))
+    seam(None, sampler_args([(req, True)], logits_with(3, 9.0), [3]))
+    assert gates.gates == [(0, 1), (0, 2), (0, 3)] and gates.releases == []  # never held
+    assert [(r.pos, r.must) for r in client.rows] == [(1, False), (2, False)] and lag.fixups == {}
+    assert seam.link.tracked["h"].tokens == [4, 5, 20, 9]

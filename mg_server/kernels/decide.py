@@ -8,9 +8,12 @@ batch. One program per protected row here does the gather, top-2, position check
 `decide`  : for protected row k (batch row meta[k]):
               margin[k] = top1 - top2 of logits[row] in fp32, fast[k] = its lowest-index argmax
               (torch.argmax's rule and SGLang's greedy sampler's), pos[k] = positions[row],
-              need[k]   = pos == meta[n + k] (the step mg expects) and not meta[2n + k] (a
-                          resumable row, checked behind) and (always, or not margin >= tau in
-                          fp64: Policy.should_verify's comparison; a NaN margin is verified).
+              need[k]   = 0 unless pos == meta[n + k] (the step mg expects); then by the row's
+                          mode meta[2n + k]: HOLD (0) 1 if the policy verifies it (always, or
+                          not margin >= tau in fp64: Policy.should_verify's comparison; a NaN
+                          margin is verified); LAZY (1, a resumable row, checked behind) 0;
+                          BEHIND (2, `--mg-commit lag`) 2 if the policy verifies it (verified
+                          one forward late: the gate never holds for it); MUST (3) 1.
 `force`   : logits[row k] = -inf everywhere but 0 at chosen[k] (any sampler then picks it).
 
 `meta` is int64 [3n]: on CUDA it may be page-locked host memory (read through UVA, no copy).
@@ -27,6 +30,7 @@ from torch import Tensor
 from mg_server.kernels.launch import Launcher
 
 CHUNK = 2048  # columns per step of a row walk (control values only: no output bits depend on it)
+HOLD, LAZY, BEHIND, MUST = 0, 1, 2, 3  # a row's mode (meta[2n + k]; module doc)
 
 
 @triton.jit(do_not_specialize=["n", "V"])
@@ -53,11 +57,13 @@ def _decide_kernel(logits_ptr, sl, V, positions_ptr, meta_ptr, tau_ptr, n,
         m2 = tl.maximum(m2, x)
     margin = v1 - tl.max(m2, axis=0)
     p = tl.load(positions_ptr + row).to(tl.int64)
-    step = (p == tl.load(meta_ptr + n + k)) & (tl.load(meta_ptr + 2 * n + k) == 0)
+    step = p == tl.load(meta_ptr + n + k)
+    mode = tl.load(meta_ptr + 2 * n + k)
     if ALWAYS:
-        need = step
+        low = step
     else:
-        need = step & ~(margin.to(tl.float64) >= tl.load(tau_ptr))
+        low = step & ~(margin.to(tl.float64) >= tl.load(tau_ptr))
+    need = tl.where(mode == 3, step.to(tl.int32), tl.where(mode == 1, 0, low.to(tl.int32) * tl.where(mode == 2, 2, 1)))
     tl.store(margin_ptr + k, margin)
     tl.store(fast_ptr + k, i1.to(tl.int64))
     tl.store(pos_ptr + k, p)
@@ -84,10 +90,10 @@ _FORCE = Launcher(_force_kernel, constexprs=1, num_warps=4)
 
 def decide(logits: Tensor,  # [bs, V] float, the sampler's logits (rows unit-strided)
            positions: Tensor,  # [bs] int, the forward's positions, same device
-           meta: Tensor,  # [>= 3n] int64: n batch rows, n expected positions, n resumable flags
+           meta: Tensor,  # [>= 3n] int64: n batch rows, n expected positions, n row modes
            tau: Tensor,  # [1] fp64 (may be page-locked host memory on CUDA)
            always: bool,
-           margin: Tensor, fast: Tensor, pos: Tensor, need: Tensor,  # [n] fp32/int64/int64/int32 out
+           margin: Tensor, fast: Tensor, pos: Tensor, need: Tensor,  # [n] fp32/int64/int64/int32 (0/1/2) out
            rows: Tensor,  # [n] int64 out: meta[:n] on the device, for force()
            ) -> None:
     n = margin.numel()
@@ -123,15 +129,16 @@ def decide_reference(logits, positions, meta, tau, always, margin, fast, pos, ne
     n = margin.numel()
     dev = logits.device
     m = meta[:3 * n].to(dev)
-    idx, exp, lazy = m[:n], m[n:2 * n], m[2 * n:] != 0
+    idx, exp, mode = m[:n], m[n:2 * n], m[2 * n:]
     v = logits.index_select(0, idx).float()  # [n, V]
     i1 = v.argmax(dim=-1)  # ties: the first maximal index
     v1 = v.gather(1, i1[:, None])[:, 0]
     v2 = v.scatter(1, i1[:, None], float("-inf")).amax(dim=-1)
     mg = v1 - v2
     p = positions.to(dev).index_select(0, idx).to(torch.int64)
-    step = (p == exp) & ~lazy
-    nd = step if always else step & ~(mg.double() >= float(tau.reshape(-1)[0]))
+    step = p == exp
+    low = (step if always else step & ~(mg.double() >= float(tau.reshape(-1)[0]))).to(torch.int32)
+    nd = torch.where(mode == MUST, step.to(torch.int32), torch.where(mode == LAZY, 0, low * (1 + (mode == BEHIND))))
     margin.copy_(mg)
     fast.copy_(i1)
     pos.copy_(p)
@@ -139,4 +146,4 @@ def decide_reference(logits, positions, meta, tau, always, margin, fast, pos, ne
     rows.copy_(idx)
 
 
-__all__ = ["decide", "force", "decide_reference"]
+__all__ = ["decide", "force", "decide_reference", "HOLD", "LAZY", "BEHIND", "MUST"]

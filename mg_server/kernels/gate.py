@@ -9,18 +9,19 @@ release queued on a stream can wait behind the very gate it should open. Here th
 with plain stores to page-locked host memory, which the kernel reads (UVA: the pointer of a
 cudaHostAlloc'd buffer is valid on the device), so no CUDA call is on the release path at all.
 
-Per forward (`StepGate.launch`), on the sampler's stream:
-  1. publish kernel: write each row's (margin, fast token, position, needs-the-verifier, target)
+Per forward (`StepGate.launch`), on the sampler's stream (a row's need: 0 no, 1 the verifier
+decides its token now, 2 it is verified behind: the fast token goes through, no hold):
+  1. publish kernel: write each row's (margin, fast token, position, need, target)
      to `out` (the row's tag after a system fence by the thread that wrote its values), then
      `out[0] = target`; the host trusts the values once the forward's and every row's tag are
      there (measured: one tag after a block barrier could land before other threads' values).
-     If no row needs the verifier, the kernel raises `flag` to target itself;
+     If no row's need is 1, the kernel raises `flag` to target itself;
   2. cuStreamWaitValue64(flag >= target): the GPU's front end holds the stream, no SM spins.
      (Measured: a spinning kernel makes the GPU time-slice against the verifier process at each
      of its host syncs, 119.8 vs 2.47 ms per round in benchmarks/gate_timeslice.py.) The host
      writes its tokens, repair descriptors and the inbox tag, then raises `flag`;
   3. apply kernel: released iff the inbox holds this target; chosen[k] = the host's token for
-     rows that needed the verifier, else the fast token; for each repair, copy the verifier's
+     rows of need 1, else the fast token; for each repair, copy the verifier's
      K/V column (slot buffer -> SGLang's per-layer pool, loc from req_to_token) itself, so it is
      ordered before every later forward on the stream; `ack = (target, status)`: 0 passed, 1
      released, 2 opened without an answer (`open`, the host's watchdog: fast tokens, nothing
@@ -77,7 +78,7 @@ def _publish_kernel(margin_ptr, fast_ptr, pos_ptr, need_ptr,  # [n] device
         # the host trusts a row only once its tag is there (no ordering across threads assumed)
         rtag = _fence_sys(tl.zeros([RB], dtype=tl.int64) + target)
         tl.store(base + 4, rtag.to(tl.float64), mask=m)
-        need_any = need_any | tl.max(nd, axis=0)
+        need_any = need_any | tl.max((nd == 1).to(tl.int32), axis=0)  # (2: verified behind, never held)
     tag = _fence_sys(target.to(tl.int64))
     tl.debug_barrier()
     tl.store(out_ptr, tag.to(tl.float64))
@@ -94,7 +95,7 @@ def _apply_kernel(fast_ptr, need_ptr, chosen_ptr,  # [n] device
     r = tl.arange(0, RB)
     need_any = tl.zeros((), dtype=tl.int32)
     for s in range(0, n, RB):
-        need_any = need_any | tl.max(tl.load(need_ptr + s + r, mask=s + r < n, other=0), axis=0)
+        need_any = need_any | tl.max((tl.load(need_ptr + s + r, mask=s + r < n, other=0) == 1).to(tl.int32), axis=0)
     released = tl.zeros((), dtype=tl.int32)
     status = tl.zeros((), dtype=tl.int64)
     if need_any != 0:
@@ -108,8 +109,8 @@ def _apply_kernel(fast_ptr, need_ptr, chosen_ptr,  # [n] device
         m = rows < n
         fast = tl.load(fast_ptr + rows, mask=m, other=0)
         nd = tl.load(need_ptr + rows, mask=m, other=0)
-        host = tl.load(in_ptr + 2 + rows, mask=m & (nd != 0) & (released != 0), other=0, volatile=True)
-        tl.store(chosen_ptr + rows, tl.where((nd != 0) & (released != 0), host, fast), mask=m)
+        host = tl.load(in_ptr + 2 + rows, mask=m & (nd == 1) & (released != 0), other=0, volatile=True)
+        tl.store(chosen_ptr + rows, tl.where((nd == 1) & (released != 0), host, fast), mask=m)
     if released != 0:
         c = tl.arange(0, CB)
         cm = c < COL
@@ -178,7 +179,7 @@ class _Mailboxes:
         return self._out[0] == target and bool((self._out[5:1 + 5 * n:5] == target).all())
 
     def values(self, n: int) -> list[list[float]]:
-        """Per row: margin, fast token, position, needs the verifier (1.0/0.0); after published()."""
+        """Per row: margin, fast token, position, need (0.0/1.0/2.0: module doc); after published()."""
         return self._out[1:1 + 5 * n].reshape(n, 5)[:, :4].tolist()
 
     def release(self, target: int, tokens: list[int], repairs: list[tuple[int, int, int]]) -> None:
@@ -206,7 +207,7 @@ class _Mailboxes:
 
     def holding(self, target: int, n: int) -> bool:
         """Published, and some row needs the verifier: the stream waits for the host."""
-        return self.published(target, n) and bool((self._out[4:1 + 5 * n:5] != 0).any())
+        return self.published(target, n) and bool((self._out[4:1 + 5 * n:5] == 1).any())
 
     # The early-verify thread's wait (sglang_ext/lagged.py): the reference gate publishes inside
     # launch, so there is nothing to wait for; StepGate overrides these three.
@@ -261,7 +262,7 @@ class StepGate(_Mailboxes):
 
     def launch(self, margin: Tensor, fast: Tensor, pos: Tensor, need: Tensor, chosen: Tensor, target: int) -> None:
         """Enqueue publish, stream wait and apply on the current stream; returns at once.
-        margin [n] fp32, fast [n] int64, pos [n] int64, need [n] int32 (0/1), chosen [n] int64
+        margin [n] fp32, fast [n] int64, pos [n] int64, need [n] int32 (0/1/2), chosen [n] int64
         (written), all on the device."""
         n = margin.numel()
         if n > self.capacity:
@@ -317,7 +318,7 @@ class ReferenceStepGate(_Mailboxes):
         self.out[1:1 + 5 * n] = vals.reshape(-1)
         self.out[0] = target
         chosen.copy_(fast)
-        if bool(need.any()):
+        if bool((need == 1).any()):
             self.held = (target, need.clone(), fast.clone(), chosen)
         else:
             self.ack[1], self.ack[0] = 0, target
@@ -335,7 +336,7 @@ class ReferenceStepGate(_Mailboxes):
         _, need, fast, chosen = self.held
         self.held = None
         host = torch.tensor(tokens, dtype=torch.int64)
-        chosen.copy_(torch.where(need != 0, host, fast))
+        chosen.copy_(torch.where(need == 1, host, fast))
         flat = self.slots.reshape(-1) if self.slots is not None else None
         for src, rpi, p in repairs:
             loc = int(self.req_to_token[rpi, p])

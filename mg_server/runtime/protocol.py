@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 6  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
-# 6: resumable rows (StepRow.resumable, Stops, Correction.resume)
+PROTOCOL_VERSION = 7  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
+# 6: resumable rows (StepRow.resumable, Stops, Correction.resume); 7: StepRow.must (lagged corrections)
 
 
 class ErrorCode:
@@ -208,6 +208,10 @@ class StepRow(msgspec.Struct, kw_only=True, omit_defaults=True):
     # commits every step fast, the controller checks the low-margin ones behind, and a divergence
     # ends the fast path early; the front then resumes the answer from the verifier's token.
     resumable: bool = False
+    # The fast path computed this row from a wrong input token (`--mg-commit lag`: the previous
+    # token was corrected after the fast one had been fed back): verify it whatever its margin,
+    # and write the verifier's K/V column of pos (the fast one holds the wrong token's).
+    must: bool = False
 
 
 class Step(Message):

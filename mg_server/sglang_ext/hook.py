@@ -145,21 +145,23 @@ class StepSeam:
         # tokens before preparing the next one) and only the watcher thread could open a gate.
         overlap = not getattr(getattr(runner, "server_args", None), "disable_overlap_schedule", True)
         # x86-64 only: the host's answer relies on its stores reaching the device in program order
+        cuda = str(getattr(runner, "device", "cpu")).startswith("cuda")
         if (self.link is not None and config.lagged_commit and overlap and platform.machine() == "x86_64"
-                and str(getattr(runner, "device", "cpu")).startswith("cuda")):
+                and (cuda or config.lagged_on_cpu)):
             from mg_server.sglang_ext.lagged import LaggedControl
 
             try:
-                self.lagged = LaggedControl(self, torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)),
-                                            early=config.early_verify)
+                dev = torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)) if cuda else torch.device("cpu")
+                self.lagged = LaggedControl(self, dev, early=config.early_verify, lag=config.lag_commit,
+                                            inline=not cuda)
             except Exception as e:  # noqa: BLE001 - e.g. a driver without stream memory operations
                 log.warning("mg: lagged commit unavailable (%s: %s); deterministic rows use the synchronous seam",
                             type(e).__name__, e)
                 return
             self.link.before_finish = self.lagged.drain
             self.link.gate_watchdog = self.lagged.watchdog
-            log.warning("mg: lagged commit on (step gate capacity %d rows, early verify %s)", self.lagged.capacity,
-                        "on" if config.early_verify else "off")
+            log.warning("mg: lagged commit on (step gate capacity %d rows, early verify %s, lag %s)",
+                        self.lagged.capacity, "on" if config.early_verify else "off", config.lag_commit)
 
     def __call__(self, module, args):
         # Sampler.forward(logits_output, sampling_info, return_logprob, top_logprobs_nums,
@@ -178,7 +180,8 @@ class StepSeam:
             self._bypassed = args[1]
         # The lagged path needs a sampler that does not wait for the gated stream: only mg's
         # processor (skipped above) may be in the batch; seeded rows take the synchronous path.
-        if self._bypassed is not None and self.lagged is not None and self.config.fault_missed_flip < 0 and not any(
+        if self._bypassed is not None and self.lagged is not None and (
+                self.config.fault_missed_flip < 0 or self.lagged.inline) and not any(
                 sampling_rule(req)[0] > 0 for _, req, _ in rows) and self.lagged.fits(rows):
             t0 = time.perf_counter()
             self.lagged.launch(args[0].next_token_logits, args[5], rows)
@@ -278,13 +281,14 @@ class StepSeam:
             force_tokens(logits, [i for i, _ in done], [d.token for _, d in done])
         return any(d.verified for _, d in done)
 
-    def decide(self, live, verify: bool) -> list[P.StepDecision]:
+    def decide(self, live, verify: bool, must=()) -> list[P.StepDecision]:
         """The controller's decisions for classified step rows: a verify step if `verify`, else a
-        one-way report of the fast tokens (the controller applies the same pure policy)."""
+        one-way report of the fast tokens (the controller applies the same pure policy). Rows of
+        the keys in `must` are verified whatever their margin (StepRow.must)."""
         link = self.link
         if not live:
             return []
-        rows = self.step_rows(live)
+        rows = self.step_rows(live, must)
         try:
             with link.rpc_lock:
                 if verify:
@@ -334,12 +338,12 @@ class StepSeam:
         return Tracked(req, list(req.origin_input_ids), resumable=resumable(req))
 
     @staticmethod
-    def step_rows(live) -> list[P.StepRow]:
+    def step_rows(live, must=()) -> list[P.StepRow]:
         """The controller's rows for classified step rows (the prompt and rule on a first step)."""
         rows = []
         for _, req, pos, margin, fast, first, key in live:
             r = P.StepRow(rid=key, pos=pos, prompt=list(req.origin_input_ids) if first else [],
-                          margin=margin, fast_token=fast, resumable=resumable(req))
+                          margin=margin, fast_token=fast, resumable=resumable(req), must=key in must)
             if first:  # the decoding rule travels with the prompt
                 r.temperature, r.seed = sampling_rule(req)
             rows.append(r)

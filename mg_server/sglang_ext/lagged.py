@@ -63,7 +63,7 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -72,7 +72,7 @@ from mg_server import metrics
 from mg_server.kernels.decide import decide, force
 from mg_server.kernels.gate import ReferenceStepGate, StepGate
 from mg_server.runtime import protocol as P
-from mg_server.sglang_ext.hook import resumable
+from mg_server.sglang_ext.lagcommit import LagCommit
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ class Forward:
     target: int  # this forward's tag in the gate's mailboxes
     rows: list[tuple[int, object, str]]  # (batch row, SGLang Req, instance key)
     seen: float | None = None  # the watchdog's first sight of it published and unanswered
+    outs: list[tuple[str, int]] = field(default_factory=list)  # lag: (key, output index) of its BEHIND rows
 
 
 def _wait(cond, what: str) -> None:
@@ -106,11 +107,11 @@ def _wait(cond, what: str) -> None:
         time.sleep(0 if waited < 1e-4 else 2e-5)
 
 
-class LaggedControl:
+class LaggedControl(LagCommit):
     """The seam's control path on CUDA (see module doc). `seam` is the hook's StepSeam; on a CPU
     device (unit tests) the gate is kernels.gate.ReferenceStepGate."""
 
-    def __init__(self, seam, device: torch.device, early: bool = False):
+    def __init__(self, seam, device: torch.device, early: bool = False, lag: bool = False, inline: bool = False):
         self.seam = seam
         self.link = seam.link
         self.device = device
@@ -125,7 +126,7 @@ class LaggedControl:
         else:
             self.gate = ReferenceStepGate(self.capacity, pool.k_buffer, pool.v_buffer, slots, r2t)
         pinned = device.type == "cuda"
-        # [3 * cap] int64: n batch rows, n expected positions, n resumable flags (contiguous for n < cap);
+        # [3 * cap] int64: n batch rows, n expected positions, n row modes (contiguous for n < cap);
         # page-locked on CUDA: kernels.decide reads it through UVA (no copy op), before the forward's
         # publish, i.e. before the host may rewrite it for the next forward (drain waits for that)
         self.meta_host = torch.zeros(3 * self.capacity, dtype=torch.int64, pin_memory=pinned)
@@ -152,6 +153,8 @@ class LaggedControl:
         self.timeouts = metrics.gate_timeouts()  # gates that did not wait for mg's answer
         self.pending: deque[Forward] = deque()
         self.lock = threading.Lock()  # processing order; taken before the link's locks
+        self.inline = inline  # CPU server (tests): the reference gate answers a holding forward before force
+        self.init_lag(lag)  # --mg-commit lag (lagcommit.py)
         self.early = early  # a thread drains each holding forward as soon as it is published
         self._armed = 0  # the last forward whose gate is enqueued (the early thread's next wait)
         self._armed_cv = threading.Condition()
@@ -174,10 +177,13 @@ class LaggedControl:
         The caller drained every earlier forward first, so `expected` and the reused buffers
         (meta_host, chosen, the gate's mailboxes) are free."""
         link, n = self.link, len(rows)
+        if self.inline and self.seam.config.fault_missed_flip >= 0:
+            self.inject_fault(logits, positions, rows)
         with link.lock:
             expected = [self.expected(req, key) for _, req, key in rows]
+        modes = [self.mode(req, key) for _, req, key in rows]
         mh = self._meta_np
-        mh[:n], mh[n:2 * n], mh[2 * n:3 * n] = [i for i, _, _ in rows], expected, [resumable(r) for _, r, _ in rows]
+        mh[:n], mh[n:2 * n], mh[2 * n:3 * n] = [i for i, _, _ in rows], expected, modes
         self._tau_np[0] = link.policy.tau
         views = self._views.get(n)
         if views is None:  # (a slice costs ~2-4 us of host time: made once per row count)
@@ -191,6 +197,8 @@ class LaggedControl:
                margin, fast, pos, need, rows_dev)
         self.last_target += 1
         f = Forward(self.last_target, rows)
+        if self.lag:
+            self.track_outputs(f, expected, modes)
         # pending first: once the gate is enqueued, this thread's next CUDA call may block until
         # the gate opens (a lazy module load, an allocation: implicit synchronization), and only
         # a forward in `pending` is answered by the watcher (measured: a deadlock on the H100)
@@ -203,6 +211,8 @@ class LaggedControl:
             with self.lock:
                 self.pending.remove(f)
             raise
+        if self.inline and self.gate.holding(f.target, n):  # (CPU reference gate: see __init__)
+            self.drain(wait=True)
         force(logits, rows_dev, chosen)  # every protected row samples its chosen token
         if self.early:
             with self._armed_cv:
@@ -230,7 +240,7 @@ class LaggedControl:
         except Exception:  # noqa: BLE001 - e.g. a driver error: verify calls wait for the scheduler again
             log.exception("mg: the early-verify thread stopped; holding forwards are drained by the scheduler")
 
-    def drain(self, wait: bool) -> None:
+    def drain(self, wait: bool, upto: int | None = None) -> None:
         """Process pending forwards in order; wait=False stops at the first whose values are not
         published yet. A forward's values never depend on a host action (its gate comes after
         them), so waiting here never deadlocks. A forward leaves `pending` only once processed:
@@ -240,6 +250,8 @@ class LaggedControl:
         with self.lock:
             while self.pending:
                 f = self.pending[0]
+                if upto is not None and f.target > upto:
+                    return
                 if not wait and not self.gate.published(f.target, len(f.rows)):
                     return
                 try:
@@ -252,6 +264,8 @@ class LaggedControl:
                     self._fail_rows(f.rows, f"mg's control path: {e}")
                 finally:
                     self.pending.popleft()
+                    if self.lag:
+                        self.settled(f)
 
     def watchdog(self) -> None:
         """From the finish watcher, without the lock (a long verify may hold it): open the oldest
@@ -276,8 +290,9 @@ class LaggedControl:
         seam, link, gate = self.seam, self.link, self.gate
         values = gate.values(len(f.rows))
         steps = [(i, req, int(p), m, int(tok), key) for (i, req, key), (m, tok, p, _) in zip(f.rows, values)]
-        need = {i: bool(n) for (i, _, _), (*_, n) in zip(f.rows, values)}
-        gated = any(need.values())
+        need = {i: int(n) for (i, _, _), (*_, n) in zip(f.rows, values)}  # 0, 1 (decided now), 2 (behind)
+        need_of = {key: need[i] for i, _, key in f.rows}
+        gated = 1 in need.values()
         tokens = [int(tok) for _, tok, _, _ in values]  # what the gate lets through unless replaced
         slot_of = {i: k for k, (i, _, _) in enumerate(f.rows)}
         key_of = {id(req): key for _, req, key in f.rows}
@@ -286,22 +301,28 @@ class LaggedControl:
         with link.lock:
             live, fails = seam._classify(steps)
         seam._count(live)
-        decisions = seam.decide(live, any(need[i] for i, *_ in live))
+        must = {key for i, *_, key in live if need[i] == 1 and key in self.fixups}
+        decisions = seam.decide(live, any(need[i] for i, *_ in live), must)
         for (i, _, _, _, tok, _, _), d in zip(live, decisions):
             if not d.error and not need[i] and d.token != tok:
                 d.error = "mg's control path disagreed with the device's policy"  # never expected
 
         def repair(req, pos: int, d: P.StepDecision) -> None:
+            key = key_of[id(req)]
+            if need_of[key] == 2:  # verified behind: its fast token went through (lagcommit.py)
+                self.correct(req, key, pos, d)
+                return
             if req.req_pool_idx is None:
                 # SGLang already released the request: this was the overlap scheduler's
                 # look-ahead step after its last token (dropped at Finish), whose column the
                 # request never reads. (Not None: the kernel reads req_to_token in stream
                 # order, i.e. as this forward saw it, even if the row is freed meanwhile.)
                 return
-            if int(link.slots.gens[d.slot]) != d.gen:
-                raise RuntimeError(f"verifier slot {d.slot} no longer holds generation {d.gen}")
-            repairs.append((d.slot * gate.slot_numel, int(req.req_pool_idx), pos))
-            checks.append((req, key_of[id(req)], d.slot, d.gen))
+            for p, slot, gen in [(pos, d.slot, d.gen), *(self.fixups.pop(key, []) if key in must else [])]:
+                if int(link.slots.gens[slot]) != gen:
+                    raise RuntimeError(f"verifier slot {slot} no longer holds generation {gen}")
+                repairs.append((slot * gate.slot_numel, int(req.req_pool_idx), p))
+                checks.append((req, key, slot, gen))
 
         committed = seam.commit(live, decisions, fails, repair)
         for i, d in committed:
@@ -322,7 +343,7 @@ class LaggedControl:
             status = 2
         if status != 1:  # 2: opened by the watchdog; 0 would be a gate that never held (a bug)
             self.timeouts.inc()
-            self._fail_rows([r for r in f.rows if need[r[0]]], f"the step gate did not wait for mg (status {status})")
+            self._fail_rows([r for r in f.rows if need[r[0]] == 1], f"the step gate did not wait for mg (status {status})")
             return
         gens = self.link.slots.gens
         torn = [(req, key) for req, key, slot, gen in checks if int(gens[slot]) != gen]

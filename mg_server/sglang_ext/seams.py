@@ -35,6 +35,7 @@ def check() -> str:
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.layers.sampler import Sampler
     from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.model_executor import hook_manager
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -76,6 +77,9 @@ def check() -> str:
          ("self.frequency_penalty", "self.presence_penalty", "self.repetition_penalty", "self.min_new_tokens",
           "self.logit_bias", "self.stop_strs", "self.stop_regex_strs")),
         ("Sampler.forward", Sampler.forward, ("self._preprocess_logits(logits, sampling_info)",)),
+        # --mg-commit lag swaps a corrected token as the scheduler appends it (lagcommit.Outputs)
+        ("SchedulerOutputProcessorMixin", SchedulerOutputProcessorMixin,
+         ("req.output_ids.append(next_token_id)",)),
         # the seam skips mg's no-op processor for a forward by clearing this flag (hook.py)
         ("Sampler._preprocess_logits", Sampler._preprocess_logits,
          ("if sampling_info.has_custom_logit_processor:", "apply_custom_logit_processor(logits, sampling_info)")),

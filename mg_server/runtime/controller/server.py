@@ -201,7 +201,7 @@ class Controller(AuditMixin):
                     self.checks.setdefault(row.rid, []).append(row.pos)
                 d.token = row.fast_token
                 st.tokens.append(d.token)
-            elif self.policy.should_verify(row.margin):
+            elif row.must or self.policy.should_verify(row.margin):
                 to_verify.append((len(decisions) - 1, row, st))
             else:
                 self.m.steps.labels(decision="fast").inc()
@@ -252,10 +252,11 @@ class Controller(AuditMixin):
             st.verifier_len = row.pos + 1
             st.verified.append(row.pos)
             d.verified, d.token, d.slot, d.gen = True, res.token, res.slot, res.gen
-            d.repair = res.token != row.fast_token
+            d.repair = row.must or res.token != row.fast_token
             if d.repair:
                 st.repairs.append(row.pos)
                 self.m.repair.inc()
+            if res.token != row.fast_token and not row.must:  # (a must row's margin is not a flip's)
                 self.m.flip_margin.observe(row.margin)
             st.tokens.append(d.token)
 

@@ -1,0 +1,113 @@
+"""`--mg-commit lag` (experimental): the lagged seam's rows are verified one forward behind, so a
+low-margin step never holds the stream. LaggedControl's lag side (a mixin, as the controller's
+audit is).
+
+Why: a held gate leaves the GPU idle for a whole verify call (3.5 ms on the H100 for SmolLM2,
+measured in benchmarks/verify_timeline.py), and at batch 8 with a 10 % trigger rate about half of
+all forwards hold. Here the device lets the fast token of a low-margin row through (need 2 in
+kernels.gate), and the host asks the verifier one forward later, while the GPU already runs the
+next forward (whose input is that fast token). Flips are rare, so the verifier nearly always
+agrees and nothing else happens. When it disagrees at output index i (position pos):
+- the emitted token is swapped before SGLang's scheduler appends it to the request's output
+  (`Outputs.append`; under the overlap scheduler the next forward's sampler call, which drains
+  this one, comes before that append; if not, the append drains it), so nothing downstream
+  (finish checks, streamed text, the radix cache, mg's Finish) ever sees the fast token;
+- the request's next forward (already computed from the fast token) is a MUST row: its gate
+  holds, the controller verifies it whatever its margin (StepRow.must), its logits are forced
+  to the verifier's token, and its K/V column (position pos + 1, computed from the wrong token)
+  and the deferred repair of pos are overwritten with the verifier's columns.
+So the answer is the verifier's, as in hold mode; only a disagreement costs a held verify call.
+"""
+
+from __future__ import annotations
+
+from mg_server import metrics
+from mg_server.kernels.decide import BEHIND, HOLD, LAZY, MUST
+from mg_server.sglang_ext.hook import resumable
+
+
+class LagCommit:
+    """Mixed into LaggedControl (which provides drain, link and the Forward records)."""
+
+    def init_lag(self, lag: bool) -> None:
+        self.lag = lag
+        self.unsettled: dict[tuple[str, int], int] = {}  # (key, output index) -> target of the forward deciding it
+        self.corrections: dict[tuple[str, int], int] = {}  # (key, output index) -> the verifier's token
+        self.fixups: dict[str, list[tuple[int, int, int]]] = {}  # key -> deferred repairs (pos, slot, gen): MUST next
+        self.corrected = metrics.lag_corrections() if lag else None
+
+    def mode(self, req, key: str) -> int:
+        """The row's mode for kernels.decide: LAZY (resumable), MUST (its input token was
+        corrected: verify now), BEHIND (lag), else HOLD."""
+        if resumable(req):
+            return LAZY
+        if not self.lag:
+            return HOLD
+        return MUST if key in self.fixups else BEHIND
+
+    def track_outputs(self, f, expected: list[int], modes: list[int]) -> None:
+        """At launch: route each request's output list through output_token (Outputs), and
+        remember which forward decides each BEHIND row's output token."""
+        for (_, req, key), e, mode in zip(f.rows, expected, modes):
+            if type(req.output_ids) is not Outputs:
+                req.output_ids = Outputs(req.output_ids, self, key)
+            if mode == BEHIND and e >= 0:
+                f.outs.append((key, e - len(req.origin_input_ids) + 1))
+                self.unsettled[f.outs[-1]] = f.target
+
+    def correct(self, req, key: str, pos: int, d) -> None:
+        """The verifier disagreed with a BEHIND row's fast token (module doc)."""
+        self.corrections[(key, pos - len(req.origin_input_ids) + 1)] = d.token
+        self.fixups.setdefault(key, []).append((pos, d.slot, d.gen))
+        self.corrected.inc()
+
+    def output_token(self, key: str, index: int, token: int) -> int:
+        """SGLang appends `token` as output `index` of the request: if that step is verified
+        behind, wait for its verdict (normally known already) and return the verifier's token."""
+        target = self.unsettled.get((key, index))
+        if target is not None:
+            self.drain(wait=True, upto=target)
+        return self.corrections.pop((key, index), token)
+
+    def inject_fault(self, logits, positions, rows) -> None:
+        """Tests only (HookConfig.fault_missed_flip = k, the CPU lagged seam): the k-th answer
+        token of every row becomes the runner-up, ahead of the top token by fault_flip_margin (at
+        least one ulp), so the fast path emits it and, below tau, the verifier is asked."""
+        import torch
+
+        cfg = self.seam.config
+        for i, req, _ in rows:
+            if int(positions[i]) - len(req.origin_input_ids) + 1 == cfg.fault_missed_flip:
+                top = logits[i].float().topk(2)
+                up = torch.nextafter(top.values[0], torch.tensor(float("inf"))) + cfg.fault_flip_margin
+                logits[i, top.indices[1]] = up.to(logits.dtype)
+
+    def settled(self, f) -> None:
+        """After a forward is processed: its output tokens are decided; forget what requests that
+        mg no longer tracks left behind."""
+        for k in f.outs:
+            self.unsettled.pop(k, None)
+        if self.fixups or self.corrections:
+            tracked = self.link.tracked
+            for k in [k for k in self.fixups if k not in tracked]:
+                del self.fixups[k]
+            for k in [k for k in self.corrections if k[0] not in tracked]:
+                del self.corrections[k]
+
+
+class Outputs(list):
+    """A lag request's `req.output_ids`: SGLang's scheduler appends each emitted token with
+    `append` (seams.py checks that source fact), and a token verified behind is swapped for the
+    verifier's there, before anything reads it."""
+
+    __slots__ = ("_lag", "_key")
+
+    def __init__(self, items, lag: LagCommit, key: str):
+        super().__init__(items)
+        self._lag, self._key = lag, key
+
+    def append(self, token) -> None:
+        super().append(self._lag.output_token(self._key, len(self), token))
+
+
+__all__ = ["LagCommit", "Outputs"]

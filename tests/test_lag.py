@@ -1,0 +1,80 @@
+"""`--mg-commit lag` on a real server (SmolLM2 on CPU, the lagged seam with the CPU reference gate).
+
+A low-margin step is not held: its fast token goes through, the verifier is asked one forward
+later, and on a disagreement the token SGLang appends is swapped for the verifier's and the
+request's next forward (computed from the fast token) is verified and repaired
+(sglang_ext/lagcommit.py). The test-only fault MG_FAULT_MISSED_FLIP=3 with MG_FAULT_FLIP_MARGIN=0
+makes every deterministic request's 4th answer token the fast path's runner-up at a margin of one
+ulp, so each request gets such a correction. Every answer must still equal the verifier-alone
+reference, with the verdict `verified`: single requests, a batch body and a stream.
+"""
+
+import json
+import os
+
+import pytest
+import requests
+
+from server_util import ServerProcess
+from test_resume import QUESTIONS, _counter
+
+pytestmark = pytest.mark.server
+
+FLIP_AT = 3
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def setup(prepared_model, tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from mg_server.prompts import chat_ids
+    from mg_server.runtime.verifier.reference import greedy_reference, load_engine
+
+    tok = AutoTokenizer.from_pretrained(str(prepared_model))
+    prompts = [chat_ids(tok, ({"role": "user", "content": q},)) for q in QUESTIONS]
+    refs = greedy_reference(load_engine(str(prepared_model)), prompts, MAX_NEW, stop_ids=(tok.eos_token_id,))
+    env = {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0", "MG_LAGGED_ON_CPU": "1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        srv = ServerProcess(["--mg-mode", "margin", "--mg-commit", "lag"], tmp_path_factory.mktemp("lag") / "server.log")
+    finally:
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    try:
+        srv.wait_ready()
+        yield srv, tok, prompts, [r.tokens for r in refs]
+    finally:
+        srv.stop()
+
+
+def test_a_corrected_token_is_swapped_before_it_is_emitted(setup):
+    srv, _, prompts, refs = setup
+    fixed = _counter(srv.url, "mg_lag_corrections_total")
+    body = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
+    r = requests.post(srv.url + "/generate", json=body, headers={"X-Deterministic": "1"}, timeout=600)
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == refs[0]
+    assert r.headers["x-mg-verdict"] == "verified" and "x-mg-corrected-from" not in r.headers
+    assert _counter(srv.url, "mg_lag_corrections_total") >= fixed + 1  # the fault's token was replaced
+    assert "lagged commit on" in srv.log_path.read_text() and "lag True" in srv.log_path.read_text()
+
+
+def test_a_batch_body_and_a_stream_are_corrected_in_place(setup):
+    srv, tok, prompts, refs = setup
+    fixed = _counter(srv.url, "mg_lag_corrections_total")
+    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
+    r = requests.post(srv.url + "/generate", json=body, headers={"X-Deterministic": "1"}, timeout=600)
+    assert r.status_code == 200, r.text
+    assert [o["output_ids"] for o in r.json()] == refs and r.headers["x-mg-verdict"] == "verified"
+    assert _counter(srv.url, "mg_lag_corrections_total") >= fixed + len(prompts)
+    chat = {"model": "default", "messages": [{"role": "user", "content": QUESTIONS[1]}], "max_tokens": MAX_NEW,
+            "temperature": 0, "stream": True}
+    r = requests.post(srv.url + "/v1/chat/completions", json=chat, headers={"X-Deterministic": "1"}, timeout=600)
+    assert r.status_code == 200
+    verdict = next(line for line in r.text.splitlines() if line.startswith(": mg-verdict "))
+    assert json.loads(verdict[len(": mg-verdict "):])["states"] == ["verified"]
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                   for line in r.text.splitlines() if line.startswith("data: {"))
+    assert text == tok.decode(refs[1], skip_special_tokens=True)
