@@ -68,7 +68,7 @@ def metrics(url: str) -> dict:
     sums = {"vsum": "mg_verify_seconds_sum", "vcount": "mg_verify_seconds_count",
             "fsum": "mg_verifier_forward_seconds_sum", "rsum": "mg_verify_rows_sum",
             "csum": "mg_control_seconds_sum", "ccount": "mg_control_seconds_count",
-            "arows": "mg_prefill_ahead_rows_total"}
+            "arows": "mg_prefill_ahead_rows_total", "lagfix": "mg_lag_corrections_total"}
     c = scrape(url, (*MG_COUNTERS, *sums.values()))
     return {"fast": c["steps_fast"], "verify": c["steps_verify"], "repair": c["mg_repair_total"],
             "resumes": c["mg_corrections_total"], "stops": c["mg_resume_stops_total"],
@@ -79,7 +79,7 @@ def rates(before: dict, after: dict) -> dict:
     d = {k: after[k] - before[k] for k in after}
     steps = max(1.0, d["fast"] + d["verify"])
     return {"trigger": d["verify"] / steps, "repair": d["repair"] / steps, "steps": d["fast"] + d["verify"],
-            "resumes": d["resumes"], "stops": d["stops"],
+            "resumes": d["resumes"], "stops": d["stops"], "lag_fixes": d["lagfix"],
             # the verify call's profile: the verifier's forward inside it, its rows (verified +
             # catch-up), and the share of deterministic forwards that waited for one (held path)
             "verifier_forward_ms": 1e3 * d["fsum"] / d["vcount"] if d["vcount"] else None,
@@ -274,7 +274,7 @@ def summarize(r: dict) -> str:
            else f"time of {r['decode_tokens']} tokens - time of {r.get('short_tokens', 2)}")
     lines = [f"## {r['model']} (mg seam: {r.get('seam', 'sync')}): ms per decode step (overhead vs plain SGLang "
              f"timed alternately in the same minutes; {how})", "",
-             "| config | tau | trigger (measured) | repair | corrected answers | verdicts | verify call ms | "
+             "| config | tau | trigger (measured) | repair | corrected answers (lag: tokens) | verdicts | verify call ms | "
              + " | ".join(f"bs {b} all det." for b in r["batches"]) + " | "
              + " | ".join(f"bs {b} 25 % det.: plain / det." for b in big) + " |",
              "|---" * (7 + len(r["batches"]) + len(big)) + "|"]
@@ -296,7 +296,7 @@ def summarize(r: dict) -> str:
                  f"{pct(m['mg'][b]['median'], m['base'][b]['median'])}" if b in m.get("mg_plain", {}) else ""
                  for b in big]
         lines.append(f"| mg {label}, {c.get('commit', 'hold')} | {'' if c['tau'] is None else format(c['tau'], '.4g')} | "
-                     f"{100 * d['trigger']:.1f} % | {100 * d['repair']:.2f} % | {d.get('resumes', 0):.0f} | "
+                     f"{100 * d['trigger']:.1f} % | {100 * d['repair']:.2f} % | {d.get('resumes', 0) + d.get('lag_fixes', 0):.0f} | "
                      f"{', '.join(f'{k} {v}' for k, v in sorted(verdicts.items()))} | "
                      f"{'' if vc is None else format(vc, '.2f')} | "
                      + " | ".join(pct(d["mg"][b]["median"], d["base"][b]["median"]) for b in d["mg"]) + " | "

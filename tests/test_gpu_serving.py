@@ -30,13 +30,15 @@ def model(tmp_path_factory):
 
 
 @pytest.mark.parametrize("seam,mode,commit", [("sync", "always", "hold"), ("lagged", "always", "hold"),
-                                              ("lagged", "margin", "hold"), ("lagged", "margin", "resume")])
+                                              ("lagged", "margin", "hold"), ("lagged", "margin", "resume"),
+                                              ("lagged", "margin", "lag"), ("lagged", "always", "lag")])
 def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, seam, mode, commit):
     """mode margin (tau 0.05, ~15 % of steps verified on these random weights) also checks the
     fast-committed tokens: the device's fast token of every row (a strided one was another row's).
     commit resume: every step fast, checked behind; a divergence ends the request's fast path and
     the front resumes the answer from the verifier's token (continuations re-decode, so the seam
-    sees more steps than the answers hold, and nothing is repaired)."""
+    sees more steps than the answers hold, and nothing is repaired). commit lag: low-margin rows
+    verified one forward behind, a disagreement swapped before SGLang emits it (lagcommit.py)."""
     from mg_server.evaluation.determinism import DeterminismConfig, noop_processor, run
     from mg_server.runtime.verifier.reference import greedy_reference, load_engine
 
@@ -52,7 +54,7 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
         srv.wait_ready(timeout=600)
         log = srv.log_path.read_text()
         assert "disable_cuda_graph=False" in log and "disable_overlap_schedule=False" in log
-        assert ("mg: lagged commit on" in log) == (seam == "lagged")
+        assert ("mg: lagged commit on" in log) == (seam == "lagged") and ("lag True" in log) == (commit == "lag")
         rep = run(DeterminismConfig(url=srv.url, max_new=32, phases=("alone", "mixed")), det, refs, other,
                   noop_processor())
     finally:

@@ -89,10 +89,10 @@ class LagCommit:
             self.unsettled.pop(k, None)
         if self.fixups or self.corrections:
             tracked = self.link.tracked
-            for k in [k for k in self.fixups if k not in tracked]:
-                del self.fixups[k]
-            for k in [k for k in self.corrections if k[0] not in tracked]:
-                del self.corrections[k]
+            for k in [k for k in list(self.fixups) if k not in tracked]:
+                self.fixups.pop(k, None)
+            for k in [k for k in list(self.corrections) if k[0] not in tracked]:  # (popped by the scheduler too)
+                self.corrections.pop(k, None)
 
 
 class Outputs(list):

@@ -343,7 +343,8 @@ class LaggedControl(LagCommit):
             status = 2
         if status != 1:  # 2: opened by the watchdog; 0 would be a gate that never held (a bug)
             self.timeouts.inc()
-            self._fail_rows([r for r in f.rows if need[r[0]] == 1], f"the step gate did not wait for mg (status {status})")
+            held = [r for r in f.rows if need[r[0]] == 1]
+            self._fail_rows(held, f"the step gate did not wait for mg (status {status})")
             return
         gens = self.link.slots.gens
         torn = [(req, key) for req, key, slot, gen in checks if int(gens[slot]) != gen]
