@@ -73,5 +73,7 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
     assert c["steps_fast"] == 0 if mode == "always" else 0 < c["steps_verify"] < c["mg_deterministic_steps_total"], c
     assert c["mg_audit_mismatch_total"] == 0, c  # every fast-committed token is the verifier's too
     # flips are rare: a repair rate like the sync seam's (~1.5 % of verified steps), not the 84 %
-    # the strided fast tokens gave
-    assert c["mg_repair_total"] <= 0.1 * c["steps_verify"], c
+    # the strided fast tokens gave. (lag: a correction is two repairs, the token's and its MUST
+    # step's; these random weights flipped at 14 % of the low-margin steps there, as under resume,
+    # whose checks behind found 6-8 divergences in ~95 low-margin steps)
+    assert c["mg_repair_total"] <= (0.35 if commit == "lag" else 0.1) * c["steps_verify"], c
