@@ -27,6 +27,10 @@ class Slots:
         self.gens = torch.full((8,), -1, dtype=torch.int64)
         self.gens[5] = 9
 
+    def read(self, slot, gen):  # (the synchronous seam's repair reads a column this way)
+        assert int(self.gens[slot]) == gen
+        return self.data[slot].clone()
+
 
 def lagged_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy, early=False, lag=False):
     """A seam on the lagged path with the CPU reference gate, its launches and answers recorded
@@ -418,6 +422,10 @@ def test_lag_lets_the_fast_token_through_and_corrects_it_before_sglang_emits_it(
     assert gates.gates[-1] == (1, 2) and gates.releases == []  # a MUST row, whatever its margin: held
     req.output_ids.append(20)  # SGLang processes the first forward after launching the second
     assert req.output_ids == [21] and type(req.output_ids).__name__ == "Outputs"
+    # the swap also answered the MUST forward: SGLang may release the request in this same call
+    # (when 21 ends it), and its columns must be repaired while it still holds them
+    assert gates.releases == [2] and not lag.pending
+    req.req_pool_idx = None  # (released: nothing is left to do with its slots)
     lag.drain(wait=True)
     assert [(r.pos, r.must) for r in client.rows] == [(1, False), (2, True)] and gates.releases == [2]
     assert lag.chosen[:1].tolist() == [33] and seam.link.tracked["g"].tokens == [4, 5, 21, 33]
@@ -447,3 +455,28 @@ def test_lag_agreement_costs_nothing_and_an_early_append_drains_its_forward(hook
     assert gates.gates == [(0, 1), (0, 2), (0, 3)] and gates.releases == []  # never held
     assert [(r.pos, r.must) for r in client.rows] == [(1, False), (2, False)] and lag.fixups == {}
     assert seam.link.tracked["h"].tokens == [4, 5, 20, 9]
+
+
+def test_lag_a_must_step_on_the_synchronous_path_is_verified_and_repaired(hook_mod, runner, tmp_path,
+                                                                           monkeypatch):
+    """The request's next forward takes the synchronous seam (a user's logit processor joined the
+    batch): its MUST step is still verified whatever its margin, and both columns repaired."""
+    def verify(row):
+        token = 33 if row.must else (row.fast_token + 1) % VOCAB
+        return P.StepDecision(rid=row.rid, token=token, verified=True, repair=True, slot=5, gen=9)
+
+    seam = lagged_seam(hook_mod, runner, verify, tmp_path, monkeypatch, Policy("margin", 0.5), lag=True)
+    client, lag = seam.link.client, seam.lagged
+    req = FakeReq("s", [4, 5])
+    seam(None, sampler_args([(req, True)], logits_with(20, 0.1), [1]))
+    seam.restore(None, None, None)  # (SGLang's post-hook: the forward's processor bypass undone)
+    args = sampler_args([(req, True)], logits_with(7, 9.0), [2])
+    args[1].custom_logit_processor[2] = (object(), None)  # not mg's: the synchronous path
+    seam(None, args)
+    assert [(r.pos, r.must) for r in client.rows] == [(1, False), (2, True)] and len(seam.gates.gates) == 1
+    assert int(args[0].next_token_logits[0].argmax()) == 33 and seam.link.tracked["s"].tokens == [4, 5, 21, 33]
+    pool = runner.token_to_kv_pool
+    for pos in (1, 2):
+        for layer in range(LAYERS):
+            assert torch.equal(pool.k_buffer[layer][10 + pos], seam.link.slots.data[5, layer, 0])
+    assert lag.fixups == {} and req.to_finish is None

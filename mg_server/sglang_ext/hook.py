@@ -32,7 +32,6 @@ logits mg forces to the decided token.
 from __future__ import annotations
 
 import logging
-import platform
 import sys
 import time
 from http import HTTPStatus
@@ -141,27 +140,10 @@ class StepSeam:
         self.link = ControllerLink(config) if config.controller_ipc else None
         self.lagged = None  # CUDA: the one-forward-late control path (lagged.py)
         self._bypassed = None  # the SamplingBatchInfo whose no-op processor this forward skips
-        # Without the overlap scheduler the lagged path gains nothing (SGLang reads each forward's
-        # tokens before preparing the next one) and only the watcher thread could open a gate.
-        overlap = not getattr(getattr(runner, "server_args", None), "disable_overlap_schedule", True)
-        # x86-64 only: the host's answer relies on its stores reaching the device in program order
-        cuda = str(getattr(runner, "device", "cpu")).startswith("cuda")
-        if (self.link is not None and config.lagged_commit and overlap and platform.machine() == "x86_64"
-                and (cuda or config.lagged_on_cpu)):
-            from mg_server.sglang_ext.lagged import LaggedControl
+        if self.link is not None:
+            from mg_server.sglang_ext.lagged import attach
 
-            try:
-                dev = torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)) if cuda else torch.device("cpu")
-                self.lagged = LaggedControl(self, dev, early=config.early_verify, lag=config.lag_commit,
-                                            inline=not cuda)
-            except Exception as e:  # noqa: BLE001 - e.g. a driver without stream memory operations
-                log.warning("mg: lagged commit unavailable (%s: %s); deterministic rows use the synchronous seam",
-                            type(e).__name__, e)
-                return
-            self.link.before_finish = self.lagged.drain
-            self.link.gate_watchdog = self.lagged.watchdog
-            log.warning("mg: lagged commit on (step gate capacity %d rows, early verify %s, lag %s)",
-                        self.lagged.capacity, "on" if config.early_verify else "off", config.lag_commit)
+            self.lagged = attach(self, config, runner)
 
     def __call__(self, module, args):
         # Sampler.forward(logits_output, sampling_info, return_logprob, top_logprobs_nums,
@@ -274,9 +256,11 @@ class StepSeam:
         with link.lock:
             live, fails = self._classify(steps)
         self._count(live)
-        decisions = self.decide(live, any(link.policy.should_verify(margin) and not resumable(req)
-                                          for _, req, _, margin, *_ in live))
-        done = self.commit(live, decisions, fails, self.repair)
+        must = self.lagged.must_keys(live) if self.lagged is not None else ()  # (--mg-commit lag)
+        decisions = self.decide(live, bool(must) or any(link.policy.should_verify(margin) and not resumable(req)
+                                                        for _, req, _, margin, *_ in live), must)
+        repair = self.lagged.with_deferred(self.repair, live) if must else self.repair
+        done = self.commit(live, decisions, fails, repair)
         if done:
             force_tokens(logits, [i for i, _ in done], [d.token for _, d in done])
         return any(d.verified for _, d in done)

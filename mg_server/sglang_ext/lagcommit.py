@@ -17,12 +17,21 @@ agrees and nothing else happens. When it disagrees at output index i (position p
   to the verifier's token, and its K/V column (position pos + 1, computed from the wrong token)
   and the deferred repair of pos are overwritten with the verifier's columns.
 So the answer is the verifier's, as in hold mode; only a disagreement costs a held verify call.
+The MUST row is honoured on either seam path (the synchronous one, taken when a seeded row or a
+user's logit processor joins the batch, verifies and repairs it the same way: hook._control).
+A deferred repair whose verifier slot was reused meanwhile is skipped: it only replaces the fast
+path's bits of a column with the verifier's (as hold mode's repair does), so the answer does not
+depend on it; the MUST row's own column, from the wrong token, is never skipped.
+
+Measured on the H100 (README, "One forward behind"): no gain where the verifier's process
+time-slices the GPU with SGLang's; under CUDA MPS it beats holding.
 """
 
 from __future__ import annotations
 
 from mg_server import metrics
 from mg_server.kernels.decide import BEHIND, HOLD, LAZY, MUST
+from mg_server.runtime import protocol as P
 from mg_server.sglang_ext.hook import resumable
 
 
@@ -63,11 +72,21 @@ class LagCommit:
 
     def output_token(self, key: str, index: int, token: int) -> int:
         """SGLang appends `token` as output `index` of the request: if that step is verified
-        behind, wait for its verdict (normally known already) and return the verifier's token."""
+        behind, wait for its verdict (normally known already) and return the verifier's token.
+        A swapped token also settles the request's MUST forward here, if it is launched: the
+        scheduler may release the request in this same call (the swapped token can end it), and
+        its K/V columns must be repaired while it still holds them, before the radix cache
+        keeps them under the verifier's token. (That forward holds the stream until answered,
+        so answering it now only shortens the hold.)"""
         target = self.unsettled.get((key, index))
         if target is not None:
             self.drain(wait=True, upto=target)
-        return self.corrections.pop((key, index), token)
+        fixed = self.corrections.pop((key, index), None)
+        if fixed is None:
+            return token
+        if key in self.fixups:
+            self.drain(wait=True)
+        return fixed
 
     def inject_fault(self, logits, positions, rows) -> None:
         """Tests only (HookConfig.fault_missed_flip = k, the CPU lagged seam): the k-th answer
@@ -81,6 +100,22 @@ class LagCommit:
                 top = logits[i].float().topk(2)
                 up = torch.nextafter(top.values[0], torch.tensor(float("inf"))) + cfg.fault_flip_margin
                 logits[i, top.indices[1]] = up.to(logits.dtype)
+
+    def must_keys(self, live) -> set[str]:
+        """The synchronous seam's step rows (hook._control) whose request owes a MUST step."""
+        return {key for *_, key in live if key in self.fixups}
+
+    def with_deferred(self, repair, live):
+        """hook._control's repair callback for MUST rows: the row's own column, then the
+        deferred ones (module doc)."""
+        key_of = {id(req): key for _, req, *_, key in live}
+
+        def both(req, pos: int, d) -> None:
+            repair(req, pos, d)
+            for p, slot, gen in self.fixups.pop(key_of[id(req)], []):
+                if int(self.link.slots.gens[slot]) == gen:  # (a reused slot is skipped: module doc)
+                    repair(req, p, P.StepDecision(rid=d.rid, slot=slot, gen=gen))
+        return both
 
     def settled(self, f) -> None:
         """After a forward is processed: its output tokens are decided; forget what requests that

@@ -46,8 +46,10 @@ scheduler's own drain finds the forward done. Forwards with only fast steps are 
 scheduler as before. The process's GIL switch interval is lowered (EARLY_SWITCH_S) so that this
 thread gets the GIL within that time of its event, and again of the verifier's answer.
 
-So a deterministic token is never sampled from a low-margin row before the verifier decided it,
-and a forward with only fast steps costs a few small kernels. A gate that nobody answers within
+So (in hold mode, the default) a deterministic token is never sampled from a low-margin row before
+the verifier decided it, and a forward with only fast steps costs a few small kernels. With
+`--mg-commit lag` the fast token of such a row is sampled and swapped later if the verifier
+disagrees (lagcommit.py). A gate that nobody answers within
 `gate_timeout_s` (the hook's step timeout, which bounds a verify call: at least GATE_TIMEOUT_S)
 is opened by the watchdog (the finish watcher thread); the fast tokens are then
 sampled, nothing is repaired, and the host fails the rows that needed the verifier. (The
@@ -59,6 +61,7 @@ construction, but nothing rules it out.)
 from __future__ import annotations
 
 import logging
+import platform
 import sys
 import threading
 import time
@@ -135,7 +138,7 @@ class LaggedControl(LagCommit):
         self.margin = torch.zeros(cap, dtype=torch.float32, device=device)  # [cap] top1 - top2
         self.fast = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap] argmax tokens
         self.pos = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap] positions
-        self.need = torch.zeros(cap, dtype=torch.int32, device=device)  # [cap] 1: needs the verifier
+        self.need = torch.zeros(cap, dtype=torch.int32, device=device)  # [cap] 1: decided now, 2: behind
         self.rows = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap] batch rows (for force)
         self.chosen = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap] the gate's tokens
         self._meta_np, self._tau_np = self.meta_host.numpy(), self.tau_host.numpy()  # host views of both
@@ -191,7 +194,7 @@ class LaggedControl(LagCommit):
                                                            self.chosen))
         margin, fast, pos, need, rows_dev, chosen = views
         # one kernel: each row's margin and argmax, its position, whether it is the step mg expects
-        # (a resumable row's check runs behind: it never holds) and the policy (fp64 as
+        # (the row's mode: a resumable row never holds, a lag row is verified behind) and the policy (fp64 as
         # Policy.should_verify compares; NaN margins are verified); kernels.decide says more
         decide(logits, positions.to(logits.device), self.meta_host, self.tau_host, link.policy.mode == "always",
                margin, fast, pos, need, rows_dev)
@@ -210,6 +213,8 @@ class LaggedControl(LagCommit):
             self.gate.open(f.target)  # whatever part of the gate was enqueued must not hold
             with self.lock:
                 self.pending.remove(f)
+            for k in f.outs:
+                self.unsettled.pop(k, None)
             raise
         if self.inline and self.gate.holding(f.target, n):  # (CPU reference gate: see __init__)
             self.drain(wait=True)
@@ -318,8 +323,11 @@ class LaggedControl(LagCommit):
                 # request never reads. (Not None: the kernel reads req_to_token in stream
                 # order, i.e. as this forward saw it, even if the row is freed meanwhile.)
                 return
-            for p, slot, gen in [(pos, d.slot, d.gen), *(self.fixups.pop(key, []) if key in must else [])]:
+            deferred = self.fixups.pop(key, []) if key in must else []
+            for k, (p, slot, gen) in enumerate([(pos, d.slot, d.gen), *deferred]):
                 if int(link.slots.gens[slot]) != gen:
+                    if k:  # a deferred repair whose slot was reused: skipped (lagcommit.py)
+                        continue
                     raise RuntimeError(f"verifier slot {slot} no longer holds generation {gen}")
                 repairs.append((slot * gate.slot_numel, int(req.req_pool_idx), p))
                 checks.append((req, key, slot, gen))
@@ -331,7 +339,7 @@ class LaggedControl(LagCommit):
             gate.release(f.target, tokens, repairs)
             self._settle(f, need, checks)
 
-    def _settle(self, f: Forward, need: dict[int, bool], checks) -> None:
+    def _settle(self, f: Forward, need: dict[int, int], checks) -> None:
         """After answering a holding gate: wait for its acknowledgement (the copy is done), then
         fail what it could not do: a gate the watchdog opened first sampled the fast tokens and
         repaired nothing; a slot the verifier reused during the copy gave a torn column (seqlock)."""
@@ -352,4 +360,31 @@ class LaggedControl(LagCommit):
             self._fail_rows([(None, req, key) for req, key in torn], "verifier slot reused during a K/V repair")
 
 
-__all__ = ["LaggedControl", "GATE_TIMEOUT_S"]
+def attach(seam, config, runner) -> LaggedControl | None:
+    """The seam's lagged control path, or None where it does not apply (then the synchronous seam
+    decides every deterministic row; the reason is logged)."""
+    # Without the overlap scheduler the lagged path gains nothing (SGLang reads each forward's
+    # tokens before preparing the next one) and only the watcher thread could open a gate.
+    overlap = not getattr(getattr(runner, "server_args", None), "disable_overlap_schedule", True)
+    cuda = str(getattr(runner, "device", "cpu")).startswith("cuda")
+    lagged = None
+    # x86-64 only: the host's answer relies on its stores reaching the device in program order
+    if config.lagged_commit and overlap and platform.machine() == "x86_64" and (cuda or config.lagged_on_cpu):
+        try:
+            dev = torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)) if cuda else torch.device("cpu")
+            lagged = LaggedControl(seam, dev, early=config.early_verify, lag=config.lag_commit, inline=not cuda)
+        except Exception as e:  # noqa: BLE001 - e.g. a driver without stream memory operations
+            log.warning("mg: lagged commit unavailable (%s: %s); deterministic rows use the synchronous seam",
+                        type(e).__name__, e)
+    if lagged is None:
+        if config.lag_commit:
+            log.warning("mg: --mg-commit lag needs the lagged seam, which is off here; low-margin steps hold")
+        return None
+    seam.link.before_finish = lagged.drain
+    seam.link.gate_watchdog = lagged.watchdog
+    log.warning("mg: lagged commit on (step gate capacity %d rows, early verify %s, lag %s)",
+                lagged.capacity, "on" if config.early_verify else "off", config.lag_commit)
+    return lagged
+
+
+__all__ = ["LaggedControl", "attach", "GATE_TIMEOUT_S"]

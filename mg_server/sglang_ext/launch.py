@@ -193,9 +193,6 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         raise
     log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s, --mg-commit %s", cfg.mg_mode, tau, source,
              info.kernel_config_id, cfg.commit)
-    if cfg.commit == "lag" and (not cfg.lagged_commit or (cfg.cpu and not env.lagged_on_cpu())):
-        log.warning("mg: --mg-commit lag needs the lagged seam (CUDA, the overlap scheduler, --mg-seam lagged); "
-                    "low-margin steps hold instead")
     log.info("mg verifier: device %s, K/V pool %d tokens, %s", info.verifier_device, info.verifier_pool_tokens,
              f"{info.verifier_memory_bytes / (1 << 30):.2f} GB of device memory held"
              + (f" (budget {cfg.verifier_memory_gb:g} GB)" if cfg.verifier_memory_gb else "")
