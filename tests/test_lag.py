@@ -9,13 +9,11 @@ ulp, so each request gets such a correction. Every answer must still equal the v
 reference, with the verdict `verified`: single requests, a batch body and a stream.
 """
 
-import json
-import os
 
 import pytest
 import requests
 
-from server_util import ServerProcess
+from server_util import faulted_server, stream_states_and_text
 from test_resume import QUESTIONS, _counter
 
 pytestmark = pytest.mark.server
@@ -26,27 +24,9 @@ MAX_NEW = 20
 
 @pytest.fixture(scope="module")
 def setup(prepared_model, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from mg_server.prompts import chat_ids
-    from mg_server.runtime.verifier.reference import greedy_reference, load_engine
-
-    tok = AutoTokenizer.from_pretrained(str(prepared_model))
-    prompts = [chat_ids(tok, ({"role": "user", "content": q},)) for q in QUESTIONS]
-    refs = greedy_reference(load_engine(str(prepared_model)), prompts, MAX_NEW, stop_ids=(tok.eos_token_id,))
     env = {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0", "MG_LAGGED_ON_CPU": "1"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        srv = ServerProcess(["--mg-mode", "margin", "--mg-commit", "lag"], tmp_path_factory.mktemp("lag") / "server.log")
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    try:
-        srv.wait_ready()
-        yield srv, tok, prompts, [r.tokens for r in refs]
-    finally:
-        srv.stop()
+    yield from faulted_server(prepared_model, tmp_path_factory.mktemp("lag") / "server.log",
+                              ["--mg-mode", "margin", "--mg-commit", "lag"], env, QUESTIONS, MAX_NEW)
 
 
 def test_a_corrected_token_is_swapped_before_it_is_emitted(setup):
@@ -73,8 +53,6 @@ def test_a_batch_body_and_a_stream_are_corrected_in_place(setup):
             "temperature": 0, "stream": True}
     r = requests.post(srv.url + "/v1/chat/completions", json=chat, headers={"X-Deterministic": "1"}, timeout=600)
     assert r.status_code == 200
-    verdict = next(line for line in r.text.splitlines() if line.startswith(": mg-verdict "))
-    assert json.loads(verdict[len(": mg-verdict "):])["states"] == ["verified"]
-    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-                   for line in r.text.splitlines() if line.startswith("data: {"))
+    states, text = stream_states_and_text(r.text)
+    assert states == ["verified"]
     assert text == tok.decode(refs[1], skip_special_tokens=True)

@@ -11,13 +11,11 @@ continuation, which flips at its own 4th token and is resumed in turn), with the
 low-margin step waits for the verifier, so it goes out right the first time, with no resume.
 """
 
-import json
-import os
 
 import pytest
 import requests
 
-from server_util import ServerProcess
+from server_util import faulted_server, stream_states_and_text
 
 pytestmark = pytest.mark.server
 
@@ -29,28 +27,9 @@ QUESTIONS = ("Explain in detail why the sky is blue, step by step.", "Write a sh
 
 @pytest.fixture(scope="module")
 def setup(prepared_model, tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from mg_server.prompts import chat_ids
-    from mg_server.runtime.verifier.reference import greedy_reference, load_engine
-
-    tok = AutoTokenizer.from_pretrained(str(prepared_model))
-    prompts = [chat_ids(tok, ({"role": "user", "content": q},)) for q in QUESTIONS]
-    refs = greedy_reference(load_engine(str(prepared_model)), prompts, MAX_NEW, stop_ids=(tok.eos_token_id,))
-    env = {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0"}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        srv = ServerProcess(["--mg-mode", "margin", "--mg-commit", "resume"],
-                            tmp_path_factory.mktemp("resume") / "server.log")
-    finally:
-        for k, v in old.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    try:
-        srv.wait_ready()
-        yield srv, tok, prompts, [r.tokens for r in refs]
-    finally:
-        srv.stop()
+    yield from faulted_server(prepared_model, tmp_path_factory.mktemp("resume") / "server.log",
+                              ["--mg-mode", "margin", "--mg-commit", "resume"],
+                              {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0"}, QUESTIONS, MAX_NEW)
 
 
 def _counter(url: str, name: str) -> float:
@@ -98,9 +77,7 @@ def test_a_chat_answer_is_resumed_and_a_stream_is_never_resumable(setup):
     r = requests.post(srv.url + "/v1/chat/completions", json={**chat, "stream": True},
                       headers={"X-Deterministic": "1"}, timeout=600)
     assert r.status_code == 200
-    verdict = next(line for line in r.text.splitlines() if line.startswith(": mg-verdict "))
-    assert json.loads(verdict[len(": mg-verdict "):])["states"] == ["verified"]
-    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-                   for line in r.text.splitlines() if line.startswith("data: {"))
+    states, text = stream_states_and_text(r.text)
+    assert states == ["verified"]
     assert text == tok.decode(refs[0], skip_special_tokens=True)
     assert _counter(srv.url, "mg_corrections_total") == resumes and _counter(srv.url, "mg_resume_stops_total") == stops
