@@ -68,7 +68,6 @@ class LagCommit:
         """The verifier disagreed with a BEHIND row's fast token (module doc)."""
         self.corrections[(key, pos - len(req.origin_input_ids) + 1)] = d.token
         self.fixups.setdefault(key, []).append((pos, d.slot, d.gen))
-        self.corrected.inc()
 
     def output_token(self, key: str, index: int, token: int) -> int:
         """SGLang appends `token` as output `index` of the request: if that step is verified
@@ -84,6 +83,7 @@ class LagCommit:
         fixed = self.corrections.pop((key, index), None)
         if fixed is None:
             return token
+        self.corrected.inc()  # (counted here: a look-ahead row's correction is never emitted)
         if key in self.fixups:
             self.drain(wait=True)
         return fixed
