@@ -105,6 +105,12 @@ class LagCommit:
         """The synchronous seam's step rows (hook._control) whose request owes a MUST step."""
         return {key for *_, key in live if key in self.fixups}
 
+    def take_deferred(self, key: str) -> list[tuple[int, int, int]]:
+        """Pop the request's deferred repairs (pos, slot, gen), without those whose verifier slot
+        was reused meanwhile (skipped: module doc)."""
+        gens = self.link.slots.gens
+        return [(p, slot, gen) for p, slot, gen in self.fixups.pop(key, []) if int(gens[slot]) == gen]
+
     def with_deferred(self, repair, live):
         """hook._control's repair callback for MUST rows: the row's own column, then the
         deferred ones (module doc)."""
@@ -112,9 +118,8 @@ class LagCommit:
 
         def both(req, pos: int, d) -> None:
             repair(req, pos, d)
-            for p, slot, gen in self.fixups.pop(key_of[id(req)], []):
-                if int(self.link.slots.gens[slot]) == gen:  # (a reused slot is skipped: module doc)
-                    repair(req, p, P.StepDecision(rid=d.rid, slot=slot, gen=gen))
+            for p, slot, gen in self.take_deferred(key_of[id(req)]):
+                repair(req, p, P.StepDecision(rid=d.rid, slot=slot, gen=gen))
         return both
 
     def settled(self, f) -> None:

@@ -323,12 +323,9 @@ class LaggedControl(LagCommit):
                 # request never reads. (Not None: the kernel reads req_to_token in stream
                 # order, i.e. as this forward saw it, even if the row is freed meanwhile.)
                 return
-            deferred = self.fixups.pop(key, []) if key in must else []
-            for k, (p, slot, gen) in enumerate([(pos, d.slot, d.gen), *deferred]):
-                if int(link.slots.gens[slot]) != gen:
-                    if k:  # a deferred repair whose slot was reused: skipped (lagcommit.py)
-                        continue
-                    raise RuntimeError(f"verifier slot {slot} no longer holds generation {gen}")
+            if int(link.slots.gens[d.slot]) != d.gen:
+                raise RuntimeError(f"verifier slot {d.slot} no longer holds generation {d.gen}")
+            for p, slot, gen in [(pos, d.slot, d.gen), *(self.take_deferred(key) if key in must else [])]:
                 repairs.append((slot * gate.slot_numel, int(req.req_pool_idx), p))
                 checks.append((req, key, slot, gen))
 
