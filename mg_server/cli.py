@@ -77,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
                         "token; 'lag' (experimental, lagged seam) lets the fast token through, verifies it while "
                         "the GPU runs the next forward and, on a disagreement, swaps the token before SGLang "
                         "emits it and holds that request's next forward (README, GPU performance)")
+    s.add_argument("--mg-verifier-in", choices=["process", "scheduler"], default="process",
+                   help="where the verifier worker runs: 'process' (default) is its own process; 'scheduler' "
+                        "(experimental) is a thread of SGLang's scheduler process, whose CUDA stream runs beside "
+                        "SGLang's (two processes' kernels take turns on a GPU without CUDA MPS); pair it with "
+                        "--mg-commit lag. It loads after SGLang sized its K/V cache: leave it room with "
+                        "--mem-fraction-static (README, GPU performance)")
     s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
                    help="longest wait of a response for its verdict (the final audit; default 120)")
 
@@ -179,6 +185,11 @@ def main(argv: list[str] | None = None) -> int:
             and args.mg_prefill_ahead >= 0 and 0 <= args.mg_ipc_spin_us <= 1_000_000):
         _parser().error("--mg-verify-timeout and --mg-verdict-wait must be > 0, --mg-catchup-chunk >= 1, "
                         "--mg-prefill-ahead >= 0, --mg-ipc-spin-us in [0, 1000000]")
+    if args.mg_verifier_in == "scheduler" and args.mg_commit != "lag":
+        # why: a gate holding SGLang's stream for the verifier stalled the verifier thread itself
+        # in every run with --mg-commit hold on an H200 (README, "Verifier in the scheduler")
+        _parser().error("--mg-verifier-in scheduler needs --mg-commit lag (holding a forward for a verifier "
+                        "in the same process stalled it)")
     if args.mg_verifier_memory_gb is not None and not args.mg_verifier_memory_gb > 0:
         _parser().error("--mg-verifier-memory-gb must be > 0")
     try:
@@ -212,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         early_verify=args.mg_early_verify == "on",
         ipc_spin_s=args.mg_ipc_spin_us * 1e-6,
         commit=args.mg_commit,
+        verifier_in=args.mg_verifier_in,
         verifier_memory_gb=args.mg_verifier_memory_gb,
     )
     from mg_server.sglang_ext.launch import serve

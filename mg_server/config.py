@@ -52,6 +52,9 @@ class HookConfig:
     # lagged path, experimental (--mg-commit lag): verify low-margin rows one forward behind
     # instead of holding the stream (sglang_ext/lagcommit.py)
     lag_commit: bool = False
+    # experimental (--mg-verifier-in scheduler): the VerifierConfig (as a dict) of a verifier worker
+    # this process runs as a thread (runtime/verifier/server.py, "Placement"); None: its own process
+    verifier: dict | None = None
     lagged_on_cpu: bool = False  # tests only (env MG_LAGGED_ON_CPU): the lagged path with the CPU reference gate
 
     def to_json_dict(self) -> dict:
@@ -102,6 +105,7 @@ class ServeConfig:
     early_verify: bool = False  # lagged seam: verify as soon as a forward is published (--mg-early-verify)
     ipc_spin_s: float = 0.0  # experimental: controller and verifier spin this long for a message (--mg-ipc-spin-us)
     commit: str = "hold"  # "hold" | "resume" | "lag" (--mg-commit)
+    verifier_in: str = "process"  # "process" | "scheduler": where the verifier worker runs (--mg-verifier-in)
 
     @property
     def cpu(self) -> bool:

@@ -35,6 +35,12 @@ def lagged_on_cpu() -> bool:
     return os.environ.get("MG_LAGGED_ON_CPU", "") == "1"
 
 
+def stacks_on_usr1() -> bool:
+    """Diagnostics: MG_STACKS_ON_USR1=1 makes SGLang's scheduler process (where mg's seam runs)
+    print every thread's Python stack to its stderr on SIGUSR1 (a hung forward, a stuck gate)."""
+    return os.environ.get("MG_STACKS_ON_USR1", "") == "1"
+
+
 def fault_missed_flip() -> int:
     """Tests only: MG_FAULT_MISSED_FLIP=k makes the seam fast-commit the runner-up as the k-th
     answer token of every deterministic request (a missed flip on demand); -1 = off."""

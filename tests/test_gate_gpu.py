@@ -277,3 +277,42 @@ def test_a_waiting_thread_wakes_at_the_publish_while_the_stream_is_held():
         assert gpu.acked(1) == 1 and chosen.cpu().tolist() == [11, 112, 13, 14, 15]
     finally:
         gpu.open(1)  # never leave the stream held for the next test
+
+
+def test_zerocopy_copies_move_bits_without_a_copy_engine():
+    """kernels.zerocopy.copy_: page-locked host -> device, device -> host and device -> device
+    are bit-exact (NaN payloads and -0 included), and a copy out of a held process still runs:
+    a forward held by a step gate on another stream does not hold it up."""
+    from mg_server.kernels.zerocopy import copy_
+
+    dev = torch.device("cuda")
+    words = torch.randint(-2 ** 62, 2 ** 62, (3001,), dtype=torch.int64)
+    words[:4] = torch.tensor([0x7FF8000000000123, -0x8000000000000000, 0x7FF0000000000001, 0], dtype=torch.int64)
+    host = words.pin_memory()
+    d = copy_(host, torch.empty(3001, dtype=torch.int64, device=dev))
+    back = copy_(d.view(torch.float64), torch.empty(3001, dtype=torch.float64).pin_memory())
+    torch.cuda.synchronize()
+    assert torch.equal(back.view(torch.int64), words)
+    bf = torch.randn(7, 2, 3, 64, device=dev).to(torch.bfloat16)
+    assert torch.equal(copy_(bf, torch.empty_like(bf)).view(torch.int16), bf.view(torch.int16))
+    with pytest.raises(ValueError):
+        copy_(words, torch.empty(3001, dtype=torch.int64, device=dev))  # pageable host memory
+
+    from mg_server.kernels.gate import _stream_wait_geq
+    # every buffer first: an allocation while the stream is held would wait for it (gate.py)
+    flag, sink, out = (torch.zeros(n, dtype=torch.int64).pin_memory() for n in (1, 3001, 3001))
+    held, side, done = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Event()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(held):
+        _stream_wait_geq(held.cuda_stream, flag.data_ptr(), 1)  # held until the host raises flag
+        sink.copy_(d, non_blocking=True)  # a copy-engine copy queued behind the wait, as SGLang's are
+    with torch.cuda.stream(side):
+        copy_(d, out)
+        done.record(side)
+    t0 = time.monotonic()
+    while not done.query() and time.monotonic() - t0 < 10:
+        time.sleep(1e-3)
+    ok = done.query()
+    flag[0] = 1  # release the held stream
+    held.synchronize()
+    assert ok and torch.equal(out, words)

@@ -110,14 +110,12 @@ class _ReplayedRows:
         e.kv_table[t(table_rows), t(positions)] = t(slots)  # as the graph does (the engine leaves it to it)
         logits = e.model.forward_rows(t(tokens), t(positions), t(slots), t(table_rows), e.kv_table, e.pool,
                                       e.max_seq_len)  # [R, V] fp32
-        outs = (logits, ops.margin_rows(logits))
         if self.out is None:
-            self.out = [torch.empty((self.max_rows, *x.shape[1:]), dtype=x.dtype) for x in outs]
+            self.out = torch.empty((self.max_rows, logits.shape[1]), dtype=logits.dtype)
         r = len(tokens)
-        for buf, x in zip(self.out, outs):
-            buf.fill_(-1)
-            buf[:r] = x
-        return tuple(buf[:r] for buf in self.out)
+        self.out.fill_(-1)
+        self.out[:r] = logits
+        return self.out[:r], ops.margin_rows(logits).tolist()  # as RowGraphs.run: [margin, argmax] per row
 
 
 def test_graph_chunks_on_cpu_replay_rows_in_order(setup):

@@ -92,6 +92,11 @@ class Lifeline:
     def _beat(self) -> None:
         write_beat(self.path, self.status)
 
+    def set_status(self, status: str) -> None:
+        """Change the status line and write it now (not at the next beat)."""
+        self.status = status
+        self._beat()
+
     def _parent_gone(self) -> bool:
         if os.getppid() != self.parent_pid:
             return True

@@ -8,6 +8,9 @@ RoPE, 1 = V), plus a generation header gens [n_slots] int64 in CPU shared memory
 Writer protocol (seqlock): gens[s] = -1, write data, synchronise, gens[s] = gen. A reader copies
 the slot and then checks gens[s] == gen: a slot reused while it was read is detected, never
 silently returned. Messages carry (slot, gen) only.
+A verifier running inside its reader's process (`serve --mg-verifier-in scheduler`) registers
+its CUDA buffer here: CUDA cannot open an IPC handle in the process that made it, so a reader in
+that process gets the owner's tensor itself.
 """
 
 from __future__ import annotations
@@ -20,6 +23,10 @@ import torch
 from torch import Tensor
 
 from mg_server.runtime.protocol import ShmSpec
+
+
+# CUDA slot buffers created in this process, by shm name (see module doc).
+_LOCAL_CUDA: dict[str, Tensor] = {}
 
 
 class StaleSlot(RuntimeError):
@@ -83,6 +90,7 @@ class SlotBuffer:
         shms = [gshm]
         if device.type == "cuda":
             data = torch.zeros(shape, dtype=dtype, device=device)
+            _LOCAL_CUDA[name] = data
             fields = data.untyped_storage()._share_cuda_()
             spec = ShmSpec(kind="cuda", name=name, n_slots=n_slots, shape=shape, dtype=dname,
                            cuda_device=device.index if device.index is not None else 0,
@@ -104,7 +112,9 @@ class SlotBuffer:
         gshm = _open_shm(spec.name + "_g", False)
         gens = torch.frombuffer(gshm.buf, dtype=torch.int64, count=spec.n_slots)
         shms = [gshm]
-        if spec.kind == "cuda":
+        if spec.kind == "cuda" and spec.name in _LOCAL_CUDA:  # the owner is in this process
+            data = _LOCAL_CUDA[spec.name]
+        elif spec.kind == "cuda":
             f = list(spec.cuda_ipc)
             storage = torch.UntypedStorage._new_shared_cuda(*f)
             data = torch.empty(0, dtype=dtype, device=f"cuda:{spec.cuda_device}")
@@ -128,7 +138,12 @@ class SlotBuffer:
         for slot, _, _ in entries:
             self.gens[slot] = -1
         for slot, column, _ in entries:
-            self.data[slot].copy_(column)
+            if self.data.is_cuda:  # a kernel's copy, not a copy engine's (kernels.zerocopy)
+                from mg_server.kernels.zerocopy import copy_
+
+                copy_(column.contiguous(), self.data[slot])
+            else:
+                self.data[slot].copy_(column)
         if self.data.is_cuda:
             torch.cuda.current_stream(self.data.device).synchronize()  # data visible before gen
         for slot, _, gen in entries:
@@ -154,6 +169,8 @@ class SlotBuffer:
                 pass
 
     def close(self) -> None:
+        if self._owner:
+            _LOCAL_CUDA.pop(self.spec.name, None)
         self.data = self.gens = None  # type: ignore[assignment]  # drop views before closing
         for shm in self._shms:
             try:

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import threading
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from mg_server import env
@@ -147,10 +148,15 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
     """Start the controller (which starts the verifier) and wait until both report ready. The
     verifier accepts sequences as long as SGLang's (`context_len`), its pool holds two of them.
 
-    Returns (controller ipc path, ControllerInfo), or ("", None) in mode "off".
+    With `--mg-verifier-in scheduler` the controller does not start it: SGLang's scheduler does,
+    from the hook (the returned dict is its VerifierConfig), and this process works out what the
+    front reports (kernel configuration id, weights digest) itself.
+
+    Returns (controller ipc path, ControllerInfo, the hook's verifier dict or None), or
+    ("", None, None) in mode "off".
     """
     if cfg.mg_mode == "off":
-        return "", None
+        return "", None, None
     from mg_server.runtime.channel import RpcError
     from mg_server.runtime.cleanup import shm_base
     from mg_server.runtime.controller.client import ControllerClient
@@ -167,9 +173,13 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=max(16384, 2 * context_len),
         ipc_spin_s=cfg.ipc_spin_s,
     )
+    in_scheduler = cfg.verifier_in == "scheduler"
+    if in_scheduler:  # why num_threads 0: torch's thread count is the host process's, not the verifier's
+        verifier = replace(verifier, num_threads=0)
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
                             metrics_dir=cfg.metrics_dir, verifier=verifier, verify_timeout_s=cfg.verify_timeout_s,
-                            catchup_chunk=cfg.catchup_chunk, prefill_ahead=cfg.prefill_ahead, ipc_spin_s=cfg.ipc_spin_s)
+                            catchup_chunk=cfg.catchup_chunk, prefill_ahead=cfg.prefill_ahead, ipc_spin_s=cfg.ipc_spin_s,
+                            spawn_verifier=not in_scheduler)
     proc = start_controller(ccfg)
 
     def controller_gone() -> str:  # a dead or stopped controller fails the start now, not after start_timeout_s
@@ -181,7 +191,7 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         with ControllerClient(ccfg.ipc_path, timeout_s=ccfg.start_timeout_s, client_name="launcher",
                               peer_check=controller_gone) as client:
             info = client.hello()
-        if not info.verifier_up:
+        if not info.verifier_up and not in_scheduler:  # (in the scheduler: it starts with SGLang)
             raise RuntimeError("the deterministic verifier did not start")
     except BaseException as e:
         # a controller that answered (its verifier failed) exits by itself, stopping the verifier
@@ -191,16 +201,28 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         if isinstance(e, RpcError):
             raise RuntimeError(e.message) from None
         raise
+    if in_scheduler:
+        import msgspec
+        import torch
+
+        from mg_server.runtime.fingerprint import weights_digest
+        from mg_server.runtime.verifier.ops import config_id
+
+        info = msgspec.structs.replace(info, kernel_config_id=config_id(torch.device(verifier.device)),
+                                       weights_digest=weights_digest(cfg.model_path))
     log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s, --mg-commit %s", cfg.mg_mode, tau, source,
              info.kernel_config_id, cfg.commit)
-    log.info("mg verifier: device %s, K/V pool %d tokens, %s", info.verifier_device, info.verifier_pool_tokens,
-             f"{info.verifier_memory_bytes / (1 << 30):.2f} GB of device memory held"
-             + (f" (budget {cfg.verifier_memory_gb:g} GB)" if cfg.verifier_memory_gb else "")
-             if info.verifier_memory_bytes else "host memory")
+    if in_scheduler:
+        log.info("mg verifier: a thread of SGLang's scheduler process (starts with it)")
+    else:
+        log.info("mg verifier: device %s, K/V pool %d tokens, %s", info.verifier_device, info.verifier_pool_tokens,
+                 f"{info.verifier_memory_bytes / (1 << 30):.2f} GB of device memory held"
+                 + (f" (budget {cfg.verifier_memory_gb:g} GB)" if cfg.verifier_memory_gb else "")
+                 if info.verifier_memory_bytes else "host memory")
     # atexit runs last-registered first: the runtime stops, then its files go
     atexit.register(_stop_runtime, proc, ccfg.ipc_path)
     threading.Thread(target=_watch_runtime, args=(proc,), name="mg-runtime-watch", daemon=True).start()
-    return ccfg.ipc_path, info
+    return ccfg.ipc_path, info, asdict(verifier) if in_scheduler else None
 
 
 def _stop_runtime(proc, ipc_path: str) -> None:
@@ -270,7 +292,7 @@ def serve(cfg: ServeConfig) -> None:
 
     shutdown.install(cleanup, cfg.drain_timeout_s)
     context_len = served_context(parsed, cfg.model_path)
-    controller_ipc, info = start_runtime(cfg, context_len)
+    controller_ipc, info, hook_verifier = start_runtime(cfg, context_len)
 
     from mg_server.front.middleware import DeterministicMiddleware
     from mg_server.runtime.fingerprint import system_fingerprint
@@ -283,7 +305,7 @@ def serve(cfg: ServeConfig) -> None:
                       step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
                       fault_missed_flip=env.fault_missed_flip(), fault_flip_margin=env.fault_flip_margin(),
                       lagged_commit=cfg.lagged_commit, early_verify=cfg.early_verify,
-                      lag_commit=cfg.commit == "lag", lagged_on_cpu=env.lagged_on_cpu())
+                      lag_commit=cfg.commit == "lag", lagged_on_cpu=env.lagged_on_cpu(), verifier=hook_verifier)
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(
         DeterministicMiddleware,

@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from mg_server import metrics
+from mg_server import env, metrics
 from mg_server.config import HookConfig
 from mg_server.runtime import protocol as P
 from mg_server.runtime.liveness import BEAT_PERIOD_S, seam_beat_path, write_beat
@@ -43,6 +43,19 @@ class Tracked:
     resumable: bool = False  # see `resumable`: the stop watcher may end its fast path
 
 
+def _start_verifier(cfg: dict):
+    """`serve --mg-verifier-in scheduler`: the verifier worker as a thread of this process
+    (runtime/verifier/server.py, "Placement"). Loaded here, before the hello, so the controller
+    finds it serving; a load failure stops SGLang's start-up with the worker's own message."""
+    from mg_server.runtime.verifier.server import VerifierConfig, start_verifier_thread
+
+    log.info("mg: starting the verifier inside SGLang's scheduler process")
+    worker = start_verifier_thread(VerifierConfig(**cfg))
+    if worker.server.load_error:
+        raise RuntimeError(f"mg: {worker.server.load_error}")
+    return worker
+
+
 class ControllerLink:
     """The seam's connection to the controller, plus the finish watcher thread.
 
@@ -62,6 +75,12 @@ class ControllerLink:
         from mg_server.runtime.shm import SlotBuffer
 
         self.config = config
+        if env.stacks_on_usr1():
+            import faulthandler
+            import signal
+
+            faulthandler.register(signal.SIGUSR1, all_threads=True)
+        self.verifier = _start_verifier(config.verifier) if config.verifier else None  # before the hello
         self.client = ControllerClient(config.controller_ipc, timeout_s=config.step_timeout_s, client_name="hook")
         self.info = self.client.hello()
         self.policy = Policy(self.info.mode, self.info.tau)  # the controller's own policy (pure)

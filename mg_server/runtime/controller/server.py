@@ -1,6 +1,7 @@
 """The controller process: MarginGate policy, verifier dispatch, audit, counters.
 
-It owns the verifier worker (spawned as its child), so it knows at once when the worker dies.
+It owns the verifier worker (spawned as its child, or a thread of SGLang's scheduler process:
+controller/worker.py), and watches its beat.
 Clients: mg's forward hook in SGLang's scheduler (one `Step` per fast-path forward holding every
 protected row, and `Finish` when a protected request ends) and the HTTP front (`Verdict`).
 For each row the policy decides fast commit or verified commit; verified rows of one forward go
@@ -41,7 +42,8 @@ from mg_server.runtime.channel import wait_readable
 from mg_server.runtime.controller.audit import AuditMixin
 from mg_server.runtime.controller.catchup import catch_up
 from mg_server.runtime.controller.state import ReqState
-from mg_server.runtime.liveness import Lifeline, beat_path, stale_reason
+from mg_server.runtime.controller.worker import WorkerMixin
+from mg_server.runtime.liveness import Lifeline, beat_path
 from mg_server.runtime.policy import Policy
 
 log = logging.getLogger("mg.controller")
@@ -55,7 +57,8 @@ class ControllerConfig:
     mode: str  # "off" | "margin" | "always"
     tau: float
     metrics_dir: str  # prometheus multiprocess folder (set in the env before metrics exist)
-    verifier: "object | None" = None  # VerifierConfig of the worker to spawn (None: mode "off")
+    verifier: "object | None" = None  # VerifierConfig of the worker (None: mode "off")
+    spawn_verifier: bool = True  # False: SGLang's scheduler runs the worker as a thread (worker.py)
     verify_timeout_s: float = 30.0  # per verify call: a live, beating verifier that does not answer (wedged)
     catchup_chunk: int = 256  # tokens per catch-up call: verify_timeout_s bounds a chunk, not a long prompt
     prefill_ahead: int = 0  # prompts >= this taught to the verifier in idle turns (0: off; --mg-prefill-ahead)
@@ -65,7 +68,7 @@ class ControllerConfig:
     parent_pid: int = 0  # mg-server's pid: the controller exits once it is gone (0: no watch)
 
 
-class Controller(AuditMixin):
+class Controller(AuditMixin, WorkerMixin):
     def __init__(self, cfg: ControllerConfig, lifeline: Lifeline | None = None):
         from mg_server.metrics import controller_metrics
 
@@ -95,55 +98,6 @@ class Controller(AuditMixin):
         self.sock.bind("ipc://" + cfg.ipc_path)
         self.running = True
 
-    # ---- verifier -------------------------------------------------------------------------
-    def start_verifier(self) -> None:
-        if self.cfg.verifier is None:
-            return
-        from mg_server.runtime.verifier.client import VerifierClient
-        from mg_server.runtime.verifier.server import start_verifier
-
-        vcfg = self.cfg.verifier
-        if self.lifeline is not None:
-            self.lifeline.status = "verifier starting"
-        self.verifier_proc = start_verifier(vcfg)
-        self._verifier_beat = beat_path(vcfg.ipc_path)
-        self.vclient = VerifierClient(vcfg.ipc_path, timeout_s=self.cfg.verify_timeout_s, client_name="controller",
-                                      peer_check=self._verifier_gone, spin_s=self.cfg.ipc_spin_s)
-        # attach_slots=False: the controller relays (slot, gen) to the hook; on CUDA attaching
-        # would open a CUDA context here for nothing.
-        self.vinfo = self.vclient.connect(timeout_s=self.cfg.start_timeout_s, attach_slots=False)
-        log.info("verifier ready: model %s, kernels %s", self.vinfo.model_id, self.vinfo.kernel_config_id)
-        self._publish()
-
-    def _verifier_gone(self) -> str:
-        """Why the verifier cannot answer ("" while its process runs and beats)."""
-        proc = self.verifier_proc
-        if not proc.is_alive():
-            return f"the verifier process exited (code {proc.exitcode})"
-        return stale_reason(self._verifier_beat) if self._verifier_beat else ""
-
-    def verifier_up(self) -> bool:
-        if self.vclient is None or self.verifier_proc is None:
-            return False
-        now = time.monotonic()
-        if self.down_reason or not self.verifier_proc.is_alive() or now - self._beat_checked > 0.25:
-            self._beat_checked = now  # its beat file is read at most 4 times a second
-            reason = self._verifier_gone()
-            if reason != self.down_reason:
-                if reason:
-                    log.error("deterministic verifier is down: %s (deterministic requests fail)", reason)
-                else:
-                    log.warning("deterministic verifier is beating again")
-                self.down_reason = reason
-                self._publish()
-        return not self.down_reason
-
-    def _publish(self) -> None:
-        """The verifier's state for /health (the beat's status line) and for mg_verifier_up."""
-        self.m.verifier_up.set(0 if self.down_reason else 1)
-        if self.lifeline is not None:
-            self.lifeline.status = f"verifier down: {self.down_reason}" if self.down_reason else "verifier up"
-
     # ---- messages -----------------------------------------------------------------------
     def handle(self, msg: P.Message) -> P.Message | None:
         if self.start_error is not None:  # the verifier did not start: say why, then stop
@@ -162,9 +116,10 @@ class Controller(AuditMixin):
             rids, self.stops = list(self.stops), {}
             return P.StopsReply(rids=rids)
         if isinstance(msg, P.ControllerHello):
+            up = self.verifier_up()  # first: it may connect a verifier that started in the scheduler
             return P.ControllerInfo(
                 protocol_version=P.PROTOCOL_VERSION, mode=self.cfg.mode, tau=self.cfg.tau,
-                verifier_up=self.verifier_up(),
+                verifier_up=up,
                 kernel_config_id=self.vinfo.kernel_config_id if self.vinfo else "",
                 model_id=self.vinfo.model_id if self.vinfo else "",
                 weights_digest=self.vinfo.weights_digest if self.vinfo else "",
@@ -351,17 +306,7 @@ class Controller(AuditMixin):
             hot = time.monotonic()
 
     def close(self) -> None:
-        if self.vclient is not None:
-            try:
-                if self.verifier_up():
-                    self.vclient.shutdown(timeout_s=5)
-            except Exception:  # noqa: BLE001
-                pass
-            self.vclient.close()
-        if self.verifier_proc is not None:
-            self.verifier_proc.join(5)
-            if self.verifier_proc.is_alive():
-                self.verifier_proc.kill()
+        self.stop_verifier()
         self.sock.close(0)
         self.ctx.term()
 

@@ -213,8 +213,7 @@ class VerifierEngine:
         else:
             self.kv_table[t(table_rows), t(positions)] = t(out_slots)  # the new positions' slots
             logits = self.model.forward(t(tokens), t(positions), t(out_slots), segs, self.pool)  # [R, V] fp32
-            top = ops.margin_rows(logits)  # [R, 2] fp64: margin, argmax
-        top = top.tolist()  # one device-to-host copy
+            top = ops.margin_rows(logits).tolist()  # [R, 2] fp64 (margin, argmax): one device-to-host copy
         margins = [row[0] for row in top]
         preds = [int(row[1]) for row in top]
         for it, seg, (st, start, _) in zip(items, segs, metas):
@@ -247,7 +246,7 @@ class VerifierEngine:
                     keep: set[int]):
         """Replay the captured graphs over the rows, at most the largest bucket per replay.
 
-        -> (logits, margin and argmax [R, 2] fp64). logits is the graph's
+        -> (logits, each row's [margin, argmax]: RowGraphs.run). logits is the graph's
         [R, V] fp32 output when one replay serves all rows, else {row: [V] fp32} for the rows in
         `keep` (copied out before the next replay overwrites them; the rest of a long catch-up's
         rows are never read, and R x V fp32 would be ~1 GB for an 8B vocabulary).
@@ -262,15 +261,18 @@ class VerifierEngine:
             self.graph_forwards += 1
             return self.graphs.run(tokens, positions, slots, table_rows)
         logits: dict[int, Tensor] = {}
-        tops = []
+        tops: list = []
         for a in range(0, len(tokens), n):
             lg, top = self.graphs.run(tokens[a:a + n], positions[a:a + n], slots[a:a + n], table_rows[a:a + n])
             self.graph_forwards += 1
             for r in keep:
-                if a <= r < a + n:
-                    logits[r] = lg[r - a].clone()
-            tops.append(top.clone())
-        return logits, torch.cat(tops)
+                if a <= r < a + n:  # on CUDA a kernel's copy, not a copy engine's (kernels.zerocopy)
+                    from mg_server.kernels.zerocopy import copy_
+
+                    row = lg[r - a]
+                    logits[r] = copy_(row, torch.empty_like(row)) if row.is_cuda else row.clone()
+            tops += top
+        return logits, tops
 
     @staticmethod
     def _sample_rows(it: VerifyItem, seg: Segment, st: SeqState, start: int, logits,

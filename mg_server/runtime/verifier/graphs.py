@@ -6,8 +6,10 @@ when run op by op from Python: hundreds of small kernels, each with Python and l
 row's slot table), so one captured graph per bucket replays it for any positions. Rows beyond R
 in a bucket are padding: they read and write only a scratch slot, and since every kernel is
 batch-invariant (a row's bits never depend on the other rows) they change nothing for the real
-rows. The graph also computes the top-2 of every row's logits, so a step costs one replay and one
-device-to-host copy.
+rows. The graph also computes the top-2 of every row's logits. Its inputs and that top-2 move
+through page-locked host buffers that the graph's own kernels read and write (kernels.zerocopy:
+no copy engine, so a held SGLang stream in the same process cannot hold a verify call up), so a
+step costs one replay and one event sync.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mg_server.kernels.zerocopy import copy_
 from mg_server.runtime.verifier import ops
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # rows per graph; a forward of more rows replays them in chunks (engine)
@@ -27,22 +30,27 @@ class RowGraphs:
         n = BUCKETS[-1]
         # Static inputs, [4, max bucket] int64 on the device: tokens, positions, slots, table rows.
         self.inputs = torch.zeros((4, n), dtype=torch.int64, device=dev)
-        # Their page-locked staging copy [4, max bucket] int64 (an async copy: no pageable-copy sync),
-        # and the event after which it may be rewritten (chunked replays fill it back to back).
+        # Their page-locked host copy [4, max bucket] int64, which the graph's first kernel reads,
+        # and the page-locked copy of every row's (margin, argmax) [max bucket, 2] fp64 that its
+        # last kernel writes (kernels.zerocopy); `done` is recorded after each replay.
         self.staging = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)
-        self.copied = torch.cuda.Event()
+        self.top_host = torch.zeros((n, 2), dtype=torch.float64, pin_memory=True)
+        self.done = torch.cuda.Event()
         self.pad = (0, 0, scratch_slot, scratch_table_row)  # a padding row's token, position, slot, table row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
         self.max_rows = n
         self.pool_handle = torch.cuda.graph_pool_handle()
 
     def _fn(self, b: int):
+        copy_(self.staging, self.inputs)  # [4, max bucket] int64: host -> device by a kernel
         tok, pos, slot, trow = (self.inputs[i, :b] for i in range(4))
         # The rows' own slots into their requests' tables, in the graph (no host copies; padding
         # rows write the scratch slot into the scratch table row, which holds nothing else).
         self.kv_table[trow, pos] = slot
         logits = self.model.forward_rows(tok, pos, slot, trow, self.kv_table, self.pool, self.max_len)  # [b, V] fp32
-        return logits, ops.margin_rows(logits)  # [b, V] fp32, [b, 2] fp64
+        top = ops.margin_rows(logits)  # [b, 2] fp64
+        copy_(top, self.top_host[:b])  # device -> host by a kernel
+        return logits, top
 
     def capture(self) -> None:
         """Warm up (Triton compiles outside the capture) and capture every bucket, largest first
@@ -62,22 +70,22 @@ class RowGraphs:
         torch.cuda.synchronize(self.model.device)
 
     def _fill(self, cols: list[list[int]]) -> None:
-        """cols: tokens, positions, slots, table rows (equal lengths <= the largest bucket)."""
-        self.copied.synchronize()  # the previous fill's copy has read the staging buffer
+        """cols: tokens, positions, slots, table rows (equal lengths <= the largest bucket). The
+        previous replay has finished (run waits for it), so nothing reads the buffer now."""
         h, r = self.staging.numpy(), len(cols[0])
         for i in range(4):
             h[i, :r] = cols[i]
             h[i, r:] = self.pad[i]
-        self.inputs.copy_(self.staging, non_blocking=True)
-        self.copied.record(torch.cuda.current_stream(self.inputs.device))
 
     def run(self, tokens: list[int], positions: list[int], slots: list[int], table_rows: list[int]):
-        """-> (logits [R, V] fp32, margin and argmax [R, 2] fp64: ops.margin_rows): views of the
-        graph's outputs, valid until the next run. The graph also writes
-        kv_table[table_rows, positions] = slots. R must be <= the largest bucket."""
+        """-> (logits [R, V] fp32: a view of the graph's output, valid until the next run; each
+        row's [margin, argmax] as floats: ops.margin_rows). Returns once the replay finished. The
+        graph also writes kv_table[table_rows, positions] = slots. R <= the largest bucket."""
         r = len(tokens)
         b = next(x for x in BUCKETS if x >= r)
         self._fill([tokens, positions, slots, table_rows])
-        g, logits, top = self.graphs[b]
+        g, logits, _ = self.graphs[b]
         g.replay()
-        return logits[:r], top[:r]
+        self.done.record(torch.cuda.current_stream(self.inputs.device))
+        self.done.synchronize()  # an event of this stream only (no device-wide or copy-engine wait)
+        return logits[:r], self.top_host[:r].tolist()

@@ -7,6 +7,13 @@ cause) instead of vanishing. From its first moment it beats and watches the proc
 started it (runtime.liveness): if that one dies, the worker removes its shared memory and exits.
 Messages are served in arrival order; consecutive Verify messages are coalesced into one batched
 step (batch-invariant kernels make that safe); control messages flush pending verifies first.
+
+Placement (`serve --mg-verifier-in`): a process of its own (`start_verifier`, the default), or
+a thread of SGLang's scheduler process (`start_verifier_thread`, experimental). Why the thread:
+two processes' kernels on one GPU take turns (time slices) unless CUDA MPS runs, so a verify
+call made while SGLang's next forward runs (`--mg-commit lag`) adds its whole GPU time to the
+step; one process's streams run their kernels side by side. Same messages, same kernels, same
+bits: only where the engine's kernels are launched changes.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -44,6 +53,7 @@ class VerifierConfig:
     poll_ms: int = 50  # receive poll period
     ipc_spin_s: float = 0.0  # experimental: spin this long for the next message after each one (channel.wait_readable)
     parent_pid: int = 0  # the process that started the worker: it exits once that one is gone (0: no watch)
+    switch_interval_s: float = 2e-4  # thread placement: the host process's GIL switch interval (at most)
 
     def __post_init__(self):
         # Results of one step occupy distinct slots until the client copies them out.
@@ -110,12 +120,22 @@ class VerifierServer:
         """Compile the Triton kernels now (a prefill and a decode step of a throw-away request):
         compiled on a first request instead, they would take that request past its deadline."""
         t0 = time.perf_counter()
-        rid = "mg-warm-up"
-        for item in (P.VerifyItem(rid=rid, pos=16, tokens=[1] * 17), P.VerifyItem(rid=rid, pos=17, tokens=[1])):
-            (res,) = self.engine.step([item])
-            if isinstance(res, P.ErrorReply):
-                raise RuntimeError(f"warm-up forward failed: [{res.code}] {res.message}")
-        self.engine.release(rid)
+        # A short prompt and a step; then several long prompts in one call (chunked graph replays)
+        # and a step of each. Why the long ones: the caching allocator then holds blocks for every
+        # buffer a step allocates on this stream, so serving allocates no device memory, which CUDA
+        # would order after all earlier work (a held SGLang forward included, thread placement).
+        eng = self.engine
+        rids = [f"mg-warm-up-{k}" for k in range(min(8, eng.max_requests))]
+        n = max(18, min(150, eng.max_seq_len - 1, (eng.pool.n_tokens - 64) // len(rids)))  # a long prompt that fits
+        calls = [[P.VerifyItem(rid=rids[0], pos=16, tokens=[1] * 17)], [P.VerifyItem(rid=rids[0], pos=17, tokens=[1])],
+                 [P.VerifyItem(rid=r, pos=n - 2, tokens=[1] * (n - 1)) for r in rids[1:]],
+                 [P.VerifyItem(rid=r, pos=n - 1 if k else 18, tokens=[1]) for k, r in enumerate(rids)]]
+        for items in calls:
+            for res in self.engine.step(items):
+                if isinstance(res, P.ErrorReply):
+                    raise RuntimeError(f"warm-up forward failed: [{res.code}] {res.message}")
+        for r in rids:
+            self.engine.release(r)
         print(f"[mg-verifier] kernels warmed up in {time.perf_counter() - t0:.1f}s", flush=True)
 
     # ---- handlers -----------------------------------------------------------------------
@@ -280,6 +300,57 @@ def run_verifier(cfg: VerifierConfig) -> None:
         server.serve_forever()
     finally:
         lifeline.stop()
+
+
+class VerifierThread:
+    """The worker as a thread of the calling process (module doc, "Placement"). `start` loads
+    the model in the caller's thread (so its CUDA graphs are captured before the host process
+    captures its own), then serves from a daemon thread on a CUDA stream of its own. Its beat
+    file's status says "serving" once the controller may connect; a load failure is served as
+    the same `load_failed` error the process placement answers with."""
+
+    def __init__(self, cfg: VerifierConfig):
+        from mg_server.runtime.liveness import Lifeline, beat_path
+
+        self.cfg = replace(cfg, parent_pid=0)  # it lives and dies with its host process
+        self.server = VerifierServer(self.cfg)
+        # its CUDA stream (None on CPU): made here so that the warm-up allocates on it (see _warm_up)
+        self.stream = torch.cuda.Stream(cfg.device) if cfg.device.startswith("cuda") else None
+        self.lifeline = Lifeline(beat_path(cfg.ipc_path), 0, name="mg-verifier-life")
+        self.thread = threading.Thread(target=self._serve, name="mg-verifier", daemon=True)
+
+    def start(self) -> "VerifierThread":
+        self.lifeline.status = "loading"
+        self.lifeline.start()
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                self.server.load()
+        else:
+            self.server.load()
+        # why: the serving thread wakes on a message while the host's threads run Python; CPython
+        # hands it the GIL only after the holder's switch interval (5 ms by default).
+        sys.setswitchinterval(min(sys.getswitchinterval(), self.cfg.switch_interval_s))
+        self.thread.start()
+        self.lifeline.set_status("serving")  # now: the seam's hello comes next
+        return self
+
+    def _serve(self) -> None:
+        if self.stream is not None:
+            # why: a stream of its own, so the host's streams never wait for a verify call (and
+            # stream syncs here never wait for the host's forwards, a held one included)
+            torch.cuda.set_stream(self.stream)
+        try:
+            self.server.serve_forever()
+        finally:
+            self.lifeline.stop()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self.server.running = False
+        self.thread.join(timeout_s)
+
+
+def start_verifier_thread(cfg: VerifierConfig) -> VerifierThread:
+    return VerifierThread(cfg).start()
 
 
 def start_verifier(cfg: VerifierConfig) -> mp.Process:

@@ -1,0 +1,49 @@
+"""Copies done by a kernel, never by a CUDA copy engine: page-locked host <-> device, device <-> device.
+
+Why: the verifier can run as a thread of SGLang's scheduler process (`serve --mg-verifier-in
+scheduler`). There its copies would share the process's copy-engine queues with SGLang's, and
+SGLang queues its copies behind a forward whose stream mg's step gate holds (kernels/gate.py).
+Measured on an H200: the verifier's host-to-device input copy, then its event sync, waited
+behind such a held forward, whose gate was waiting for that very verifier, until the verify call
+timed out. A kernel reads and writes page-locked host memory directly (UVA: a cudaHostAlloc'd
+buffer's pointer is valid on the device, as the step gate's mailboxes use it), so it depends on
+nothing but its own stream. The data is small (a verify call's inputs, its margins, K/V columns).
+
+Bits: a plain load and store of each element; the caller passes tensors of one dtype and size.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+BLOCK = 1024  # elements per program
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+
+
+def copy_(src: Tensor, dst: Tensor) -> Tensor:
+    """dst[...] = src[...] by a kernel on the current stream (see module doc). Both contiguous, of
+    one dtype and size; either may be page-locked host memory, at least one is on the GPU."""
+    if src.dtype != dst.dtype or src.numel() != dst.numel():
+        raise ValueError(f"copy_: {src.dtype}[{src.numel()}] into {dst.dtype}[{dst.numel()}]")
+    if not (src.is_contiguous() and dst.is_contiguous()):
+        raise ValueError("copy_: both tensors must be contiguous")
+    if src.is_cuda == dst.is_cuda and not src.is_cuda:
+        raise ValueError("copy_: one tensor must be on the GPU")
+    for t in (src, dst):
+        if not t.is_cuda and not t.is_pinned():
+            raise ValueError("copy_: a host tensor must be page-locked (pin_memory)")
+    n = src.numel()
+    if n:
+        # why int views: a copy moves bits; integer loads and stores cannot canonicalise a NaN
+        word = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[src.element_size()]
+        _copy_kernel[(triton.cdiv(n, BLOCK),)](src.view(word), dst.view(word), n, BLOCK=BLOCK)
+    return dst
