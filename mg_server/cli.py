@@ -190,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         # in every run with --mg-commit hold on an H200 (README, "Verifier in the scheduler")
         _parser().error("--mg-verifier-in scheduler needs --mg-commit lag (holding a forward for a verifier "
                         "in the same process stalled it)")
+    if args.mg_verifier_in == "scheduler" and (args.mg_verifier_memory_gb is not None or args.mg_ipc_spin_us):
+        # why: the budget is measured as the process's CUDA memory, SGLang's included; a spinning
+        # worker thread would take the GIL from SGLang's scheduler
+        _parser().error("--mg-verifier-in scheduler takes neither --mg-verifier-memory-gb nor --mg-ipc-spin-us")
     if args.mg_verifier_memory_gb is not None and not args.mg_verifier_memory_gb > 0:
         _parser().error("--mg-verifier-memory-gb must be > 0")
     try:

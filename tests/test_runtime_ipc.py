@@ -274,3 +274,45 @@ def test_bench_smoke(tmp_path):
     res = bench.main(["--models", "tiny", "--device", "cpu", "--ctx", "16", "--iters", "1", "--out", str(out)])
     assert json.loads(out.read_text())["models"]["tiny"]["verify_gap64_x8_ms"] > 0
     assert res["ipc"]["shm_kind"] == "cpu" and res["shm"]["llama-8b_column_bytes"] == 32 * 2 * 8 * 128 * 2
+
+
+def test_controller_connects_to_a_verifier_thread_once_it_serves(tmp_path, monkeypatch):
+    """`--mg-verifier-in scheduler`: the controller spawns nothing and reads the verifier as down
+    until the thread's beat says `serving`, then connects; its answers equal a worker process's;
+    a thread whose model does not load never connects and says why."""
+    from mg_server.runtime.controller.server import Controller, ControllerConfig
+    from mg_server.runtime.verifier.server import start_verifier_thread
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    d, _ = make_tiny("llama", tmp_path / "tiny", dtype=torch.bfloat16)
+    vcfg = VerifierConfig(model_path=str(d), ipc_path=str(tmp_path / "v.sock"), max_seq_len=64, max_requests=4,
+                          pool_tokens=256, n_slots=5, max_batch_items=5)
+    ctl = Controller(ControllerConfig(ipc_path=str(tmp_path / "c.sock"), mode="margin", tau=0.5,
+                                      metrics_dir=str(tmp_path), verifier=vcfg, spawn_verifier=False))
+    worker = None
+    try:
+        ctl.start_verifier()
+        assert ctl.verifier_proc is None and not ctl.verifier_up() and "not started" in ctl.down_reason
+        worker = start_verifier_thread(vcfg)
+        assert ctl.verifier_up() and ctl.vinfo is not None and ctl.vinfo.shm is not None
+        (res,) = ctl.vclient.verify_many([P.VerifyItem(rid="a", pos=len(PROMPT) - 1, tokens=PROMPT)])
+        with VerifierClient(vcfg.ipc_path, timeout_s=60) as c:  # the same worker, as a process would answer
+            c.connect(attach_slots=False)
+            (again,) = c.verify_many([P.VerifyItem(rid="b", pos=len(PROMPT) - 1, tokens=PROMPT)])
+        assert (res.token, res.margin) == (again.token, again.margin)
+    finally:
+        ctl.close()
+        if worker is not None:
+            worker.stop()
+
+    bad = VerifierConfig(model_path=str(tmp_path / "missing"), ipc_path=str(tmp_path / "b.sock"))
+    ctl = Controller(ControllerConfig(ipc_path=str(tmp_path / "c2.sock"), mode="margin", tau=0.5,
+                                      metrics_dir=str(tmp_path), verifier=bad, spawn_verifier=False))
+    worker = start_verifier_thread(bad)
+    try:
+        assert worker.server.load_error  # the seam's link refuses to go on (sglang_ext/link.py)
+        ctl.start_verifier()
+        assert not ctl.verifier_up() and "failed to load" in ctl.down_reason
+    finally:
+        ctl.close()
+        worker.stop()

@@ -9,11 +9,10 @@ Every answer must equal the verifier-alone reference and come back `verified`, w
 process anywhere.
 """
 
-import subprocess
-
 import pytest
 import requests
 
+from proc_util import titles
 from server_util import faulted_server, stream_states_and_text
 from test_resume import QUESTIONS, _counter
 
@@ -36,8 +35,8 @@ def test_the_verifier_in_the_scheduler_corrects_and_verifies_every_answer(setup)
     log = srv.log_path.read_text()
     assert "starting the verifier inside SGLang's scheduler process" in log
     assert "verifier ready" in log  # the controller connected to it
-    procs = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert "mg::verifier" not in procs  # no worker process: the thread is the verifier
+    procs = titles(srv.proc.pid).values()
+    assert any("sglang::scheduler" in t for t in procs) and not any("mg::verifier" in t for t in procs)
     assert requests.get(srv.url + "/health", timeout=30).status_code == 200
 
     fixed = _counter(srv.url, "mg_lag_corrections_total")
@@ -70,9 +69,12 @@ def test_the_flag_reaches_the_config_and_needs_commit_lag(monkeypatch, prepared_
     assert cli.main([*base, "--mg-commit", "lag", "--mg-verifier-in", "scheduler"]) == 0
     assert seen[0].verifier_in == "scheduler"
     assert cli.main(base) == 0 and seen[1].verifier_in == "process"  # the default
-    for commit in ("hold", "resume"):
+    bad = [(["--mg-commit", "hold"], "needs --mg-commit lag"), (["--mg-commit", "resume"], "needs --mg-commit lag"),
+           (["--mg-commit", "lag", "--mg-verifier-memory-gb", "4"], "--mg-verifier-memory-gb"),
+           (["--mg-commit", "lag", "--mg-ipc-spin-us", "50"], "--mg-ipc-spin-us")]
+    for flags, why in bad:
         try:
-            rc = cli.main([*base, "--mg-commit", commit, "--mg-verifier-in", "scheduler"])
+            rc = cli.main([*base, *flags, "--mg-verifier-in", "scheduler"])
         except SystemExit as e:
             rc = e.code
-        assert rc == 2 and "needs --mg-commit lag" in capsys.readouterr().err
+        assert rc == 2 and why in capsys.readouterr().err, flags

@@ -42,7 +42,7 @@ def seam_beat_path(controller_ipc: str) -> str:
 
 
 def write_beat(path: str, status: str) -> None:
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"  # per thread: two writers never share it
     with open(tmp, "w") as f:
         f.write(f"{time.monotonic():.3f} {status}")
     os.replace(tmp, path)  # readers never see a half-written beat
@@ -81,6 +81,7 @@ class Lifeline:
         self.parent_pid = parent_pid
         self.on_orphan = on_orphan  # runs in the lifeline thread right before os._exit
         self.status = ""
+        self._lock = threading.Lock()  # status and its write, between the beat thread and set_status
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -90,12 +91,15 @@ class Lifeline:
         return self
 
     def _beat(self) -> None:
-        write_beat(self.path, self.status)
+        with self._lock:
+            write_beat(self.path, self.status)
 
     def set_status(self, status: str) -> None:
-        """Change the status line and write it now (not at the next beat)."""
-        self.status = status
-        self._beat()
+        """Change the status line and write it now (not at the next beat, which could otherwise
+        write the old line after this one)."""
+        with self._lock:
+            self.status = status
+            write_beat(self.path, status)
 
     def _parent_gone(self) -> bool:
         if os.getppid() != self.parent_pid:

@@ -7,7 +7,8 @@ Two placements (verifier/server.py, "Placement"):
   worker as a thread, after the controller is up. The controller connects once the worker's
   beat says "serving" (looked at from `verifier_up`, at most 4 times a second); until then the
   verifier reads as down, so a deterministic step fails instead of waiting. The seam starts the
-  thread before its own hello, so its first step finds the verifier connected.
+  thread before its own hello, and the controller's answer to that hello connects first, so the
+  seam's first step finds the verifier connected.
 Either way the worker's beat file (runtime.liveness) says whether it still runs.
 """
 
@@ -19,6 +20,9 @@ import time
 from mg_server.runtime.liveness import beat_path, read_beat, stale_reason
 
 log = logging.getLogger("mg.controller")
+
+CONNECT_TIMEOUT_S = 2.0  # scheduler placement: one hello to a worker whose beat says it serves
+CONNECT_RETRY_S = 1.0  # and the pause after a failed one
 
 
 class WorkerMixin:
@@ -48,12 +52,15 @@ class WorkerMixin:
         vcfg = self.cfg.verifier
         client = VerifierClient(vcfg.ipc_path, timeout_s=self.cfg.verify_timeout_s, client_name="controller",
                                 peer_check=self._verifier_gone, spin_s=self.cfg.ipc_spin_s)
+        if self.cfg.spawn_verifier:  # kept even if the hello fails: close() still sends it Shutdown
+            self.vclient = client
         try:
             # attach_slots=False: the controller relays (slot, gen) to the hook; on CUDA attaching
             # would open a CUDA context here for nothing.
             self.vinfo = client.connect(timeout_s=timeout_s, attach_slots=False)
         except BaseException:
-            client.close()
+            if not self.cfg.spawn_verifier:
+                client.close()
             raise
         self.vclient = client
         log.info("verifier ready: model %s, kernels %s", self.vinfo.model_id, self.vinfo.kernel_config_id)
@@ -66,13 +73,19 @@ class WorkerMixin:
         return stale_reason(self._verifier_beat) if self._verifier_beat else ""
 
     def _connect_started(self) -> str:
-        """Scheduler placement: connect once the worker serves; why not ("" once connected)."""
+        """Scheduler placement: connect once the worker serves; why not ("" once connected). A
+        failed attempt is retried after CONNECT_RETRY_S, each with a short timeout: the controller
+        is single-threaded, so a worker that beats but does not answer must not stall it."""
         beat = read_beat(self._verifier_beat)
         if beat is None or beat.status != "serving" or stale_reason(self._verifier_beat):
             return self.down_reason
+        now = time.monotonic()
+        if now < getattr(self, "_retry_at", 0.0):
+            return self.down_reason
         try:
-            self._connect(timeout_s=self.cfg.verify_timeout_s)
+            self._connect(timeout_s=CONNECT_TIMEOUT_S)
         except Exception as e:  # noqa: BLE001 - e.g. its load failed: stays down, says why
+            self._retry_at = now + CONNECT_RETRY_S
             return f"the verifier did not connect: {getattr(e, 'message', e)}"
         return ""
 

@@ -117,24 +117,32 @@ class VerifierServer:
             traceback.print_exc()
 
     def _warm_up(self) -> None:
-        """Compile the Triton kernels now (a prefill and a decode step of a throw-away request):
-        compiled on a first request instead, they would take that request past its deadline."""
+        """Compile and load every kernel a verify call launches, now: compiled on a first request,
+        they would take it past its deadline; and in the thread placement a kernel's first launch
+        (its module load) or a new device allocation would wait for any held SGLang stream, whose
+        gate may be waiting for that very call (measured: 9 s, until the stream was released)."""
+        from mg_server.kernels import zerocopy
+
         t0 = time.perf_counter()
         # A short prompt and a step; then several long prompts in one call (chunked graph replays)
-        # and a step of each. Why the long ones: the caching allocator then holds blocks for every
-        # buffer a step allocates on this stream, so serving allocates no device memory, which CUDA
-        # would order after all earlier work (a held SGLang forward included, thread placement).
+        # and a step of each, so the caching allocator holds blocks for the buffers a step
+        # allocates on this stream; a seeded request's rows; the slot buffer's write.
         eng = self.engine
+        if eng.model.device.type == "cuda":
+            zerocopy.warm_up(eng.model.device)
         rids = [f"mg-warm-up-{k}" for k in range(min(8, eng.max_requests))]
         n = max(18, min(150, eng.max_seq_len - 1, (eng.pool.n_tokens - 64) // len(rids)))  # a long prompt that fits
         calls = [[P.VerifyItem(rid=rids[0], pos=16, tokens=[1] * 17)], [P.VerifyItem(rid=rids[0], pos=17, tokens=[1])],
                  [P.VerifyItem(rid=r, pos=n - 2, tokens=[1] * (n - 1)) for r in rids[1:]],
-                 [P.VerifyItem(rid=r, pos=n - 1 if k else 18, tokens=[1]) for k, r in enumerate(rids)]]
+                 [P.VerifyItem(rid=r, pos=n - 1 if k else 18, tokens=[1]) for k, r in enumerate(rids)],
+                 [P.VerifyItem(rid="mg-warm-up-s", pos=16, tokens=[1] * 17, temperature=0.7, seed=1)],
+                 [P.VerifyItem(rid="mg-warm-up-s", pos=17, tokens=[1], temperature=0.7, seed=1)]]
         for items in calls:
             for res in self.engine.step(items):
                 if isinstance(res, P.ErrorReply):
                     raise RuntimeError(f"warm-up forward failed: [{res.code}] {res.message}")
-        for r in rids:
+        self.shm.write_many([(0, eng.pool.column(0), -1)])  # generation -1: slot 0 stays unwritten
+        for r in [*rids, "mg-warm-up-s"]:
             self.engine.release(r)
         print(f"[mg-verifier] kernels warmed up in {time.perf_counter() - t0:.1f}s", flush=True)
 
@@ -304,8 +312,9 @@ def run_verifier(cfg: VerifierConfig) -> None:
 
 class VerifierThread:
     """The worker as a thread of the calling process (module doc, "Placement"). `start` loads
-    the model in the caller's thread (so its CUDA graphs are captured before the host process
-    captures its own), then serves from a daemon thread on a CUDA stream of its own. Its beat
+    the model in the caller's thread (SGLang's scheduler thread, from mg's hook, which SGLang
+    attaches after capturing its own graphs: nothing else runs on the GPU then), then serves
+    from a daemon thread on a CUDA stream of its own. Its beat
     file's status says "serving" once the controller may connect; a load failure is served as
     the same `load_failed` error the process placement answers with."""
 
