@@ -7,12 +7,18 @@ request's next forward (computed from the fast token) is verified and repaired
 makes every deterministic request's 4th answer token the fast path's runner-up at a margin of one
 ulp, so each request gets such a correction. Every answer must still equal the verifier-alone
 reference, with the verdict `verified`: single requests, a batch body and a stream.
+
+The server runs its verifier as a thread of SGLang's scheduler process (`--mg-verifier-in
+scheduler`, which needs lag), so the same answers also check that placement: one server start
+instead of two (CI time). Lag with the verifier in its own process is covered by
+tests/test_lagged.py and, on a GPU, tests/test_gpu_serving.py.
 """
 
 
 import pytest
 import requests
 
+from proc_util import titles
 from server_util import faulted_server, stream_states_and_text
 from test_resume import QUESTIONS, _counter
 
@@ -26,7 +32,8 @@ MAX_NEW = 20
 def setup(prepared_model, tmp_path_factory):
     env = {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0", "MG_LAGGED_ON_CPU": "1"}
     yield from faulted_server(prepared_model, tmp_path_factory.mktemp("lag") / "server.log",
-                              ["--mg-mode", "margin", "--mg-commit", "lag"], env, QUESTIONS, MAX_NEW)
+                              ["--mg-mode", "margin", "--mg-commit", "lag", "--mg-verifier-in", "scheduler"], env,
+                              QUESTIONS, MAX_NEW)
 
 
 def test_a_corrected_token_is_swapped_before_it_is_emitted(setup):
@@ -38,7 +45,14 @@ def test_a_corrected_token_is_swapped_before_it_is_emitted(setup):
     assert r.json()["output_ids"] == refs[0]
     assert r.headers["x-mg-verdict"] == "verified" and "x-mg-corrected-from" not in r.headers
     assert _counter(srv.url, "mg_lag_corrections_total") >= fixed + 1  # the fault's token was replaced
-    assert "lagged commit on" in srv.log_path.read_text() and "lag True" in srv.log_path.read_text()
+    log = srv.log_path.read_text()
+    assert "lagged commit on" in log and "lag True" in log
+    # the verifier is a thread of the scheduler: it loaded there, the controller connected to it,
+    # and no verifier process exists among the server's
+    assert "starting the verifier inside SGLang's scheduler process" in log and "verifier ready" in log
+    procs = titles(srv.proc.pid).values()
+    assert any("sglang::scheduler" in t for t in procs) and not any("mg::verifier" in t for t in procs)
+    assert requests.get(srv.url + "/health", timeout=30).status_code == 200
 
 
 def test_a_batch_body_and_a_stream_are_corrected_in_place(setup):
