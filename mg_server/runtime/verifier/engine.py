@@ -260,6 +260,8 @@ class VerifierEngine:
         if len(tokens) <= n:
             self.graph_forwards += 1
             return self.graphs.run(tokens, positions, slots, table_rows)
+        from mg_server.kernels.zerocopy import copy_  # (graphs exist on CUDA only)
+
         logits: dict[int, Tensor] = {}
         tops: list = []
         for a in range(0, len(tokens), n):
@@ -267,8 +269,6 @@ class VerifierEngine:
             self.graph_forwards += 1
             for r in keep:
                 if a <= r < a + n:  # on CUDA a kernel's copy, not a copy engine's (kernels.zerocopy)
-                    from mg_server.kernels.zerocopy import copy_
-
                     row = lg[r - a]
                     logits[r] = copy_(row, torch.empty_like(row)) if row.is_cuda else row.clone()
             tops += top

@@ -18,6 +18,7 @@ bits: only where the engine's kernels are launched changes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import multiprocessing as mp
 import os
@@ -331,10 +332,7 @@ class VerifierThread:
     def start(self) -> "VerifierThread":
         self.lifeline.status = "loading"
         self.lifeline.start()
-        if self.stream is not None:
-            with torch.cuda.stream(self.stream):
-                self.server.load()
-        else:
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             self.server.load()
         # why: the serving thread wakes on a message while the host's threads run Python; CPython
         # hands it the GIL only after the holder's switch interval (5 ms by default).
