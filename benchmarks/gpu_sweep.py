@@ -180,12 +180,15 @@ def timed(base, srv, prompts, batches, new, reps, frac, singles=False, short=2, 
 
 
 def run_model(name: str, args, prompts: dict, out: Path) -> dict:
-    mdir = E.write_model(name, Path(args.models_dir) / name, args.tokenizer)
+    # a real checkpoint of the shape (--checkpoint), else random weights of it (fixed seed)
+    mdir = Path(args.checkpoint[name]) if name in args.checkpoint else E.write_model(
+        name, Path(args.models_dir) / name, args.tokenizer)
     refs = E.references(mdir, prompts, args.tokens, out / f"refs-{name}.json", args.device)
     kind = "_margins_bf16" if args.tau_margins == "bf16" else "_margins"
     margins = [m for key in ("det", "prefix") for row in refs[key + kind] for m in row]
     mem = ["--mem-fraction-static", "0.85", "--max-total-tokens", str(E.POOL_TOKENS[name])]
-    res = {"model": name, "shape": E.SHAPES[name], "batches": args.batches, "decode_tokens": args.decode_tokens,
+    res = {"model": name, "shape": E.SHAPES[name], "weights": str(mdir) if name in args.checkpoint else "random",
+           "batches": args.batches, "decode_tokens": args.decode_tokens,
            "reps": args.reps, "short_tokens": args.short_tokens, "stream_interval": args.stream_interval, "mixed_share": MIXED, "seam": args.seam,
            "tau_margins": args.tau_margins, "configs": []}
     seam = ["--mg-seam", args.seam]
@@ -275,7 +278,8 @@ def summarize(r: dict) -> str:
     big = [b for b in r["batches"] if b >= 4]
     how = (f"streamed answers, a chunk every {r['stream_interval']} tokens" if r.get("stream_interval")
            else f"time of {r['decode_tokens']} tokens - time of {r.get('short_tokens', 2)}")
-    lines = [f"## {r['model']} (mg seam: {r.get('seam', 'sync')}): ms per decode step (overhead vs plain SGLang "
+    weights = "" if r.get("weights", "random") == "random" else ", real weights"
+    lines = [f"## {r['model']}{weights} (mg seam: {r.get('seam', 'sync')}): ms per decode step (overhead vs plain SGLang "
              f"timed alternately in the same minutes; {how})", "",
              "| config | tau | trigger (measured) | repair | corrected answers (lag: tokens) | verdicts | verify call ms | "
              + " | ".join(f"bs {b} all det." for b in r["batches"]) + " | "
@@ -355,6 +359,9 @@ def main() -> int:
     ap.add_argument("--tokenizer", type=Path)
     ap.add_argument("--models", default="smol")
     ap.add_argument("--models-dir", default="/tmp/mg-models")
+    ap.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
+                    help="time this Hugging Face checkpoint (e.g. smol=DIR: the real SmolLM2, "
+                         "benchmarks/device_real_smol.sh) instead of random weights of NAME's shape")
     ap.add_argument("--tokens", type=int, default=64, help="reference tokens per prompt (the margins tau comes from)")
     ap.add_argument("--decode-tokens", type=int, default=130)
     ap.add_argument("--short-tokens", type=int, default=2,
@@ -389,6 +396,9 @@ def main() -> int:
         print("\n".join(summarize(load(p)) for p in args.summarize))
         return 0
     args.batches = [int(b) for b in args.batches.split(",")]
+    if bad := [c for c in args.checkpoint if "=" not in c or c.split("=", 1)[0] not in E.SHAPES]:
+        ap.error(f"--checkpoint takes NAME=DIR with NAME one of {sorted(E.SHAPES)}: {bad}")
+    args.checkpoint = dict(c.split("=", 1) for c in args.checkpoint)
     args.rates = args.rates.split(",")
     args.commit = args.commit.split(",")
     args.configs = ([tuple(c.split(":")) for c in args.configs.split(",")] if args.configs
