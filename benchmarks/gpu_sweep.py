@@ -68,7 +68,8 @@ def metrics(url: str) -> dict:
     sums = {"vsum": "mg_verify_seconds_sum", "vcount": "mg_verify_seconds_count",
             "fsum": "mg_verifier_forward_seconds_sum", "rsum": "mg_verify_rows_sum",
             "csum": "mg_control_seconds_sum", "ccount": "mg_control_seconds_count",
-            "arows": "mg_prefill_ahead_rows_total", "lagfix": "mg_lag_corrections_total"}
+            "arows": "mg_prefill_ahead_rows_total", "lagfix": "mg_lag_corrections_total",
+            "chained": "mg_chained_total"}
     c = scrape(url, (*MG_COUNTERS, *sums.values()))
     return {"fast": c["steps_fast"], "verify": c["steps_verify"], "repair": c["mg_repair_total"],
             "resumes": c["mg_corrections_total"], "stops": c["mg_resume_stops_total"],
@@ -80,6 +81,7 @@ def rates(before: dict, after: dict) -> dict:
     steps = max(1.0, d["fast"] + d["verify"])
     return {"trigger": d["verify"] / steps, "repair": d["repair"] / steps, "steps": d["fast"] + d["verify"],
             "resumes": d["resumes"], "stops": d["stops"], "lag_fixes": d["lagfix"],
+            "chained": d["chained"],  # must steps answered by the correcting call (VerifyItem.chain)
             # the verify call's profile: the verifier's forward inside it, its rows (verified +
             # catch-up), and the share of deterministic forwards that waited for one (held path)
             "verifier_forward_ms": 1e3 * d["fsum"] / d["vcount"] if d["vcount"] else None,
@@ -207,7 +209,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             path.write_text(json.dumps(res, indent=2))
         for rate, commit, *rest in args.configs:
             always = rate == "always"
-            if bad := [x for x in rest if not (x.isdigit() or x in ("early", "sched")
+            if bad := [x for x in rest if not (x.isdigit() or x in ("early", "sched", "nochain")
                                               or (x.startswith("spin") and x[4:].isdigit()))]:
                 raise SystemExit(f"unknown config marker(s) {bad} in {rate}:{commit}:{':'.join(rest)}")
             ahead = next((int(x) for x in rest if x.isdigit()), 0)  # serve --mg-prefill-ahead
@@ -222,14 +224,16 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             else:
                 tau = tau_for_rate(margins, float(rate))
             flags = (([] if always else ["--mg-tau", f"{tau:.6g}"]) + (["--mg-prefill-ahead", str(ahead)] if ahead else [])
-                     + ["--mg-early-verify", early, "--mg-ipc-spin-us", str(spin), "--mg-verifier-in", place])
+                     + ["--mg-early-verify", early, "--mg-ipc-spin-us", str(spin), "--mg-verifier-in", place]
+                     + (["--mg-lag-chain", "off"] if "nochain" in rest else []))
             srv = E.start(mdir, name, "always" if always else "margin", out,
                           [*flags, *seam, "--mg-commit", commit, *mem], args.device)
-            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "")
+            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/nochain" if "nochain" in rest else "")
             try:
                 singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
                 cfg = {"target": rate, "tau": tau, "commit": commit, "prefill_ahead": ahead, "early_verify": early,
-                       "ipc_spin_us": spin, "verifier_in": place, "expected_trigger": expected,
+                       "ipc_spin_us": spin, "verifier_in": place, "lag_chain": "nochain" not in rest,
+                       "expected_trigger": expected,
                        "det_requests": "single" if singles else "batch",
                        "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles,
                                     args.short_tokens, args.stream_interval),
@@ -268,6 +272,7 @@ def _variant(c: dict) -> str:
             + (", early verify on" if c.get("early_verify") == "on" else "")
             + (f", IPC spin {c['ipc_spin_us']} µs" if c.get("ipc_spin_us") else "")
             + (", verifier in the scheduler" if c.get("verifier_in") == "scheduler" else "")
+            + (", no chain" if c.get("lag_chain") is False else "")
             + (f", tau from bf16 margins (reference share {100 * c['expected_trigger']:.1f} %)"
                if c.get("expected_trigger") is not None else ""))
 
@@ -380,7 +385,7 @@ def main() -> int:
     ap.add_argument("--configs", default="",
                     help="RATE:COMMIT[:N][:early][:spinU][:sched],... to time instead of every --rates x --commit "
                          "pair (e.g. 0.1:hold,0.1:lag:sched; N: serve --mg-prefill-ahead N; early: --mg-early-verify "
-                         "on; spinU: --mg-ipc-spin-us U; sched: --mg-verifier-in scheduler)")
+                         "on; spinU: --mg-ipc-spin-us U; sched: --mg-verifier-in scheduler; nochain: --mg-lag-chain off)")
     ap.add_argument("--tau-margins", choices=["fp32", "bf16"], default="fp32",
                     help="which reference margins tau comes from: the verifier's fp32 ones (default), or those "
                          "of its logits rounded to bf16, as SGLang's bf16 lm_head shows them to the seam (the "

@@ -77,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
                         "token; 'lag' (experimental, lagged seam) lets the fast token through, verifies it while "
                         "the GPU runs the next forward and, on a disagreement, swaps the token before SGLang "
                         "emits it and holds that request's next forward (README, GPU performance)")
+    s.add_argument("--mg-lag-chain", choices=["on", "off"], default="on",
+                   help="with --mg-commit lag: on a disagreement the same verifier call also answers the "
+                        "request's next step (the forward that holds for it), so that hold waits for no verify "
+                        "call of its own (default on; off: the A/B baseline)")
     s.add_argument("--mg-verifier-in", choices=["process", "scheduler"], default="process",
                    help="where the verifier worker runs: 'process' (default) is its own process; 'scheduler' "
                         "(experimental) is a thread of SGLang's scheduler process, whose CUDA stream runs beside "
@@ -227,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         early_verify=args.mg_early_verify == "on",
         ipc_spin_s=args.mg_ipc_spin_us * 1e-6,
         commit=args.mg_commit,
+        lag_chain=args.mg_lag_chain == "on",
         verifier_in=args.mg_verifier_in,
         verifier_memory_gb=args.mg_verifier_memory_gb,
     )

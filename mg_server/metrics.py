@@ -71,6 +71,8 @@ class ControllerMetrics:
                                       "Missed flips found by the verifier's audit of unverified steps")
         self.corrections = Counter("mg_corrections", "Missed flips whose non-streamed answer the verifier completed "
                                    "from the flip (the response then equals the reference)")
+        self.chained = Counter("mg_chained", "Must steps (--mg-commit lag) answered from the correcting verify "
+                               "call's chained result (VerifyItem.chain), without a verify call of their own")
         self.lookahead = Counter("mg_lookahead_steps", "Steps decided after a request's last token (the overlap "
                                  "scheduler's look-ahead forward); SGLang drops their tokens")
         # The fast path's margin where the verifier disagreed: tau must stay above these (calibration).

@@ -62,6 +62,10 @@ class FakeVerifier:
             audit = [ref_next(hist[: q + 1]) for q in range(start, it.pos)]  # predictions at start .. pos-1
             out.append(P.VerifyResult(rid=it.rid, pos=it.pos, token=ref_next(hist), margin=1.0, slot=0, gen=1,
                                       audit_tokens=audit, first_mismatch=first))
+            if it.chain >= 0 and out[-1].token != it.chain:  # VerifyItem.chain
+                hist.append(out[-1].token)
+                out[-1].next = P.VerifyResult(rid=it.rid, pos=it.pos + 1, token=ref_next(hist), margin=1.0, slot=1,
+                                              gen=2)
         return out
 
     def release(self, rids, timeout_s=None):
@@ -149,6 +153,47 @@ def test_a_must_row_is_verified_and_repaired_whatever_its_margin(make_ctl):
     tok = ref_next([3, 4, d.token])
     (d,) = ctl._step([P.StepRow(rid="m", pos=2, margin=9.0, fast_token=tok, must=True)])
     assert d.verified and d.repair and d.token == tok and d.slot >= 0 and ctl.reqs["m"].repairs == [2]
+
+
+def test_a_lag_correction_answers_the_next_must_row_from_the_same_verify_call(make_ctl):
+    """StepRow.behind (--mg-commit lag): the verify item carries the fast token (VerifyItem.chain);
+    on a disagreement the verifier also answers pos + 1 from its own token, and the request's must
+    row there is decided from that answer without another verify call. A hold-mode row (not
+    behind) and an agreeing behind row chain nothing."""
+    ctl = make_ctl("margin", 0.5)
+    v = ref_next([3, 4])
+    (d,) = ctl._step([P.StepRow(rid="m", pos=1, prompt=[3, 4], margin=0.1, fast_token=(v + 1) % 50, behind=True)])
+    assert d.verified and d.repair and d.token == v and ctl.vclient.items[-1].chain == (v + 1) % 50
+    calls = len(ctl.vclient.items)
+    (d,) = ctl._step([P.StepRow(rid="m", pos=2, margin=9.0, fast_token=ref_next([3, 4, (v + 1) % 50]), must=True)])
+    assert len(ctl.vclient.items) == calls and not ctl.chained  # no verify call for the must row
+    assert d.verified and d.repair and (d.slot, d.gen) == (1, 2) and d.token == ref_next([3, 4, v])
+    t = [3, 4, v, d.token]
+    (d,) = ctl._step([P.StepRow(rid="m", pos=3, margin=0.1, fast_token=ref_next(t), behind=True)])
+    assert d.verified and not d.repair and ctl.vclient.items[-1].tokens == [t[3]] and not ctl.chained
+    ctl._finish(P.Finish(rid="m", output=t[2:] + [d.token]))
+    v2 = ctl._verdict("m")
+    assert v2.state == "verified" and v2.repairs == 2
+    (d,) = ctl._step([P.StepRow(rid="h", pos=1, prompt=[3, 4], margin=0.1, fast_token=(v + 1) % 50)])
+    assert d.repair and ctl.vclient.items[-1].chain == -1 and not ctl.chained
+
+
+def test_an_unused_chained_answer_leaves_the_audit_to_the_verifier(make_ctl):
+    """A chained answer whose row comes fast-committed (not a must row) is dropped; the verifier
+    has seen the corrected token, so the next verify call starts after it and audits the fast
+    token against its own prediction: a difference there is a missed flip."""
+    ctl = make_ctl("margin", 0.5)
+    v = ref_next([3, 4])
+    ctl._step([P.StepRow(rid="u", pos=1, prompt=[3, 4], margin=0.1, fast_token=(v + 1) % 50, behind=True)])
+    good = ref_next([3, 4, v])
+    (d,) = ctl._step([P.StepRow(rid="u", pos=2, margin=9.0, fast_token=(good + 1) % 50)])
+    assert not d.verified and not ctl.chained
+    t = [3, 4, v, (good + 1) % 50]
+    (d,) = ctl._step([P.StepRow(rid="u", pos=3, margin=0.1, fast_token=ref_next(t))])
+    assert ctl.vclient.items[-1].tokens == [t[3]] and d.verified
+    ctl._finish(P.Finish(rid="u", output=t[2:] + [d.token]))
+    v2 = ctl._verdict("u")
+    assert v2.state == "mismatch" and v2.mismatch_positions == [2]
 
 
 def test_missed_flip_is_found_by_the_audit(make_ctl):

@@ -15,8 +15,8 @@ from server_util import ServerProcess
 
 pytestmark = pytest.mark.server
 
-N_PROMPTS = int(os.environ.get("MG_DET_PROMPTS", "16"))
-MAX_NEW = int(os.environ.get("MG_DET_TOKENS", "64"))
+N_PROMPTS = int(os.environ.get("MG_DET_PROMPTS", "10"))
+MAX_NEW = int(os.environ.get("MG_DET_TOKENS", "40"))
 
 
 @pytest.fixture(scope="module")

@@ -38,13 +38,15 @@ def setup(prepared_model, tmp_path_factory):
 
 def test_a_corrected_token_is_swapped_before_it_is_emitted(setup):
     srv, _, prompts, refs = setup
-    fixed = _counter(srv.url, "mg_lag_corrections_total")
+    fixed, chained = _counter(srv.url, "mg_lag_corrections_total"), _counter(srv.url, "mg_chained_total")
     body = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
     r = requests.post(srv.url + "/generate", json=body, headers={"X-Deterministic": "1"}, timeout=600)
     assert r.status_code == 200, r.text
     assert r.json()["output_ids"] == refs[0]
     assert r.headers["x-mg-verdict"] == "verified" and "x-mg-corrected-from" not in r.headers
     assert _counter(srv.url, "mg_lag_corrections_total") >= fixed + 1  # the fault's token was replaced
+    # the next step (a must row) was answered by the correcting call itself (VerifyItem.chain)
+    assert _counter(srv.url, "mg_chained_total") >= chained + 1
     log = srv.log_path.read_text()
     assert "lagged commit on" in log and "lag True" in log
     # the verifier is a thread of the scheduler: it loaded there, the controller connected to it,

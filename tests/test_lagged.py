@@ -427,8 +427,9 @@ def test_lag_lets_the_fast_token_through_and_corrects_it_before_sglang_emits_it(
     assert gates.releases == [2] and not lag.pending
     req.req_pool_idx = None  # (released: nothing is left to do with its slots)
     lag.drain(wait=True)
-    assert [(r.pos, r.must) for r in client.rows] == [(1, False), (2, True)] and gates.releases == [2]
-    assert lag.chosen[:1].tolist() == [33] and seam.link.tracked["g"].tokens == [4, 5, 21, 33]
+    # the verify-behind row says so (the controller chains its MUST step: StepRow.behind)
+    assert [(r.pos, r.must, r.behind) for r in client.rows] == [(1, False, True), (2, True, False)]
+    assert gates.releases == [2] and lag.chosen[:1].tolist() == [33] and seam.link.tracked["g"].tokens == [4, 5, 21, 33]
     pool = runner.token_to_kv_pool
     for pos in (1, 2):  # the deferred repair of position 1 and the MUST row's own (pool row 0: slot 10 + pos)
         for layer in range(LAYERS):

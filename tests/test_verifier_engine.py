@@ -220,3 +220,27 @@ def test_items_that_fit_the_pool_alone_but_not_together_get_no_capacity(setup):
     assert [type(o).__name__ for o in out] == ["StepOutput", "StepOutput", "ErrorReply"]
     assert out[2].code == ErrorCode.NO_CAPACITY and set(small.seqs) == {"a", "b"} and small.pool_used == 24
     assert out[0].token == solo.step([items[0]])[0].token  # served as it would be alone
+
+
+def test_a_chained_item_also_answers_the_next_position_when_the_callers_token_differs(setup):
+    """VerifyItem.chain (--mg-commit lag): with the caller's token equal to the verifier's, one
+    result; with another token, `next` is the verifier's step at pos + 1 from its own token, bit
+    for bit the reference's, and the request's next item starts at pos + 2."""
+    _, engine, ref, seq, others = setup
+    p = N_PROMPT + 4
+    out = engine.step([VerifyItem(rid="k", pos=p, tokens=seq[: p + 1], prompt_len=N_PROMPT, chain=seq[p + 1])])[0]
+    assert out.next is None and out.token == seq[p + 1] and engine.seqs["k"].length == p + 1
+    assert engine.release("k")
+    wrong = (seq[p + 1] + 1) % engine.model.spec.vocab
+    o_rid, o_prompt = others[0]
+    out, other = engine.step([VerifyItem(rid="k", pos=p, tokens=seq[: p + 1], prompt_len=N_PROMPT, chain=wrong),
+                              VerifyItem(rid=o_rid, pos=len(o_prompt) - 1, tokens=o_prompt, chain=-1)])
+    assert other.next is None
+    nxt = out.next
+    assert (out.token, out.margin) == ref.pred[p] and nxt.pos == p + 1 and (nxt.token, nxt.margin) == ref.pred[p + 1]
+    assert nxt.first_mismatch == -1 and nxt.audit_tokens == []
+    assert torch.equal(nxt.logits.cpu(), ref.logits[p + 1]) and torch.equal(nxt.kv_column.cpu(), ref.kv[p + 1])
+    assert engine.seqs["k"].length == p + 2
+    later = engine.step([VerifyItem(rid="k", pos=p + 6, tokens=seq[p + 2: p + 7])])[0]
+    assert later.first_mismatch == -1 and (later.token, later.margin) == ref.pred[p + 6]
+    assert engine.release("k") and engine.release(o_rid)

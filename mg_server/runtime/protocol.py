@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 7  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
-# 6: resumable rows (StepRow.resumable, Stops, Correction.resume); 7: StepRow.must (lagged corrections)
+PROTOCOL_VERSION = 8  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
+# 6: resumable rows (StepRow.resumable, Stops, Correction.resume); 7: StepRow.must (lagged corrections);
+# 8: StepRow.behind, VerifyItem.chain, VerifyResult.next (a lag correction's next step in the same call)
 
 
 class ErrorCode:
@@ -100,6 +101,11 @@ class VerifyItem(msgspec.Struct, kw_only=True, omit_defaults=True):
     temperature: float = 0.0  # decoding rule of every position of this item: 0 greedy, > 0 seeded sampling
     seed: int = 0  # the sampling seed (mod 2**64), with temperature > 0
     deadline_ns: int = 0  # time.time_ns() after which the worker answers DEADLINE unstarted
+    # The caller's t_{pos+1} (a fast token verified one forward late, StepRow.behind), or -1. If
+    # the verifier's token differs, the same call also verifies pos + 1 with the verifier's token
+    # (VerifyResult.next): the caller's next step was computed from the wrong token and needs
+    # exactly that (StepRow.must). Why in the same call: that step's forward holds SGLang's stream.
+    chain: int = -1
 
 
 class Verify(Message):
@@ -124,6 +130,7 @@ class VerifyResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     batch_rows: int = 0  # rows in the forward that served this item (for tests and metrics)
     batch_requests: int = 0  # requests in that forward
     forward_ms: float = 0.0
+    next: VerifyResult | None = None  # VerifyItem.chain: the result at pos + 1 (its own slot)
 
 
 class ErrorReply(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
@@ -212,6 +219,9 @@ class StepRow(msgspec.Struct, kw_only=True, omit_defaults=True):
     # token was corrected after the fast one had been fed back): verify it whatever its margin,
     # and write the verifier's K/V column of pos (the fast one holds the wrong token's).
     must: bool = False
+    # Verified one forward late (`--mg-commit lag`): the fast token went through. On a disagreement
+    # the controller has the verifier answer the request's next (must) step in the same call.
+    behind: bool = False
 
 
 class Step(Message):

@@ -265,14 +265,15 @@ class StepSeam:
             force_tokens(logits, [i for i, _ in done], [d.token for _, d in done])
         return any(d.verified for _, d in done)
 
-    def decide(self, live, verify: bool, must=()) -> list[P.StepDecision]:
+    def decide(self, live, verify: bool, must=(), behind=()) -> list[P.StepDecision]:
         """The controller's decisions for classified step rows: a verify step if `verify`, else a
         one-way report of the fast tokens (the controller applies the same pure policy). Rows of
-        the keys in `must` are verified whatever their margin (StepRow.must)."""
+        the keys in `must` are verified whatever their margin (StepRow.must); those in `behind`
+        were let through already (StepRow.behind)."""
         link = self.link
         if not live:
             return []
-        rows = self.step_rows(live, must)
+        rows = self.step_rows(live, must, behind)
         try:
             with link.rpc_lock:
                 if verify:
@@ -322,12 +323,13 @@ class StepSeam:
         return Tracked(req, list(req.origin_input_ids), resumable=resumable(req))
 
     @staticmethod
-    def step_rows(live, must=()) -> list[P.StepRow]:
+    def step_rows(live, must=(), behind=()) -> list[P.StepRow]:
         """The controller's rows for classified step rows (the prompt and rule on a first step)."""
         rows = []
         for _, req, pos, margin, fast, first, key in live:
             r = P.StepRow(rid=key, pos=pos, prompt=list(req.origin_input_ids) if first else [],
-                          margin=margin, fast_token=fast, resumable=resumable(req), must=key in must)
+                          margin=margin, fast_token=fast, resumable=resumable(req), must=key in must,
+                          behind=key in behind)
             if first:  # the decoding rule travels with the prompt
                 r.temperature, r.seed = sampling_rule(req)
             rows.append(r)

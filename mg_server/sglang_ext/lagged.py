@@ -307,7 +307,8 @@ class LaggedControl(LagCommit):
             live, fails = seam._classify(steps)
         seam._count(live)
         must = {key for i, *_, key in live if need[i] == 1 and key in self.fixups}
-        decisions = seam.decide(live, any(need[i] for i, *_ in live), must)
+        behind = {key for i, *_, key in live if need[i] == 2}
+        decisions = seam.decide(live, any(need[i] for i, *_ in live), must, behind)
         for (i, _, _, _, tok, _, _), d in zip(live, decisions):
             if not d.error and not need[i] and d.token != tok:
                 d.error = "mg's control path disagreed with the device's policy"  # never expected

@@ -99,6 +99,7 @@ class AuditMixin:
                 self.m.lookahead.inc(extra)
                 log.debug("request %s: %d look-ahead step(s) dropped", msg.rid, extra)
         st.aborted = (msg.reason or "aborted") if msg.aborted else ""
+        self.chained.pop(msg.rid, None)  # (its must row never came: the corrected token ended it)
         st.end = msg
         st.finished_at, st.audit_pending = time.monotonic(), True
         self.pending[msg.rid] = None

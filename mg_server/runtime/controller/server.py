@@ -62,6 +62,7 @@ class ControllerConfig:
     verify_timeout_s: float = 30.0  # per verify call: a live, beating verifier that does not answer (wedged)
     catchup_chunk: int = 256  # tokens per catch-up call: verify_timeout_s bounds a chunk, not a long prompt
     prefill_ahead: int = 0  # prompts >= this taught to the verifier in idle turns (0: off; --mg-prefill-ahead)
+    chain: bool = True  # StepRow.behind rows carry VerifyItem.chain (--mg-lag-chain)
     ipc_spin_s: float = 0.0  # experimental: spin for messages and replies first (channel.wait_readable)
     start_timeout_s: float = 300.0  # verifier model load
     verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept
@@ -85,6 +86,9 @@ class Controller(AuditMixin, WorkerMixin):
         # the diverged ones whose fast path the seam has not been told to end yet.
         self.checks: dict[str, list[int]] = {}
         self.stops: dict[str, None] = {}
+        # Lag corrections' next steps, verified in the same call (VerifyItem.chain): rid -> the
+        # result at the position of the request's coming must row, answered without a verify call.
+        self.chained: dict[str, P.VerifyResult] = {}
         self.verifier_proc = None
         self.vclient = None
         self.vinfo: P.HelloReply | None = None
@@ -157,6 +161,9 @@ class Controller(AuditMixin, WorkerMixin):
             elif row.must or self.policy.should_verify(row.margin):
                 to_verify.append((len(decisions) - 1, row, st))
             else:
+                # (a chained answer for this step goes unused; the verifier checks t_{pos+1}
+                # against its own prediction when it is next sent: the audit)
+                self.chained.pop(row.rid, None)
                 self.m.steps.labels(decision="fast").inc()
                 d.token = row.fast_token
                 st.tokens.append(d.token)
@@ -188,13 +195,23 @@ class Controller(AuditMixin, WorkerMixin):
 
     def _verify(self, batch, decisions: list[P.StepDecision]) -> None:
         t0 = time.perf_counter()  # what the held forward waits for: the catch-up chunks too
+        ready = []  # (i, row, st, result known already: a chained one)
         for i, row, st in batch:  # errors fail the row like a failed verify below
+            res = self.chained.pop(row.rid, None)
+            if res is not None and res.pos == row.pos:
+                self.m.chained.inc()
+                ready.append((i, row, st, res))
+                continue
             st.error = decisions[i].error = self._catch_up(row.rid, st, row.pos)
-        if not (batch := [(i, row, st) for i, row, st in batch if not st.error]):
-            return
-        results = self._call_verifier([self._item(row.rid, st, row.pos) for _, row, st in batch], t0)
-        for (i, row, st), res in zip(batch, results):
+            if not st.error:
+                ready.append((i, row, st, None))
+        ask = [(row, st) for _, row, st, res in ready if res is None]
+        results = iter(self._call_verifier([self._item(row.rid, st, row.pos,
+                                                       row.fast_token if row.behind and self.cfg.chain else -1)
+                                            for row, st in ask], t0) if ask else ())
+        for i, row, st, res in ready:
             d = decisions[i]
+            res = res or next(results)
             if isinstance(res, P.ErrorReply):
                 st.error = d.error = f"verifier: [{res.code}] {res.message}"
                 self.m.verify_errors.inc()
@@ -212,6 +229,10 @@ class Controller(AuditMixin, WorkerMixin):
             if res.token != row.fast_token and not row.must:  # (a must row's margin is not a flip's)
                 self.m.flip_margin.observe(row.margin)
             st.tokens.append(d.token)
+            if res.next is not None:  # the verifier has also seen t_{pos+1}: it answered pos + 1
+                self._audit(row.rid, st, res.next)
+                st.verifier_len = row.pos + 2
+                self.chained[row.rid] = res.next
 
     def _call_verifier(self, items: list[P.VerifyItem], t0: float | None = None) -> list[P.VerifyResult | P.ErrorReply]:
         """One verify call (its items share one batched forward), timed from t0 (default: now);
@@ -260,12 +281,13 @@ class Controller(AuditMixin, WorkerMixin):
             if st.mismatches:
                 self.stops[rid] = None
 
-    def _item(self, rid: str, st: ReqState, pos: int) -> P.VerifyItem:
-        """Verify position pos after teaching the verifier every token it has not seen yet."""
+    def _item(self, rid: str, st: ReqState, pos: int, chain: int = -1) -> P.VerifyItem:
+        """Verify position pos after teaching the verifier every token it has not seen yet
+        (`chain`: VerifyItem.chain)."""
         return P.VerifyItem(rid=rid, pos=pos, tokens=st.tokens[st.verifier_len:pos + 1],
                             prompt_len=st.prompt_len if st.verifier_len == 0 else 0,
                             temperature=st.temperature, seed=st.seed,
-                            deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9))
+                            deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9), chain=chain)
 
     # ---- loop -----------------------------------------------------------------------------
     def serve_forever(self, idle_exit_s: float = 0.0) -> None:

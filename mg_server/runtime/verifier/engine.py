@@ -55,6 +55,7 @@ class StepOutput:
     batch_rows: int
     batch_requests: int
     forward_ms: float
+    next: StepOutput | None = None  # VerifyItem.chain: the result at pos + 1
 
     def digest(self) -> bytes:
         return hashlib.blake2b(self.logits.cpu().numpy().tobytes(), digest_size=16).digest()
@@ -183,7 +184,23 @@ class VerifierEngine:
                         out[i] = ErrorReply(code=ErrorCode.INTERNAL, rid=items[i].rid,
                                             message=f"{type(e).__name__}: {e}")
             pending = later
+        self._chain(items, out)
         return out  # type: ignore[return-value]
+
+    def _chain(self, items: list[VerifyItem], out: list) -> None:
+        """VerifyItem.chain: where the verifier's token differs from the caller's, verify pos + 1
+        with the verifier's token now, in one more batched forward (attached as `next`). A follow
+        item that fails leaves no `next` (the caller then asks for pos + 1 itself and gets the error).
+        Not with want_digest: the digest reads a logits row the next forward may overwrite."""
+        ks = [k for k, it in enumerate(items)
+              if it.chain >= 0 and not it.want_digest and isinstance(out[k], StepOutput) and out[k].token != it.chain]
+        if not ks:
+            return
+        follow = [VerifyItem(rid=items[k].rid, pos=items[k].pos + 1, tokens=[out[k].token],
+                             temperature=items[k].temperature, seed=items[k].seed) for k in ks]
+        for k, res in zip(ks, self.step(follow)):
+            if isinstance(res, StepOutput):
+                out[k].next = res
 
     def _forward(self, items: list[VerifyItem]) -> list[StepOutput]:
         t0 = time.perf_counter()

@@ -179,6 +179,9 @@ class VerifierServer:
                 else:
                     items.append(it)
                 owners.append(k)
+        if len(items) > self.cfg.n_slots // 2:  # a chained result needs a live slot of its own too
+            for it in items:
+                it.chain = -1
         outs = iter(self.engine.step(items)) if items else iter(())
         replies: list[list] = [[] for _ in batch]
         writes: list[tuple] = []  # (slot, column, gen): written with one sync before any reply goes
@@ -188,20 +191,25 @@ class VerifierServer:
                 self.errors += 1
                 replies[k].append(res)
                 continue
-            slot = self.next_slot
-            self.next_slot = (slot + 1) % self.cfg.n_slots
-            self.gen += 1
-            writes.append((slot, res.kv_column, self.gen))
             it_digest = batch[k][1].items[len(replies[k])].want_digest
-            replies[k].append(P.VerifyResult(
-                rid=res.rid, pos=res.pos, token=res.token, margin=res.margin, slot=slot, gen=self.gen,
-                audit_tokens=res.audit_tokens, audit_margins=res.audit_margins,
-                first_mismatch=res.first_mismatch, digest=res.digest() if it_digest else b"",
-                batch_rows=res.batch_rows, batch_requests=res.batch_requests, forward_ms=res.forward_ms))
+            replies[k].append(self._result(res, writes, it_digest))
             self.served += 1
         self.shm.write_many(writes)
         for (ident, m), results in zip(batch, replies):
             self._send(ident, P.VerifyReply(msg_id=m.msg_id, results=results))
+
+    def _result(self, res, writes: list[tuple], digest: bool) -> P.VerifyResult:
+        """The wire form of an engine result (and of its chained `next`), each with a slot of its own."""
+        slot = self.next_slot
+        self.next_slot = (slot + 1) % self.cfg.n_slots
+        self.gen += 1
+        writes.append((slot, res.kv_column, self.gen))
+        return P.VerifyResult(
+            rid=res.rid, pos=res.pos, token=res.token, margin=res.margin, slot=slot, gen=self.gen,
+            audit_tokens=res.audit_tokens, audit_margins=res.audit_margins,
+            first_mismatch=res.first_mismatch, digest=res.digest() if digest else b"",
+            batch_rows=res.batch_rows, batch_requests=res.batch_requests, forward_ms=res.forward_ms,
+            next=self._result(res.next, writes, False) if res.next is not None else None)
 
     def _control(self, m: P.Message) -> P.Message:
         if isinstance(m, P.Hello):
