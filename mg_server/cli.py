@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
                         "call of its own (default on; off: the A/B baseline)")
     s.add_argument("--mg-verifier-in", choices=["process", "scheduler"], default="process",
                    help="where the verifier worker runs: 'process' (default) is its own process; 'scheduler' "
-                        "(experimental) is a thread of SGLang's scheduler process, whose CUDA stream runs beside "
+                        "(experimental; a known stall, README) is a thread of SGLang's scheduler process, "
+                        "whose CUDA stream runs beside "
                         "SGLang's (two processes' kernels take turns on a GPU without CUDA MPS); pair it with "
                         "--mg-commit lag. It loads after SGLang sized its K/V cache: leave it room with "
                         "--mem-fraction-static (README, GPU performance)")

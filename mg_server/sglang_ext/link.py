@@ -49,7 +49,8 @@ def _start_verifier(cfg: dict):
     finds it serving; a load failure stops SGLang's start-up with the worker's own message."""
     from mg_server.runtime.verifier.server import VerifierConfig, start_verifier_thread
 
-    log.info("mg: starting the verifier inside SGLang's scheduler process")
+    log.warning("mg: starting the verifier inside SGLang's scheduler process (experimental: a known stall of "
+                "every forward, README 'A stall of the scheduler placement')")
     worker = start_verifier_thread(VerifierConfig(**cfg))
     if worker.server.load_error:
         raise RuntimeError(f"mg: {worker.server.load_error}")
