@@ -256,6 +256,16 @@ def pct(v: float, b: float) -> str:
     return f"{v:.2f} ({100 * (v - b) / b:+.0f} %)"
 
 
+def pct_reps(mg: dict, base: dict) -> str:
+    """pct of the medians, then the reps' range: each rep's mg time against the plain median
+    (the spread of mg's own reps, which sets how small a difference a run can resolve)."""
+    xs = mg.get("all", [])
+    if len(xs) < 2:
+        return pct(mg["median"], base["median"])
+    lo, hi = (100 * (x - base["median"]) / base["median"] for x in (min(xs), max(xs)))
+    return f"{pct(mg['median'], base['median'])} [{lo:+.0f}..{hi:+.0f}]"
+
+
 def load(path: Path) -> dict:
     """A results JSON as run_model returned it (JSON made its batch-size keys strings)."""
     def ints(o):
@@ -285,7 +295,7 @@ def summarize(r: dict) -> str:
            else f"time of {r['decode_tokens']} tokens - time of {r.get('short_tokens', 2)}")
     weights = "" if r.get("weights", "random") == "random" else ", real weights"
     lines = [f"## {r['model']}{weights} (mg seam: {r.get('seam', 'sync')}): ms per decode step (overhead vs plain SGLang "
-             f"timed alternately in the same minutes; {how})", "",
+             f"timed alternately in the same minutes; {how}; [min..max] over the reps)", "",
              "| config | tau | trigger (measured) | repair | corrected answers (lag: tokens) | verdicts | verify call ms | "
              + " | ".join(f"bs {b} all det." for b in r["batches"]) + " | "
              + " | ".join(f"bs {b} 25 % det.: plain / det." for b in big) + " |",
@@ -311,7 +321,7 @@ def summarize(r: dict) -> str:
                      f"{100 * d['trigger']:.1f} % | {100 * d['repair']:.2f} % | {d.get('resumes', 0) + d.get('lag_fixes', 0):.0f} | "
                      f"{', '.join(f'{k} {v}' for k, v in sorted(verdicts.items()))} | "
                      f"{'' if vc is None else format(vc, '.2f')} | "
-                     + " | ".join(pct(d["mg"][b]["median"], d["base"][b]["median"]) for b in d["mg"]) + " | "
+                     + " | ".join(pct_reps(d["mg"][b], d["base"][b]) for b in d["mg"]) + " | "
                      + " | ".join(mixed) + " |")
     held = [(c, part, bs, x) for c in r["configs"] for part in ("det", "mixed")
             for bs, x in sorted(c[part].get("by_batch", {}).items())]
