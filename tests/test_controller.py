@@ -1,6 +1,7 @@
 """MarginGate policy and the controller's decisions, audit and verdicts (fake verifier)."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -39,11 +40,16 @@ def ref_next(prefix: list[int]) -> int:
 class FakeVerifier:
     """Follows the protocol: catch-up from the known length, audit of t_{q+1} for q in [start-1, pos-1]."""
 
-    def __init__(self):
+    def __init__(self, n_slots: int = 64):
         self.seen: dict[str, list[int]] = {}
         self.prompt_len: dict[str, int] = {}
         self.items: list[P.VerifyItem] = []
         self.released: list[str] = []
+        self.n_slots, self.last_gen = n_slots, 0  # each result takes the next slot of a ring (gen = count)
+
+    def _slot(self) -> dict:
+        self.last_gen += 1
+        return {"slot": self.last_gen % self.n_slots, "gen": self.last_gen}
 
     def verify_many(self, items, timeout_s=None):
         out = []
@@ -51,6 +57,8 @@ class FakeVerifier:
             self.items.append(it)
             hist = self.seen.setdefault(it.rid, [])
             start = it.pos + 1 - len(it.tokens)
+            if it.rewind and start <= len(hist):
+                del hist[start:]
             if start != len(hist):
                 out.append(P.ErrorReply(code=P.ErrorCode.POSITION_MISMATCH, message="", rid=it.rid, expected_pos=len(hist)))
                 continue
@@ -60,12 +68,12 @@ class FakeVerifier:
             lo = max(start - 1, self.prompt_len[it.rid] - 1, 0)
             first = next((q for q in range(lo, it.pos) if ref_next(hist[: q + 1]) != hist[q + 1]), -1)
             audit = [ref_next(hist[: q + 1]) for q in range(start, it.pos)]  # predictions at start .. pos-1
-            out.append(P.VerifyResult(rid=it.rid, pos=it.pos, token=ref_next(hist), margin=1.0, slot=0, gen=1,
+            out.append(P.VerifyResult(rid=it.rid, pos=it.pos, token=ref_next(hist), margin=1.0, **self._slot(),
                                       audit_tokens=audit, first_mismatch=first))
             if it.chain >= 0 and out[-1].token != it.chain:  # VerifyItem.chain
                 hist.append(out[-1].token)
-                out[-1].next = P.VerifyResult(rid=it.rid, pos=it.pos + 1, token=ref_next(hist), margin=1.0, slot=1,
-                                              gen=2)
+                out[-1].next = P.VerifyResult(rid=it.rid, pos=it.pos + 1, token=ref_next(hist), margin=1.0,
+                                              **self._slot())
         return out
 
     def release(self, rids, timeout_s=None):
@@ -92,6 +100,7 @@ def make_ctl(tmp_path, monkeypatch):
         ctl = Controller(ControllerConfig(ipc_path=str(tmp_path / f"c{len(ctls)}.sock"), mode=mode, tau=tau,
                                           metrics_dir=str(tmp_path)))
         ctl.vclient, ctl.verifier_proc = FakeVerifier(), Alive()
+        ctl.vinfo = SimpleNamespace(shm=SimpleNamespace(n_slots=ctl.vclient.n_slots))  # (the slot ring's size)
         ctls.append(ctl)
         return ctl
 
@@ -167,7 +176,7 @@ def test_a_lag_correction_answers_the_next_must_row_from_the_same_verify_call(ma
     calls = len(ctl.vclient.items)
     (d,) = ctl._step([P.StepRow(rid="m", pos=2, margin=9.0, fast_token=ref_next([3, 4, (v + 1) % 50]), must=True)])
     assert len(ctl.vclient.items) == calls and not ctl.chained  # no verify call for the must row
-    assert d.verified and d.repair and (d.slot, d.gen) == (1, 2) and d.token == ref_next([3, 4, v])
+    assert d.verified and d.repair and d.gen == ctl.vclient.last_gen and d.token == ref_next([3, 4, v])
     t = [3, 4, v, d.token]
     (d,) = ctl._step([P.StepRow(rid="m", pos=3, margin=0.1, fast_token=ref_next(t), behind=True)])
     assert d.verified and not d.repair and ctl.vclient.items[-1].tokens == [t[3]] and not ctl.chained
@@ -176,6 +185,35 @@ def test_a_lag_correction_answers_the_next_must_row_from_the_same_verify_call(ma
     assert v2.state == "verified" and v2.repairs == 2
     (d,) = ctl._step([P.StepRow(rid="h", pos=1, prompt=[3, 4], margin=0.1, fast_token=(v + 1) % 50)])
     assert d.repair and ctl.vclient.items[-1].chain == -1 and not ctl.chained
+
+
+def test_a_chained_answer_whose_slot_may_be_reused_is_verified_again(make_ctl):
+    """The K/V slots are a ring: once enough results followed a chained answer, its slot may hold
+    another column by the time the seam copies it, so the must row is verified again (a rewind
+    to its position) instead."""
+    ctl = make_ctl("margin", 0.5)
+    v = ref_next([3, 4])
+    ctl._step([P.StepRow(rid="r", pos=1, prompt=[3, 4], margin=0.1, fast_token=(v + 1) % 50, behind=True)])
+    calls = len(ctl.vclient.items)
+    ctl.vclient.last_gen += ctl.vclient.n_slots // 2  # (other requests' results meanwhile)
+    (d,) = ctl._step([P.StepRow(rid="r", pos=2, margin=9.0, fast_token=0, must=True)])
+    it = ctl.vclient.items[-1]
+    assert len(ctl.vclient.items) == calls + 1 and it.rewind and it.pos == 2 and it.tokens == [v]
+    assert d.verified and d.repair and d.gen == ctl.vclient.last_gen and d.token == ref_next([3, 4, v])
+    assert ctl.reqs["r"].verifier_len == 3 and not ctl.reqs["r"].error
+
+
+def test_a_fast_row_that_differs_from_its_chained_answer_is_a_missed_flip_at_once(make_ctl):
+    """The request may end right after that row (no later verify call would audit it)."""
+    ctl = make_ctl("margin", 0.5)
+    v = ref_next([3, 4])
+    ctl._step([P.StepRow(rid="f", pos=1, prompt=[3, 4], margin=0.1, fast_token=(v + 1) % 50, behind=True)])
+    wrong = (ref_next([3, 4, v]) + 1) % 50
+    (d,) = ctl._step([P.StepRow(rid="f", pos=2, margin=9.0, fast_token=wrong)])
+    assert not d.verified
+    ctl._finish(P.Finish(rid="f", output=[v, wrong]))
+    verdict = ctl._verdict("f")
+    assert verdict.state == "mismatch" and verdict.mismatch_positions == [2]
 
 
 def test_an_unused_chained_answer_leaves_the_audit_to_the_verifier(make_ctl):

@@ -316,3 +316,30 @@ def test_controller_connects_to_a_verifier_thread_once_it_serves(tmp_path, monke
     finally:
         ctl.close()
         worker.stop()
+
+
+def test_a_chained_result_comes_with_a_slot_of_its_own_and_equals_a_separate_call(worker):
+    """VerifyItem.chain through the worker: where the caller's token differs, `next` (pos + 1 from
+    the verifier's token) has its own slot, both columns read back, and both equal what separate
+    calls give; with more items than half the slot ring, nothing is chained."""
+    _, c, _ = worker
+    pos = len(PROMPT) - 1
+    ref = c.verify("c0", pos, PROMPT)
+    ref_next = c.verify("c0", pos + 1, [ref.token])
+    kv, kv_next = c.kv_column(ref), c.kv_column(ref_next)
+    assert c.release(["c0"]) == 1  # (this worker holds 4 requests)
+    (res,) = c.verify_many([P.VerifyItem(rid="c1", pos=pos, tokens=PROMPT, chain=(ref.token + 1) % 64)])
+    nxt = res.next
+    assert (res.token, res.margin) == (ref.token, ref.margin) and nxt is not None and nxt.pos == pos + 1
+    assert (nxt.token, nxt.margin) == (ref_next.token, ref_next.margin) and nxt.slot != res.slot
+    assert c.last_gen == nxt.gen == res.gen + 1
+    assert torch.equal(c.kv_column(res), kv) and torch.equal(c.kv_column(nxt), kv_next)
+    later = c.verify("c1", pos + 2, [nxt.token])  # the worker holds pos + 1 already
+    assert later.first_mismatch == -1
+    (same,) = c.verify_many([P.VerifyItem(rid="c2", pos=pos, tokens=PROMPT, chain=ref.token)])
+    assert same.next is None  # the caller's token was the verifier's
+    assert c.release(["c1", "c2"]) == 2
+    many = c.verify_many([P.VerifyItem(rid=f"c{k + 3}", pos=pos, tokens=PROMPT, chain=(ref.token + 1) % 64)
+                          for k in range(3)])  # 3 > 5 // 2 slots: not chained
+    assert all(r.next is None and r.token == ref.token for r in many)
+    assert c.release(["c3", "c4", "c5"]) == 3

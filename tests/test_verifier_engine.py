@@ -244,3 +244,27 @@ def test_a_chained_item_also_answers_the_next_position_when_the_callers_token_di
     later = engine.step([VerifyItem(rid="k", pos=p + 6, tokens=seq[p + 2: p + 7])])[0]
     assert later.first_mismatch == -1 and (later.token, later.margin) == ref.pred[p + 6]
     assert engine.release("k") and engine.release(o_rid)
+
+
+def test_a_chained_forward_that_fails_leaves_the_main_result_and_the_request(setup, monkeypatch):
+    """The follow forward raising (e.g. a driver error): the item's own result stands without
+    `next`, the request keeps its positions up to pos, and asking for pos + 1 then works."""
+    _, engine, ref, seq, _ = setup
+    p = N_PROMPT + 4
+    real, calls = engine._forward, []
+
+    def flaky(items):
+        calls.append(len(items))
+        if len(calls) == 2:
+            raise RuntimeError("injected")
+        return real(items)
+
+    monkeypatch.setattr(engine, "_forward", flaky)
+    wrong = (seq[p + 1] + 1) % engine.model.spec.vocab
+    out = engine.step([VerifyItem(rid="e", pos=p, tokens=seq[: p + 1], prompt_len=N_PROMPT, chain=wrong)])[0]
+    assert calls == [1, 1] and not isinstance(out, ErrorReply) and out.next is None  # (items per forward)
+    assert (out.token, out.margin) == ref.pred[p] and engine.seqs["e"].length == p + 1
+    monkeypatch.undo()
+    again = engine.step([VerifyItem(rid="e", pos=p + 1, tokens=[out.token])])[0]
+    assert (again.token, again.margin) == ref.pred[p + 1] and again.first_mismatch == -1
+    assert engine.release("e")

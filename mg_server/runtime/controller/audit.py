@@ -26,7 +26,10 @@ AUDIT_ITEMS = 32
 
 class AuditMixin:
     def _missed_flip(self, rid: str, st: ReqState, pos: int, what: str, token: int) -> None:
-        """t_{pos+1} is not the verifier's `token`."""
+        """t_{pos+1} is not the verifier's `token` (each position once: a chained answer and the
+        verifier's next catch-up both see the same flip)."""
+        if pos in st.mismatches:
+            return
         if not st.mismatches or pos < min(st.mismatches):
             st.flip_token = token
         st.mismatches.append(pos)

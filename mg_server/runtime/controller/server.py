@@ -161,9 +161,12 @@ class Controller(AuditMixin, WorkerMixin):
             elif row.must or self.policy.should_verify(row.margin):
                 to_verify.append((len(decisions) - 1, row, st))
             else:
-                # (a chained answer for this step goes unused; the verifier checks t_{pos+1}
-                # against its own prediction when it is next sent: the audit)
-                self.chained.pop(row.rid, None)
+                # a chained answer for this step goes unused: its token is the verifier's
+                # t_{pos+1}, so a different fast token is a missed flip (found now: the request
+                # may end before the verifier is sent anything again)
+                res = self.chained.pop(row.rid, None)
+                if res is not None and res.pos == row.pos and res.token != row.fast_token:
+                    self._missed_flip(row.rid, st, row.pos, "fast-path token differs from the verifier's", res.token)
                 self.m.steps.labels(decision="fast").inc()
                 d.token = row.fast_token
                 st.tokens.append(d.token)
@@ -199,15 +202,16 @@ class Controller(AuditMixin, WorkerMixin):
         for i, row, st in batch:  # errors fail the row like a failed verify below
             res = self.chained.pop(row.rid, None)
             if res is not None and res.pos == row.pos:
-                self.m.chained.inc()
                 ready.append((i, row, st, res))
                 continue
             st.error = decisions[i].error = self._catch_up(row.rid, st, row.pos)
             if not st.error:
                 ready.append((i, row, st, None))
+        rewind = self._drop_stale_chained(ready)
         ask = [(row, st) for _, row, st, res in ready if res is None]
         results = iter(self._call_verifier([self._item(row.rid, st, row.pos,
-                                                       row.fast_token if row.behind and self.cfg.chain else -1)
+                                                       row.fast_token if row.behind and self.cfg.chain else -1,
+                                                       row.rid in rewind)
                                             for row, st in ask], t0) if ask else ())
         for i, row, st, res in ready:
             d = decisions[i]
@@ -233,6 +237,27 @@ class Controller(AuditMixin, WorkerMixin):
                 self._audit(row.rid, st, res.next)
                 st.verifier_len = row.pos + 2
                 self.chained[row.rid] = res.next
+
+    def _drop_stale_chained(self, ready: list) -> set[str]:
+        """Use a chained answer only while its K/V slot surely outlives this call's reply: the
+        slots are a ring, and every result since (catch-ups, checks, audits) took one. Else the
+        row's step is verified again (a rewind to pos: the verifier has seen t_{pos} already).
+        Returns the rids to rewind."""
+        rewind: set[str] = set()
+        if all(res is None for *_, res in ready):
+            return rewind
+        n_slots = self.vinfo.shm.n_slots if self.vinfo is not None and self.vinfo.shm is not None else 0
+        newest = self.vclient.last_gen + 2 * len(ready)  # (this call adds <= 2 results per row)
+        for k, (i, row, st, res) in enumerate(ready):
+            if res is None:
+                continue
+            if newest - res.gen < n_slots // 2:
+                self.m.chained.inc()
+                continue
+            ready[k] = (i, row, st, None)
+            st.verifier_len = row.pos
+            rewind.add(row.rid)
+        return rewind
 
     def _call_verifier(self, items: list[P.VerifyItem], t0: float | None = None) -> list[P.VerifyResult | P.ErrorReply]:
         """One verify call (its items share one batched forward), timed from t0 (default: now);
@@ -281,10 +306,10 @@ class Controller(AuditMixin, WorkerMixin):
             if st.mismatches:
                 self.stops[rid] = None
 
-    def _item(self, rid: str, st: ReqState, pos: int, chain: int = -1) -> P.VerifyItem:
+    def _item(self, rid: str, st: ReqState, pos: int, chain: int = -1, rewind: bool = False) -> P.VerifyItem:
         """Verify position pos after teaching the verifier every token it has not seen yet
-        (`chain`: VerifyItem.chain)."""
-        return P.VerifyItem(rid=rid, pos=pos, tokens=st.tokens[st.verifier_len:pos + 1],
+        (`chain`: VerifyItem.chain; `rewind`: VerifyItem.rewind)."""
+        return P.VerifyItem(rid=rid, pos=pos, tokens=st.tokens[st.verifier_len:pos + 1], rewind=rewind,
                             prompt_len=st.prompt_len if st.verifier_len == 0 else 0,
                             temperature=st.temperature, seed=st.seed,
                             deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9), chain=chain)

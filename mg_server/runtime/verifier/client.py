@@ -28,6 +28,7 @@ class VerifierClient(RpcClient):
         super().__init__(ipc_path, timeout_s, client_name, peer_check, spin_s)
         self.info: P.HelloReply | None = None
         self.slots: SlotBuffer | None = None
+        self.last_gen = 0  # the newest slot generation in a reply (the worker stamps results in order)
 
     # ---- API ----------------------------------------------------------------------------
     def connect(self, timeout_s: float | None = None, expect_model_id: str = "",
@@ -53,6 +54,9 @@ class VerifierClient(RpcClient):
         """Send items in one message (served in one batched forward where rids differ)."""
         reply = self.call(P.Verify(items=list(items)), timeout_s)
         assert isinstance(reply, P.VerifyReply)
+        for r in reply.results:
+            if isinstance(r, P.VerifyResult):
+                self.last_gen = max(self.last_gen, r.gen if r.next is None else r.next.gen)
         return reply.results
 
     def verify(self, rid: str, pos: int, tokens: list[int], *, rewind: bool = False,

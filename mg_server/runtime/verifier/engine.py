@@ -190,17 +190,30 @@ class VerifierEngine:
     def _chain(self, items: list[VerifyItem], out: list) -> None:
         """VerifyItem.chain: where the verifier's token differs from the caller's, verify pos + 1
         with the verifier's token now, in one more batched forward (attached as `next`). A follow
-        item that fails leaves no `next` (the caller then asks for pos + 1 itself and gets the error).
-        Not with want_digest: the digest reads a logits row the next forward may overwrite."""
+        item that fails leaves no `next` and the request as its own item left it (the caller then
+        asks for pos + 1 itself). Not with want_digest: the digest reads a logits row the next
+        forward may overwrite."""
         ks = [k for k, it in enumerate(items)
-              if it.chain >= 0 and not it.want_digest and isinstance(out[k], StepOutput) and out[k].token != it.chain]
-        if not ks:
+              if it.chain >= 0 and not it.want_digest and isinstance(out[k], StepOutput) and out[k].token != it.chain
+              and sum(x.rid == it.rid for x in items) == 1]  # (one item per request: one forward)
+        ok, reserved = [], 0
+        for k in ks:
+            it = items[k]
+            follow = VerifyItem(rid=it.rid, pos=it.pos + 1, tokens=[out[k].token], temperature=it.temperature,
+                                seed=it.seed)
+            got = self._check(follow, {items[j].rid for j, _ in ok}, reserved)
+            if isinstance(got, int):
+                ok.append((k, follow))
+                reserved += got
+        if not ok:
             return
-        follow = [VerifyItem(rid=items[k].rid, pos=items[k].pos + 1, tokens=[out[k].token],
-                             temperature=items[k].temperature, seed=items[k].seed) for k in ks]
-        for k, res in zip(ks, self.step(follow)):
-            if isinstance(res, StepOutput):
+        try:
+            for (k, _), res in zip(ok, self._forward([f for _, f in ok])):
                 out[k].next = res
+        except Exception:  # noqa: BLE001 - the main results stand; drop the half-written positions
+            for k, f in ok:
+                out[k].next = None
+                self._truncate(self.seqs[f.rid], f.pos)
 
     def _forward(self, items: list[VerifyItem]) -> list[StepOutput]:
         t0 = time.perf_counter()
