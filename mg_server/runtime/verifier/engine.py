@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -166,14 +167,10 @@ class VerifierEngine:
             for i in pending:
                 (later if items[i].rid in seen else batch).append(i)
                 seen.add(items[i].rid)
-            ok, reserved = [], 0
-            for i in batch:
-                got = self._check(items[i], {items[j].rid for j in ok}, reserved)
-                if isinstance(got, int):
-                    ok.append(i)
-                    reserved += got
-                else:
-                    out[i] = got
+            ok, errors = self._admit([items[i] for i in batch])
+            for k, err in errors.items():
+                out[batch[k]] = err
+            ok = [batch[k] for k in ok]
             if ok:
                 try:
                     for i, res in zip(ok, self._forward([items[i] for i in ok])):
@@ -187,24 +184,33 @@ class VerifierEngine:
         self._chain(items, out)
         return out  # type: ignore[return-value]
 
+    def _admit(self, items: list[VerifyItem]) -> tuple[list[int], dict[int, ErrorReply]]:
+        """_check each item of one forward (distinct rids) in order, the pool slots of those
+        admitted reserved for the next: (indices admitted, index -> error of the others)."""
+        ok, errors, reserved = [], {}, 0
+        for k, it in enumerate(items):
+            got = self._check(it, {items[j].rid for j in ok}, reserved)
+            if isinstance(got, int):
+                ok.append(k)
+                reserved += got
+            else:
+                errors[k] = got
+        return ok, errors
+
     def _chain(self, items: list[VerifyItem], out: list) -> None:
         """VerifyItem.chain: where the verifier's token differs from the caller's, verify pos + 1
         with the verifier's token now, in one more batched forward (attached as `next`). A follow
         item that fails leaves no `next` and the request as its own item left it (the caller then
         asks for pos + 1 itself). Not with want_digest: the digest reads a logits row the next
         forward may overwrite."""
+        once = {rid for rid, n in Counter(it.rid for it in items).items() if n == 1}  # (one forward)
         ks = [k for k, it in enumerate(items)
-              if it.chain >= 0 and not it.want_digest and isinstance(out[k], StepOutput) and out[k].token != it.chain
-              and sum(x.rid == it.rid for x in items) == 1]  # (one item per request: one forward)
-        ok, reserved = [], 0
-        for k in ks:
-            it = items[k]
-            follow = VerifyItem(rid=it.rid, pos=it.pos + 1, tokens=[out[k].token], temperature=it.temperature,
-                                seed=it.seed)
-            got = self._check(follow, {items[j].rid for j, _ in ok}, reserved)
-            if isinstance(got, int):
-                ok.append((k, follow))
-                reserved += got
+              if it.chain >= 0 and not it.want_digest and it.rid in once and isinstance(out[k], StepOutput)
+              and out[k].token != it.chain]
+        follows = [VerifyItem(rid=items[k].rid, pos=items[k].pos + 1, tokens=[out[k].token],
+                              temperature=items[k].temperature, seed=items[k].seed) for k in ks]
+        admitted, _ = self._admit(follows)
+        ok = [(ks[j], follows[j]) for j in admitted]
         if not ok:
             return
         try:
