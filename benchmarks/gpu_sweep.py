@@ -209,7 +209,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             path.write_text(json.dumps(res, indent=2))
         for rate, commit, *rest in args.configs:
             always = rate == "always"
-            if bad := [x for x in rest if not (x.isdigit() or x in ("early", "sched", "nochain")
+            if bad := [x for x in rest if not (x.isdigit() or x in ("early", "sched", "chain", "nochain")
                                               or (x.startswith("spin") and x[4:].isdigit()))]:
                 raise SystemExit(f"unknown config marker(s) {bad} in {rate}:{commit}:{':'.join(rest)}")
             ahead = next((int(x) for x in rest if x.isdigit()), 0)  # serve --mg-prefill-ahead
@@ -225,14 +225,14 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
                 tau = tau_for_rate(margins, float(rate))
             flags = (([] if always else ["--mg-tau", f"{tau:.6g}"]) + (["--mg-prefill-ahead", str(ahead)] if ahead else [])
                      + ["--mg-early-verify", early, "--mg-ipc-spin-us", str(spin), "--mg-verifier-in", place]
-                     + (["--mg-lag-chain", "off"] if "nochain" in rest else []))
+                     + ["--mg-lag-chain", "on" if "chain" in rest else "off"])  # (explicit: its default changed)
             srv = E.start(mdir, name, "always" if always else "margin", out,
                           [*flags, *seam, "--mg-commit", commit, *mem], args.device)
-            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/nochain" if "nochain" in rest else "")
+            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/chain" if "chain" in rest else "")
             try:
                 singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
                 cfg = {"target": rate, "tau": tau, "commit": commit, "prefill_ahead": ahead, "early_verify": early,
-                       "ipc_spin_us": spin, "verifier_in": place, "lag_chain": "nochain" not in rest,
+                       "ipc_spin_us": spin, "verifier_in": place, "lag_chain": "chain" in rest,
                        "expected_trigger": expected,
                        "det_requests": "single" if singles else "batch",
                        "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles,
@@ -282,7 +282,7 @@ def _variant(c: dict) -> str:
             + (", early verify on" if c.get("early_verify") == "on" else "")
             + (f", IPC spin {c['ipc_spin_us']} µs" if c.get("ipc_spin_us") else "")
             + (", verifier in the scheduler" if c.get("verifier_in") == "scheduler" else "")
-            + (", no chain" if c.get("lag_chain") is False else "")
+            + ((", chain" if c.get("lag_chain") else ", no chain") if c.get("commit") == "lag" else "")
             + (f", tau from bf16 margins (reference share {100 * c['expected_trigger']:.1f} %)"
                if c.get("expected_trigger") is not None else ""))
 
@@ -395,7 +395,7 @@ def main() -> int:
     ap.add_argument("--configs", default="",
                     help="RATE:COMMIT[:N][:early][:spinU][:sched],... to time instead of every --rates x --commit "
                          "pair (e.g. 0.1:hold,0.1:lag:sched; N: serve --mg-prefill-ahead N; early: --mg-early-verify "
-                         "on; spinU: --mg-ipc-spin-us U; sched: --mg-verifier-in scheduler; nochain: --mg-lag-chain off)")
+                         "on; spinU: --mg-ipc-spin-us U; sched: --mg-verifier-in scheduler; chain: --mg-lag-chain on; lag runs without it: off)")
     ap.add_argument("--tau-margins", choices=["fp32", "bf16"], default="fp32",
                     help="which reference margins tau comes from: the verifier's fp32 ones (default), or those "
                          "of its logits rounded to bf16, as SGLang's bf16 lm_head shows them to the seam (the "

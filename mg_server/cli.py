@@ -77,13 +77,14 @@ def _parser() -> argparse.ArgumentParser:
                         "token; 'lag' (experimental, lagged seam) lets the fast token through, verifies it while "
                         "the GPU runs the next forward and, on a disagreement, swaps the token before SGLang "
                         "emits it and holds that request's next forward (README, GPU performance)")
-    s.add_argument("--mg-lag-chain", choices=["on", "off"], default="on",
+    s.add_argument("--mg-lag-chain", choices=["on", "off"], default="off",
                    help="with --mg-commit lag: on a disagreement the same verifier call also answers the "
                         "request's next step (the forward that holds for it), so that hold waits for no verify "
-                        "call of its own (default on; off: the A/B baseline)")
+                        "call of its own (default off: no gain measured; the correcting call gets longer, "
+                        "README 'Resolution at bs 8')")
     s.add_argument("--mg-verifier-in", choices=["process", "scheduler"], default="process",
                    help="where the verifier worker runs: 'process' (default) is its own process; 'scheduler' "
-                        "(experimental; a known stall, README) is a thread of SGLang's scheduler process, "
+                        "(experimental, README) is a thread of SGLang's scheduler process, "
                         "whose CUDA stream runs beside "
                         "SGLang's (two processes' kernels take turns on a GPU without CUDA MPS); pair it with "
                         "--mg-commit lag. It loads after SGLang sized its K/V cache: leave it room with "

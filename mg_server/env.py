@@ -41,6 +41,13 @@ def stacks_on_usr1() -> bool:
     return os.environ.get("MG_STACKS_ON_USR1", "") == "1"
 
 
+def trace_calls() -> bool:
+    """Diagnostics: MG_TRACE_CALLS=1 makes a CUDA verifier log one line per verify call: its
+    phases' times, how long it waited to be taken, and the device's CUDA allocations around it
+    (in the scheduler placement an allocation can stall a verify call: kernels.zerocopy)."""
+    return os.environ.get("MG_TRACE_CALLS", "") == "1"
+
+
 def fault_missed_flip() -> int:
     """Tests only: MG_FAULT_MISSED_FLIP=k makes the seam fast-commit the runner-up as the k-th
     answer token of every deterministic request (a missed flip on demand); -1 = off."""

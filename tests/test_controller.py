@@ -96,9 +96,9 @@ def make_ctl(tmp_path, monkeypatch):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     ctls = []
 
-    def make(mode="margin", tau=0.5):
+    def make(mode="margin", tau=0.5, chain=True):  # (chain: --mg-lag-chain, off by default; its tests want it)
         ctl = Controller(ControllerConfig(ipc_path=str(tmp_path / f"c{len(ctls)}.sock"), mode=mode, tau=tau,
-                                          metrics_dir=str(tmp_path)))
+                                          metrics_dir=str(tmp_path), chain=chain))
         ctl.vclient, ctl.verifier_proc = FakeVerifier(), Alive()
         ctl.vinfo = SimpleNamespace(shm=SimpleNamespace(n_slots=ctl.vclient.n_slots))  # (the slot ring's size)
         ctls.append(ctl)
@@ -185,6 +185,19 @@ def test_a_lag_correction_answers_the_next_must_row_from_the_same_verify_call(ma
     assert v2.state == "verified" and v2.repairs == 2
     (d,) = ctl._step([P.StepRow(rid="h", pos=1, prompt=[3, 4], margin=0.1, fast_token=(v + 1) % 50)])
     assert d.repair and ctl.vclient.items[-1].chain == -1 and not ctl.chained
+
+
+def test_without_the_chain_a_lag_correction_leaves_the_must_row_its_own_verify_call(make_ctl):
+    """--mg-lag-chain off (the default): a behind row's item carries no fast token, and the must row
+    after its correction is verified by a call of its own, from the verifier's token."""
+    ctl = make_ctl("margin", 0.5, chain=False)
+    v = ref_next([3, 4])
+    (d,) = ctl._step([P.StepRow(rid="m", pos=1, prompt=[3, 4], margin=0.1, fast_token=(v + 1) % 50, behind=True)])
+    assert d.verified and d.repair and d.token == v and ctl.vclient.items[-1].chain == -1 and not ctl.chained
+    calls = len(ctl.vclient.items)
+    (d,) = ctl._step([P.StepRow(rid="m", pos=2, margin=9.0, fast_token=ref_next([3, 4, (v + 1) % 50]), must=True)])
+    assert len(ctl.vclient.items) == calls + 1 and ctl.vclient.items[-1].tokens == [v]
+    assert d.verified and d.token == ref_next([3, 4, v])
 
 
 def test_a_chained_answer_whose_slot_may_be_reused_is_verified_again(make_ctl):

@@ -32,7 +32,8 @@ MAX_NEW = 20
 def setup(prepared_model, tmp_path_factory):
     env = {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0", "MG_LAGGED_ON_CPU": "1"}
     yield from faulted_server(prepared_model, tmp_path_factory.mktemp("lag") / "server.log",
-                              ["--mg-mode", "margin", "--mg-commit", "lag", "--mg-verifier-in", "scheduler"], env,
+                              ["--mg-mode", "margin", "--mg-commit", "lag", "--mg-verifier-in", "scheduler",
+                               "--mg-lag-chain", "on"], env,
                               QUESTIONS, MAX_NEW)
 
 

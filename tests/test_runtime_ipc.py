@@ -281,7 +281,7 @@ def test_controller_connects_to_a_verifier_thread_once_it_serves(tmp_path, monke
     until the thread's beat says `serving`, then connects; its answers equal a worker process's;
     a thread whose model does not load never connects and says why."""
     from mg_server.runtime.controller.server import Controller, ControllerConfig
-    from mg_server.runtime.verifier.server import start_verifier_thread
+    from mg_server.runtime.verifier.thread import start_verifier_thread
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     d, _ = make_tiny("llama", tmp_path / "tiny", dtype=torch.bfloat16)

@@ -103,6 +103,10 @@ class _ReplayedRows:
     def __init__(self, engine: VerifierEngine, max_rows: int):
         self.engine, self.max_rows = engine, max_rows
         self.out = None
+        self.kept = torch.full((engine.max_requests, engine.model.spec.vocab), float("nan"))
+
+    def read(self, x):
+        return x.tolist()
 
     def run(self, tokens, positions, slots, table_rows):
         e = self.engine
@@ -129,6 +133,40 @@ def test_graph_chunks_on_cpu_replay_rows_in_order(setup):
     got, _ = drive(chunked, "r", seq, schedule(N_PROMPT, len(seq), 64), others=others)
     assert_same(ref, got)
     assert chunked.graph_forwards > 2 * chunked.forwards
+
+
+@pytest.mark.parametrize("replays", ["cpu-stand-in", "cuda-graphs"])
+def test_seeded_rows_straddling_graph_chunks_are_decided_per_replay(setup, replays):
+    """A seeded request's catch-up over two replays (its rows decided after their own replay,
+    read back through RowGraphs.read): tokens and margins equal those of one op-by-op forward,
+    and the greedy request beside it keeps its bits too."""
+    _, engine, _, seq, others = setup
+    if (replays == "cuda-graphs") != (engine.graphs is not None):
+        pytest.skip("the stand-in runs on CPU, the graphs on CUDA")
+    if engine.graphs is None:
+        engine = VerifierEngine(engine.model, max_requests=16, pool_tokens=4096, max_seq_len=256)
+        engine.graphs = _ReplayedRows(engine, 16)
+    eager = VerifierEngine(engine.model, max_requests=16, pool_tokens=4096, max_seq_len=256, cuda_graphs=False)
+    n = len(seq) - 1
+    greedy = others[:7]  # 126 rows first: the seeded request starts 2 rows before a 128-row replay ends
+
+    def items(tag):
+        return [*(VerifyItem(rid=tag + o, pos=len(p) - 1, tokens=p) for o, p in greedy),
+                VerifyItem(rid=tag + "s", pos=n - 1, tokens=seq[:n], prompt_len=N_PROMPT, temperature=4.0, seed=11)]
+
+    before = engine.graph_forwards
+    try:
+        got, want = engine.step(items("g")), eager.step(items("e"))
+        assert engine.graph_forwards - before >= 2  # the seeded request straddles replays
+        for a, b in zip(got, want):
+            assert (a.token, a.margin, a.audit_tokens, a.audit_margins) == (b.token, b.margin, b.audit_tokens,
+                                                                            b.audit_margins)
+            assert torch.equal(a.logits.cpu(), b.logits.cpu()) and torch.equal(a.kv_column.cpu(), b.kv_column.cpu())
+        assert got[-1].audit_tokens[N_PROMPT:] != seq[N_PROMPT + 1:n]  # sampled, not the greedy reference
+    finally:
+        for e, tag in ((engine, "g"), (eager, "e")):
+            for it in items(tag):
+                e.release(it.rid)
 
 
 def test_prompt_chunkings(setup):

@@ -42,6 +42,7 @@ Public API (shapes: M rows, K in-features, N out-features, T query tokens, S key
                                            as Gumbel-max; bit-identical on every device)
     sampled_scores(logits [V], T, seed, position) -> [V] fp32 = logits / T + gumbel_noise
     sampled_choice(logits [V], T, seed, position) -> (token, margin = T * (top1 - top2))
+    sampled_pair(...) -> its [2] fp64 (top1 - top2, token) left on the device; choice_of_pair reads it
 """
 from __future__ import annotations
 
@@ -53,12 +54,12 @@ from torch import Tensor
 from . import cpu as _cpu
 from .config import KERNEL_CONFIG, kernel_config_id
 from .cpu import PreparedWeight
-from .sampling import gumbel_noise, sampled_choice, sampled_scores
+from .sampling import choice_of_pair, gumbel_noise, sampled_choice, sampled_pair, sampled_scores
 
 __all__ = ["matmul", "prepare_weight", "PreparedWeight", "rms_norm", "add_rms_norm",
            "log_softmax", "top2", "argmax", "silu_mul", "attention", "attention_paged",
            "attention_rows", "rope_store", "KERNEL_CONFIG", "kernel_config_id", "gumbel_noise", "sampled_scores",
-           "sampled_choice"]
+           "sampled_choice", "sampled_pair", "choice_of_pair"]
 
 # Debug only: MG_KERNELS_BACKEND=triton sends CPU tensors to the Triton kernels (use with
 # TRITON_INTERPRET=1); it is never needed in production.

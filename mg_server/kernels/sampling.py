@@ -102,10 +102,22 @@ def sampled_scores(logits: Tensor, temperature: float, seed: int, position: int)
     return logits.float() / float(temperature) + noise
 
 
-def sampled_choice(logits: Tensor, temperature: float, seed: int, position: int) -> tuple[int, float]:
-    """logits [V] -> (token, margin in logit units): argmax of the scores (ties -> lower id) and
-    T * (top1 - top2) of the scores."""
+def sampled_pair(logits: Tensor, temperature: float, seed: int, position: int) -> Tensor:
+    """logits [V] -> [2] fp64 on logits' device: (top1 - top2 of the scores, computed in fp32,
+    then widened exactly; their argmax, ties -> lower id). Left on the device so that a caller can
+    read many rows back at once, by whatever copy it may use (the verifier: kernels.zerocopy)."""
     from . import top2
 
     vals, idx = top2(sampled_scores(logits, temperature, seed, position)[None])  # [1, 2] fp32, int64
-    return int(idx[0, 0]), float(temperature) * float(vals[0, 0] - vals[0, 1])
+    return torch.stack(((vals[0, 0] - vals[0, 1]).double(), idx[0, 0].double()))
+
+
+def choice_of_pair(pair: list[float], temperature: float) -> tuple[int, float]:
+    """A read-back sampled_pair -> (token, margin in logit units = T * (top1 - top2))."""
+    return int(pair[1]), float(temperature) * pair[0]
+
+
+def sampled_choice(logits: Tensor, temperature: float, seed: int, position: int) -> tuple[int, float]:
+    """logits [V] -> (token, margin in logit units): argmax of the scores (ties -> lower id) and
+    T * (top1 - top2) of the scores."""
+    return choice_of_pair(sampled_pair(logits, temperature, seed, position).tolist(), temperature)

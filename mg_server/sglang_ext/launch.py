@@ -171,7 +171,7 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         shm_name=shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),
         device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
         memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=max(16384, 2 * context_len),
-        ipc_spin_s=cfg.ipc_spin_s,
+        ipc_spin_s=cfg.ipc_spin_s, trace_calls=env.trace_calls(),
     )
     in_scheduler = cfg.verifier_in == "scheduler"
     if in_scheduler:  # why num_threads 0: torch's thread count is the host process's, not the verifier's

@@ -47,10 +47,11 @@ def _start_verifier(cfg: dict):
     """`serve --mg-verifier-in scheduler`: the verifier worker as a thread of this process
     (runtime/verifier/server.py, "Placement"). Loaded here, before the hello, so the controller
     finds it serving; a load failure stops SGLang's start-up with the worker's own message."""
-    from mg_server.runtime.verifier.server import VerifierConfig, start_verifier_thread
+    from mg_server.runtime.verifier.server import VerifierConfig
+    from mg_server.runtime.verifier.thread import start_verifier_thread
 
-    log.warning("mg: starting the verifier inside SGLang's scheduler process (experimental: a known stall of "
-                "every forward, README 'A stall of the scheduler placement')")
+    log.warning("mg: starting the verifier inside SGLang's scheduler process (experimental: verify calls share "
+                "SGLang's GIL, and its first requests were slow; README 'The scheduler placement's stall, found')")
     worker = start_verifier_thread(VerifierConfig(**cfg))
     if worker.server.load_error:
         raise RuntimeError(f"mg: {worker.server.load_error}")

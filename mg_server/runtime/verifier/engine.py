@@ -7,8 +7,9 @@ the K/V column of position pos. Catch-up rows are ordinary rows of the same forw
 verifier also records its own argmax/margin at every caught-up position (the audit).
 Several requests share one forward; the kernels are batch-invariant, so this changes nothing.
 An item with temperature > 0 is decoded by seeded sampling (protocol module doc): its rows'
-tokens and margins come from `kernels.sampled_choice` of their fp32 logits row, the function
-mg's seam calls on the fast path's row, so both add bit-identical noise.
+tokens and margins come from `kernels.sampled_choice` (or its device half, `sampled_pair`) of
+their fp32 logits row, the function mg's seam calls on the fast path's row, so both add
+bit-identical noise.
 """
 
 from __future__ import annotations
@@ -240,21 +241,26 @@ class VerifierEngine:
             out_slots.extend(new)
             table_rows.extend([st.table_row] * len(new))
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+        # row -> (temperature, seed, position): the rows that decide a sampled token (position >=
+        # prompt_len - 1); rows inside the prompt decide nothing (not audited) and keep the greedy
+        # argmax, which spares a long prompt's catch-up the noise of every row
+        sampled: dict[int, tuple[float, int, int]] = {}
+        for it, seg, (st, start, _) in zip(items, segs, metas):
+            if it.temperature > 0:
+                sampled.update({seg.row_start + j: (it.temperature, it.seed, start + j)
+                                for j in range(seg.n_rows) if start + j + 1 >= st.prompt_len})
         if self.graphs is not None:  # the graph writes the new positions' slots into kv_table itself
-            keep = {s.row_start + s.n_rows - 1 for s in segs}  # each item's answer row
-            for it, seg, (st, start, _) in zip(items, segs, metas):
-                if it.temperature > 0:  # rows _sample_rows reads
-                    keep.update(seg.row_start + j for j in range(seg.n_rows) if start + j + 1 >= st.prompt_len)
-            logits, top = self._graph_rows(tokens, positions, out_slots, table_rows, keep)
+            answers = [s.row_start + s.n_rows - 1 for s in segs]  # each item's answer row
+            logits, top = self._graph_rows(tokens, positions, out_slots, table_rows, answers, sampled)
         else:
             self.kv_table[t(table_rows), t(positions)] = t(out_slots)  # the new positions' slots
             logits = self.model.forward(t(tokens), t(positions), t(out_slots), segs, self.pool)  # [R, V] fp32
             top = ops.margin_rows(logits).tolist()  # [R, 2] fp64 (margin, argmax): one device-to-host copy
+            for r, (temp, seed, pos) in sampled.items():
+                tok, m = ops.sampled_choice(logits[r], temp, seed, pos)
+                top[r] = [m, float(tok)]
         margins = [row[0] for row in top]
         preds = [int(row[1]) for row in top]
-        for it, seg, (st, start, _) in zip(items, segs, metas):
-            if it.temperature > 0:
-                self._sample_rows(it, seg, st, start, logits, preds, margins)
         self.forwards += 1
         ms = (time.perf_counter() - t0) * 1e3
         results = []
@@ -279,45 +285,41 @@ class VerifierEngine:
         return results
 
     def _graph_rows(self, tokens: list[int], positions: list[int], slots: list[int], table_rows: list[int],
-                    keep: set[int]):
+                    answers: list[int], sampled: dict[int, tuple[float, int, int]]):
         """Replay the captured graphs over the rows, at most the largest bucket per replay.
 
-        -> (logits, each row's [margin, argmax]: RowGraphs.run). logits is the graph's
-        [R, V] fp32 output when one replay serves all rows, else {row: [V] fp32} for the rows in
-        `keep` (copied out before the next replay overwrites them; the rest of a long catch-up's
-        rows are never read, and R x V fp32 would be ~1 GB for an 8B vocabulary).
+        -> (logits, each row's [margin, argmax]: RowGraphs.run, the `sampled` rows' replaced by
+        their seeded choice [T * (top1 - top2), token]). logits is the graph's [R, V] fp32 output
+        when one replay serves all rows, else {answer row: [V] fp32} (RowGraphs.kept; the rest of a
+        long catch-up's rows are never read, and R x V fp32 would be ~1 GB for an 8B vocabulary).
+        Sampled rows are decided after their own replay, before the next overwrites them.
+        Nothing here allocates device or page-locked memory, and every copy is a kernel
+        (kernels.zerocopy): in the scheduler placement either would wait for a held SGLang stream.
         Why chunks keep every row's bits: a row reads only K/V of its own request's positions
         <= its own, and chunks go in row order, so those are written (by an earlier replay or this
         one) exactly as one forward would write them; each row's arithmetic does not depend on
         the other rows of its replay (batch-invariant kernels). Before, a forward of more rows
         than the largest bucket ran op by op: 24 ms where a replay takes 2.4 ms (smol, H100).
         """
-        n = self.graphs.max_rows
-        if len(tokens) <= n:
-            self.graph_forwards += 1
-            return self.graphs.run(tokens, positions, slots, table_rows)
         from mg_server.kernels.zerocopy import copy_  # (graphs exist on CUDA only)
 
-        logits: dict[int, Tensor] = {}
+        g, n = self.graphs, self.graphs.max_rows
+        logits: Tensor | dict[int, Tensor] = {}
         tops: list = []
         for a in range(0, len(tokens), n):
-            lg, top = self.graphs.run(tokens[a:a + n], positions[a:a + n], slots[a:a + n], table_rows[a:a + n])
+            lg, top = g.run(tokens[a:a + n], positions[a:a + n], slots[a:a + n], table_rows[a:a + n])
             self.graph_forwards += 1
-            for r in keep:
-                if a <= r < a + n:  # on CUDA a kernel's copy, not a copy engine's (kernels.zerocopy)
-                    row = lg[r - a]
-                    logits[r] = copy_(row, torch.empty_like(row)) if row.is_cuda else row.clone()
+            if rows := [r for r in sampled if a <= r < a + n]:  # (temporaries: the caching allocator's)
+                pairs = g.read(torch.stack([ops.sampled_pair(lg[r - a], *sampled[r]) for r in rows]))
+                for r, pair in zip(rows, pairs):
+                    tok, m = ops.choice_of_pair(pair, sampled[r][0])
+                    top[r - a] = [m, float(tok)]
+            if len(tokens) <= n:
+                logits = lg
+            else:
+                for j, r in enumerate(answers):
+                    if a <= r < a + n:
+                        # on CUDA a kernel's copy, not a copy engine's (kernels.zerocopy)
+                        logits[r] = copy_(lg[r - a], g.kept[j]) if lg.is_cuda else g.kept[j].copy_(lg[r - a])
             tops += top
         return logits, tops
-
-    @staticmethod
-    def _sample_rows(it: VerifyItem, seg: Segment, st: SeqState, start: int, logits,
-                     preds: list[int], margins: list[float]) -> None:
-        """Seeded sampling for the item's rows that decide a token (position >= prompt_len - 1);
-        rows inside the prompt decide nothing (not audited) and keep the greedy argmax, which
-        spares a long prompt's catch-up the noise of every row (~8 ms per row on a CPU core)."""
-        for j in range(seg.n_rows):
-            pos = start + j
-            if pos + 1 >= st.prompt_len:
-                r = seg.row_start + j
-                preds[r], margins[r] = ops.sampled_choice(logits[r], it.temperature, it.seed, pos)

@@ -36,6 +36,11 @@ class RowGraphs:
         self.staging = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)
         self.top_host = torch.zeros((n, 2), dtype=torch.float64, pin_memory=True)
         self.done = torch.cuda.Event()
+        # The answer rows' logits of a forward longer than one replay, copied out before the next
+        # replay overwrites them: [one per request, V] fp32, made now because in the scheduler
+        # placement a device allocation while serving can wait for a held SGLang stream (see
+        # engine._graph_rows and server._warm_up).
+        self.kept = torch.empty((scratch_table_row, model.spec.vocab), dtype=torch.float32, device=dev)
         self.pad = (0, 0, scratch_slot, scratch_table_row)  # a padding row's token, position, slot, table row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}
         self.max_rows = n
@@ -86,6 +91,16 @@ class RowGraphs:
         self._fill([tokens, positions, slots, table_rows])
         g, logits, _ = self.graphs[b]
         g.replay()
+        self._wait()
+        return logits[:r], self.top_host[:r].tolist()
+
+    def read(self, x: Tensor) -> list[list[float]]:
+        """x [S, 2] fp64 on the device (S <= the largest bucket) -> its rows as floats, through
+        the top-2 buffer by a kernel (after run's caller has read it): no copy engine (graphs doc)."""
+        copy_(x.contiguous(), self.top_host[:x.shape[0]])
+        self._wait()
+        return self.top_host[:x.shape[0]].tolist()
+
+    def _wait(self) -> None:
         self.done.record(torch.cuda.current_stream(self.inputs.device))
         self.done.synchronize()  # an event of this stream only (no device-wide or copy-engine wait)
-        return logits[:r], self.top_host[:r].tolist()

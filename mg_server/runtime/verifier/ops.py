@@ -11,6 +11,7 @@ import torch
 from mg_server.kernels import (  # noqa: F401 - re-exported
     add_rms_norm,
     attention_paged,
+    choice_of_pair,
     attention_rows,
     kernel_config_id,
     matmul,
@@ -18,6 +19,7 @@ from mg_server.kernels import (  # noqa: F401 - re-exported
     rms_norm,
     rope_store,
     sampled_choice,
+    sampled_pair,
     silu_mul,
     top2,
 )

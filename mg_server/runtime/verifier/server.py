@@ -9,7 +9,7 @@ Messages are served in arrival order; consecutive Verify messages are coalesced 
 step (batch-invariant kernels make that safe); control messages flush pending verifies first.
 
 Placement (`serve --mg-verifier-in`): a process of its own (`start_verifier`, the default), or
-a thread of SGLang's scheduler process (`start_verifier_thread`, experimental). Why the thread:
+a thread of SGLang's scheduler process (`thread.start_verifier_thread`, experimental). Why the thread:
 two processes' kernels on one GPU take turns (time slices) unless CUDA MPS runs, so a verify
 call made while SGLang's next forward runs (`--mg-commit lag`) adds its whole GPU time to the
 step; one process's streams run their kernels side by side. Same messages, same kernels, same
@@ -18,12 +18,9 @@ bits: only where the engine's kernels are launched changes.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import multiprocessing as mp
 import os
-import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -55,6 +52,7 @@ class VerifierConfig:
     ipc_spin_s: float = 0.0  # experimental: spin this long for the next message after each one (channel.wait_readable)
     parent_pid: int = 0  # the process that started the worker: it exits once that one is gone (0: no watch)
     switch_interval_s: float = 2e-4  # thread placement: the host process's GIL switch interval (at most)
+    trace_calls: bool = False  # diagnostics (env.trace_calls): log each call's phases and CUDA allocations
 
     def __post_init__(self):
         # Results of one step occupy distinct slots until the client copies them out.
@@ -86,6 +84,7 @@ class VerifierServer:
         self.load_error = ""
         self.next_slot = 0
         self.gen = 0  # global generation counter of written slots
+        self._allocs = 0  # trace_calls: the device's CUDA allocation count after the last call
         self.served = self.errors = 0
         self.running = True
 
@@ -182,7 +181,11 @@ class VerifierServer:
         if len(items) > self.cfg.n_slots // 2:  # a chained result needs a live slot of its own too
             for it in items:
                 it.chain = -1
+        trace = self.cfg.trace_calls and self.engine.model.device.type == "cuda"
+        t = [time.perf_counter()]
+        allocs = self._alloc_count() if trace else 0
         outs = iter(self.engine.step(items)) if items else iter(())
+        t.append(time.perf_counter())
         replies: list[list] = [[] for _ in batch]
         writes: list[tuple] = []  # (slot, column, gen): written with one sync before any reply goes
         for n, k in enumerate(owners):
@@ -195,8 +198,29 @@ class VerifierServer:
             replies[k].append(self._result(res, writes, it_digest))
             self.served += 1
         self.shm.write_many(writes)
+        t.append(time.perf_counter())
         for (ident, m), results in zip(batch, replies):
             self._send(ident, P.VerifyReply(msg_id=m.msg_id, results=results))
+        if trace:
+            self._trace(items, now, t + [time.perf_counter()], allocs)
+
+    def _alloc_count(self) -> int:
+        return torch.cuda.memory_stats(self.engine.model.device).get("num_device_alloc", 0)
+
+    def _trace(self, items: list[P.VerifyItem], now_ns: int, t: list[float], before: int) -> None:
+        """cfg.trace_calls: one line per call. Why allocations: in the scheduler placement a device
+        allocation by any thread of the process orders the verifier's next kernels after a held
+        SGLang stream (kernels.zerocopy); the counts say whether and whose. Why the deadline: the
+        controller stamps each item's deadline as its send time + verify_timeout_s, so the time
+        left says how long the call waited before this thread took it."""
+        after = self._alloc_count()
+        left = min((it.deadline_ns - now_ns) / 1e6 for it in items) if items else 0.0
+        ms = [1e3 * (b - a) for a, b in zip(t, t[1:])]
+        print(f"[mg-verifier] {time.time():.3f} call of {len(items)} items, {sum(len(it.tokens) for it in items)} "
+              f"rows: step {ms[0]:.2f} ms, results+slots {ms[1]:.2f} ms, send {ms[2]:.2f} ms; deadline in "
+              f"{left:.1f} ms at the start; CUDA allocations {before - self._allocs} since the last call, "
+              f"{after - before} during it", flush=True)
+        self._allocs = after
 
     def _result(self, res, writes: list[tuple], digest: bool) -> P.VerifyResult:
         """The wire form of an engine result (and of its chained `next`), each with a slot of its own."""
@@ -317,55 +341,6 @@ def run_verifier(cfg: VerifierConfig) -> None:
         server.serve_forever()
     finally:
         lifeline.stop()
-
-
-class VerifierThread:
-    """The worker as a thread of the calling process (module doc, "Placement"). `start` loads
-    the model in the caller's thread (SGLang's scheduler thread, from mg's hook, which SGLang
-    attaches after capturing its own graphs: nothing else runs on the GPU then), then serves
-    from a daemon thread on a CUDA stream of its own. Its beat
-    file's status says "serving" once the controller may connect; a load failure is served as
-    the same `load_failed` error the process placement answers with."""
-
-    def __init__(self, cfg: VerifierConfig):
-        from mg_server.runtime.liveness import Lifeline, beat_path
-
-        self.cfg = replace(cfg, parent_pid=0)  # it lives and dies with its host process
-        self.server = VerifierServer(self.cfg)
-        # its CUDA stream (None on CPU): made here so that the warm-up allocates on it (see _warm_up)
-        self.stream = torch.cuda.Stream(cfg.device) if cfg.device.startswith("cuda") else None
-        self.lifeline = Lifeline(beat_path(cfg.ipc_path), 0, name="mg-verifier-life")
-        self.thread = threading.Thread(target=self._serve, name="mg-verifier", daemon=True)
-
-    def start(self) -> "VerifierThread":
-        self.lifeline.status = "loading"
-        self.lifeline.start()
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            self.server.load()
-        # why: the serving thread wakes on a message while the host's threads run Python; CPython
-        # hands it the GIL only after the holder's switch interval (5 ms by default).
-        sys.setswitchinterval(min(sys.getswitchinterval(), self.cfg.switch_interval_s))
-        self.thread.start()
-        self.lifeline.set_status("serving")  # now: the seam's hello comes next
-        return self
-
-    def _serve(self) -> None:
-        if self.stream is not None:
-            # why: a stream of its own, so the host's streams never wait for a verify call (and
-            # stream syncs here never wait for the host's forwards, a held one included)
-            torch.cuda.set_stream(self.stream)
-        try:
-            self.server.serve_forever()
-        finally:
-            self.lifeline.stop()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        self.server.running = False
-        self.thread.join(timeout_s)
-
-
-def start_verifier_thread(cfg: VerifierConfig) -> VerifierThread:
-    return VerifierThread(cfg).start()
 
 
 def start_verifier(cfg: VerifierConfig) -> mp.Process:
