@@ -41,11 +41,13 @@ def stacks_on_usr1() -> bool:
     return os.environ.get("MG_STACKS_ON_USR1", "") == "1"
 
 
-def trace_calls() -> bool:
-    """Diagnostics: MG_TRACE_CALLS=1 makes a CUDA verifier log one line per verify call: its
-    phases' times, how long it waited to be taken, and the device's CUDA allocations around it
-    (in the scheduler placement an allocation can stall a verify call: kernels.zerocopy)."""
-    return os.environ.get("MG_TRACE_CALLS", "") == "1"
+def trace_calls() -> int:
+    """Diagnostics: MG_TRACE_CALLS=1 makes a CUDA verifier log one line per verify call (its
+    phases' times, how long it waited to be taken) and every garbage collection of its process
+    over 5 ms; MG_TRACE_CALLS=2 adds the device's CUDA allocations around each call (in the
+    scheduler placement an allocation can stall a verify call: kernels.zerocopy)."""
+    v = os.environ.get("MG_TRACE_CALLS", "")
+    return int(v) if v.isdigit() else 0
 
 
 def fault_missed_flip() -> int:

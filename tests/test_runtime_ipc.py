@@ -343,3 +343,40 @@ def test_a_chained_result_comes_with_a_slot_of_its_own_and_equals_a_separate_cal
                           for k in range(3)])  # 3 > 5 // 2 slots: not chained
     assert all(r.next is None and r.token == ref.token for r in many)
     assert c.release(["c3", "c4", "c5"]) == 3
+
+
+def test_the_call_trace_of_a_verifier_thread_times_collections_and_names_a_gil_holder(tmp_path, capsys):
+    """MG_TRACE_CALLS in the thread placement: the verifier times every garbage collection of its
+    host process (gc.callbacks, process-wide: removed afterwards), and the GIL watch names the call
+    that kept it from the GIL (here a 2M-element sort, which holds the GIL throughout), and the
+    worker's own watch stops with it."""
+    import gc
+    import random
+    import threading
+
+    from mg_server.runtime.verifier.thread import start_verifier_thread, watch_gil
+
+    d, _ = make_tiny("llama", tmp_path / "tiny", dtype=torch.bfloat16)
+    vcfg = VerifierConfig(model_path=str(d), ipc_path=str(tmp_path / "v.sock"), max_seq_len=64, max_requests=4,
+                          pool_tokens=256, n_slots=5, max_batch_items=5, trace_calls=1)
+    worker = start_verifier_thread(vcfg)
+    try:
+        assert not worker.server.load_error and worker.server._trace_gc in gc.callbacks
+        assert worker.gil_watch is not None and worker.gil_watch.is_alive()
+    finally:
+        worker.stop()
+        gc.callbacks.remove(worker.server._trace_gc)
+    worker.gil_watch.join(5)
+    assert not worker.gil_watch.is_alive()
+    stop = threading.Event()
+    watch = threading.Thread(target=watch_gil, args=(stop,), daemon=True)
+    xs = [random.random() for _ in range(2_000_000)]
+    watch.start()
+    time.sleep(0.05)
+
+    sorted(xs)  # (the watch wakes in this frame: the sort's own, or the next line's right after it)
+    time.sleep(0.05)
+    stop.set()
+    watch.join(5)
+    out = capsys.readouterr().out
+    assert "the GIL watch woke" in out and "test_the_call_trace_of_a_verifier_thread" in out, out

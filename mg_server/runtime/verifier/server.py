@@ -18,9 +18,11 @@ bits: only where the engine's kernels are launched changes.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import multiprocessing as mp
 import os
+import threading
 import time
 import traceback
 from dataclasses import dataclass, replace
@@ -52,7 +54,7 @@ class VerifierConfig:
     ipc_spin_s: float = 0.0  # experimental: spin this long for the next message after each one (channel.wait_readable)
     parent_pid: int = 0  # the process that started the worker: it exits once that one is gone (0: no watch)
     switch_interval_s: float = 2e-4  # thread placement: the host process's GIL switch interval (at most)
-    trace_calls: bool = False  # diagnostics (env.trace_calls): log each call's phases and CUDA allocations
+    trace_calls: int = 0  # diagnostics (env.trace_calls): 1 log each call's phases and GC pauses, 2 + CUDA allocations
 
     def __post_init__(self):
         # Results of one step occupy distinct slots until the client copies them out.
@@ -85,6 +87,7 @@ class VerifierServer:
         self.next_slot = 0
         self.gen = 0  # global generation counter of written slots
         self._allocs = 0  # trace_calls: the device's CUDA allocation count after the last call
+        self._gc_t0 = 0.0  # trace_calls: when the running collection started
         self.served = self.errors = 0
         self.running = True
 
@@ -110,6 +113,10 @@ class VerifierServer:
             self.kernel_config_id = ops.config_id(model.device)  # the backend that serves the device
             if model.device.type == "cuda":
                 self._warm_up()
+            if cfg.trace_calls:
+                print(f"[mg-verifier] gc: {len(gc.get_objects())} objects tracked, {gc.get_freeze_count()} frozen, "
+                      f"thresholds {gc.get_threshold()}", flush=True)
+                gc.callbacks.append(self._trace_gc)
             # What the worker holds now (weights, K/V pool, slots): CUDA only, 0 on CPU.
             self.memory_bytes = torch.cuda.memory_allocated(model.device) if model.device.type == "cuda" else 0
         except Exception as e:  # noqa: BLE001 - reported to every client, see module doc
@@ -181,9 +188,9 @@ class VerifierServer:
         if len(items) > self.cfg.n_slots // 2:  # a chained result needs a live slot of its own too
             for it in items:
                 it.chain = -1
-        trace = self.cfg.trace_calls and self.engine.model.device.type == "cuda"
+        trace = self.cfg.trace_calls > 0 and self.engine.model.device.type == "cuda"
         t = [time.perf_counter()]
-        allocs = self._alloc_count() if trace else 0
+        allocs = self._alloc_count() if trace else -1
         outs = iter(self.engine.step(items)) if items else iter(())
         t.append(time.perf_counter())
         replies: list[list] = [[] for _ in batch]
@@ -204,8 +211,19 @@ class VerifierServer:
         if trace:
             self._trace(items, now, t + [time.perf_counter()], allocs)
 
-    def _alloc_count(self) -> int:
+    def _alloc_count(self) -> int:  # (-1: not counted; memory_stats builds a big dict, its garbage feeds gc)
+        if self.cfg.trace_calls < 2:
+            return -1
         return torch.cuda.memory_stats(self.engine.model.device).get("num_device_alloc", 0)
+
+    def _trace_gc(self, phase: str, info: dict) -> None:
+        """cfg.trace_calls: log each garbage collection of this process that takes over 5 ms."""
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif (ms := 1e3 * (time.perf_counter() - self._gc_t0)) > 5:
+            print(f"[mg-verifier] {time.time():.3f} gc of generation {info['generation']} took {ms:.1f} ms "
+                  f"({info['collected']} collected, {gc.get_freeze_count()} objects frozen) in thread "
+                  f"{threading.current_thread().name}", flush=True)
 
     def _trace(self, items: list[P.VerifyItem], now_ns: int, t: list[float], before: int) -> None:
         """cfg.trace_calls: one line per call. Why allocations: in the scheduler placement a device
@@ -218,8 +236,8 @@ class VerifierServer:
         ms = [1e3 * (b - a) for a, b in zip(t, t[1:])]
         print(f"[mg-verifier] {time.time():.3f} call of {len(items)} items, {sum(len(it.tokens) for it in items)} "
               f"rows: step {ms[0]:.2f} ms, results+slots {ms[1]:.2f} ms, send {ms[2]:.2f} ms; deadline in "
-              f"{left:.1f} ms at the start; CUDA allocations {before - self._allocs} since the last call, "
-              f"{after - before} during it", flush=True)
+              f"{left:.1f} ms at the start" + (f"; CUDA allocations {before - self._allocs} since the last call, "
+                                                f"{after - before} during it" if after >= 0 else ""), flush=True)
         self._allocs = after
 
     def _result(self, res, writes: list[tuple], digest: bool) -> P.VerifyResult:

@@ -8,6 +8,9 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import time
+import traceback
+from pathlib import Path
 from dataclasses import replace
 
 import torch
@@ -32,6 +35,8 @@ class VerifierThread:
         self.stream = torch.cuda.Stream(cfg.device) if cfg.device.startswith("cuda") else None
         self.lifeline = Lifeline(beat_path(cfg.ipc_path), 0, name="mg-verifier-life")
         self.thread = threading.Thread(target=self._serve, name="mg-verifier", daemon=True)
+        self.stopped = threading.Event()
+        self.gil_watch: threading.Thread | None = None  # cfg.trace_calls: watch_gil
 
     def start(self) -> "VerifierThread":
         self.lifeline.status = "loading"
@@ -42,6 +47,9 @@ class VerifierThread:
         # hands it the GIL only after the holder's switch interval (5 ms by default).
         sys.setswitchinterval(min(sys.getswitchinterval(), self.cfg.switch_interval_s))
         self.thread.start()
+        if self.cfg.trace_calls:
+            self.gil_watch = threading.Thread(target=watch_gil, args=(self.stopped,), name="mg-gil-watch", daemon=True)
+            self.gil_watch.start()
         self.lifeline.set_status("serving")  # now: the seam's hello comes next
         return self
 
@@ -56,9 +64,32 @@ class VerifierThread:
             self.lifeline.stop()
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        self.stopped.set()
         self.server.running = False
         self.thread.join(timeout_s)
 
 
 def start_verifier_thread(cfg: VerifierConfig) -> VerifierThread:
     return VerifierThread(cfg).start()
+
+
+def watch_gil(stop: threading.Event, period_s: float = 2e-3, late_s: float = 0.05) -> None:
+    """cfg.trace_calls, thread placement: sleep `period_s` in a loop; a wake-up later than `late_s`
+    means this thread could not get the GIL (or the process did not run) that long, and where the
+    host's other threads stand right then shows which call held it (it just returned)."""
+    me = threading.get_ident()
+    names = {}
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        time.sleep(period_s)
+        late = time.perf_counter() - t0 - period_s
+        if late > late_s:
+            names.update((t.ident, t.name) for t in threading.enumerate())
+            where = []
+            for ident, frame in sys._current_frames().items():
+                if ident != me:
+                    stack = traceback.extract_stack(frame)[-3:]
+                    where.append(f"{names.get(ident, ident)}: " + " < ".join(
+                        f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(stack)))
+            print(f"[mg-verifier] {time.time():.3f} the GIL watch woke {1e3 * late:.0f} ms late; threads now at: "
+                  + " | ".join(where), flush=True)
