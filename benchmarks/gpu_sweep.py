@@ -283,7 +283,7 @@ def _variant(c: dict) -> str:
             + (f", IPC spin {c['ipc_spin_us']} µs" if c.get("ipc_spin_us") else "")
             + (", verifier in the scheduler" if c.get("verifier_in") == "scheduler" else "")
             + ((", chain" if c.get("lag_chain") else ", no chain") if c.get("commit") == "lag" else "")
-            + (", gc frozen" if c.get("gc_freeze") else "")
+            + (", gc frozen" if c.get("gc_freeze") else "")  # (an experiment of 2026-11-26, its flag removed)
             + (f", tau from bf16 margins (reference share {100 * c['expected_trigger']:.1f} %)"
                if c.get("expected_trigger") is not None else ""))
 
