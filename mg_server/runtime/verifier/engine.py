@@ -50,7 +50,7 @@ class StepOutput:
     token: int
     margin: float
     kv_column: Tensor  # [L, 2, Hkv, D] model dtype, device: K/V of position pos (0 = K, 1 = V)
-    logits: Tensor  # [V] fp32, device: the logits row of position pos
+    logits: Tensor  # [V] fp32, device: the logits row of position pos (a view: valid until the next forward)
     audit_tokens: list[int]
     audit_margins: list[float]
     first_mismatch: int
@@ -58,9 +58,7 @@ class StepOutput:
     batch_requests: int
     forward_ms: float
     next: StepOutput | None = None  # VerifyItem.chain: the result at pos + 1
-
-    def digest(self) -> bytes:
-        return hashlib.blake2b(self.logits.cpu().numpy().tobytes(), digest_size=16).digest()
+    digest: bytes = b""  # VerifyItem.want_digest: blake2b of `logits`, taken before any later forward
 
 
 class VerifierEngine:
@@ -202,8 +200,8 @@ class VerifierEngine:
         """VerifyItem.chain: where the verifier's token differs from the caller's, verify pos + 1
         with the verifier's token now, in one more batched forward (attached as `next`). A follow
         item that fails leaves no `next` and the request as its own item left it (the caller then
-        asks for pos + 1 itself). Not with want_digest: the digest reads a logits row the next
-        forward may overwrite."""
+        asks for pos + 1 itself). Not with want_digest: a digest item is a diagnostic of its own
+        result alone."""
         once = {rid for rid, n in Counter(it.rid for it in items).items() if n == 1}  # (one forward)
         ks = [k for k, it in enumerate(items)
               if it.chain >= 0 and not it.want_digest and it.rid in once and isinstance(out[k], StepOutput)
@@ -281,7 +279,8 @@ class VerifierEngine:
                 rid=it.rid, pos=it.pos, token=preds[last], margin=margins[last],
                 kv_column=self.pool.column(st.slots[it.pos]), logits=logits[last],
                 audit_tokens=audit_t, audit_margins=audit_m, first_mismatch=first_mm,
-                batch_rows=len(tokens), batch_requests=len(items), forward_ms=ms))
+                batch_rows=len(tokens), batch_requests=len(items), forward_ms=ms,
+                digest=_digest(logits[last]) if it.want_digest else b""))
         return results
 
     def _graph_rows(self, tokens: list[int], positions: list[int], slots: list[int], table_rows: list[int],
@@ -323,3 +322,8 @@ class VerifierEngine:
                         logits[r] = copy_(lg[r - a], g.kept[j]) if lg.is_cuda else g.kept[j].copy_(lg[r - a])
             tops += top
         return logits, tops
+
+
+def _digest(row: Tensor) -> bytes:
+    """blake2b of a [V] fp32 logits row (a diagnostic: its copy to the host may use the copy engine)."""
+    return hashlib.blake2b(row.cpu().numpy().tobytes(), digest_size=16).digest()

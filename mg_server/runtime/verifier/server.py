@@ -249,7 +249,7 @@ class VerifierServer:
         return P.VerifyResult(
             rid=res.rid, pos=res.pos, token=res.token, margin=res.margin, slot=slot, gen=self.gen,
             audit_tokens=res.audit_tokens, audit_margins=res.audit_margins,
-            first_mismatch=res.first_mismatch, digest=res.digest() if digest else b"",
+            first_mismatch=res.first_mismatch, digest=res.digest if digest else b"",
             batch_rows=res.batch_rows, batch_requests=res.batch_requests, forward_ms=res.forward_ms,
             next=self._result(res.next, writes, False) if res.next is not None else None)
 
