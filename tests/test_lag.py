@@ -49,6 +49,8 @@ def test_a_corrected_token_is_swapped_before_it_is_emitted(setup):
     assert r.status_code == 200, r.text
     assert r.json()["output_ids"] == refs[0]
     assert r.headers["x-mg-verdict"] == "verified" and "x-mg-corrected-from" not in r.headers
+    # the launcher's digest and kernel id (the thread verifier's hello matched that id)
+    assert r.headers["x-mg-system-fingerprint"].startswith("fp_")
     assert _counter(srv.url, "mg_lag_corrections_total") >= fixed + 1  # the fault's token was replaced
     # with the chain, the next step (a must row) was answered by the correcting call itself
     # (VerifyItem.chain); without it (the default), by a verify call of its own

@@ -380,3 +380,33 @@ def test_the_call_trace_of_a_verifier_thread_times_collections_and_names_a_gil_h
     watch.join(5)
     out = capsys.readouterr().out
     assert "the GIL watch woke" in out and "test_the_call_trace_of_a_verifier_thread" in out, out
+
+
+def test_a_thread_verifier_takes_the_launchers_digest_and_must_match_its_kernel_id(tmp_path, monkeypatch):
+    """Scheduler placement: the launcher hashes the weights once and passes the digest (the thread
+    reports it without reading the files again); the controller's hello expects the kernel id the
+    launcher reported, and a verifier with another stays down, saying so."""
+    from mg_server.runtime.controller.server import Controller, ControllerConfig
+    from mg_server.runtime.verifier.thread import start_verifier_thread
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    d, _ = make_tiny("llama", tmp_path / "tiny", dtype=torch.bfloat16)
+    vcfg = VerifierConfig(model_path=str(d), ipc_path=str(tmp_path / "v.sock"), max_seq_len=64, max_requests=4,
+                          pool_tokens=256, n_slots=5, max_batch_items=5, weights_digest="from-the-launcher")
+    worker = start_verifier_thread(vcfg)
+    ctls = []
+    try:
+        for expect in ("", worker.server.kernel_config_id, "cpu-not-this-one"):
+            ctl = Controller(ControllerConfig(ipc_path=str(tmp_path / f"c{len(ctls)}.sock"), mode="margin", tau=0.5,
+                                              metrics_dir=str(tmp_path), verifier=vcfg, spawn_verifier=False,
+                                              expect_kernel_config_id=expect))
+            ctls.append(ctl)
+            ctl.start_verifier()
+            if expect.startswith("cpu-not"):
+                assert not ctl.verifier_up() and "kernel config" in ctl.down_reason, ctl.down_reason
+            else:
+                assert ctl.verifier_up() and ctl.vinfo.weights_digest == "from-the-launcher"
+    finally:
+        for ctl in ctls:
+            ctl.close()
+        worker.stop()

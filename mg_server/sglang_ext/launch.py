@@ -174,12 +174,23 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         ipc_spin_s=cfg.ipc_spin_s, trace_calls=env.trace_calls(),
     )
     in_scheduler = cfg.verifier_in == "scheduler"
-    if in_scheduler:  # why num_threads 0: torch's thread count is the host process's, not the verifier's
-        verifier = replace(verifier, num_threads=0)
+    expect_kernels = ""
+    if in_scheduler:
+        import torch
+
+        from mg_server.runtime.fingerprint import weights_digest
+        from mg_server.runtime.verifier.ops import config_id
+
+        # why here: the front reports both before the thread exists; the thread takes this digest
+        # instead of reading the weights again, and its hello must match this kernel id
+        expect_kernels = config_id(torch.device(verifier.device))
+        # why num_threads 0: torch's thread count is the host process's, not the verifier's
+        verifier = replace(verifier, num_threads=0, weights_digest=weights_digest(cfg.model_path))
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
                             metrics_dir=cfg.metrics_dir, verifier=verifier, verify_timeout_s=cfg.verify_timeout_s,
                             catchup_chunk=cfg.catchup_chunk, prefill_ahead=cfg.prefill_ahead, ipc_spin_s=cfg.ipc_spin_s,
-                            spawn_verifier=not in_scheduler, chain=cfg.lag_chain)
+                            spawn_verifier=not in_scheduler, chain=cfg.lag_chain,
+                            expect_kernel_config_id=expect_kernels)
     proc = start_controller(ccfg)
 
     def controller_gone() -> str:  # a dead or stopped controller fails the start now, not after start_timeout_s
@@ -203,13 +214,8 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         raise
     if in_scheduler:
         import msgspec
-        import torch
 
-        from mg_server.runtime.fingerprint import weights_digest
-        from mg_server.runtime.verifier.ops import config_id
-
-        info = msgspec.structs.replace(info, kernel_config_id=config_id(torch.device(verifier.device)),
-                                       weights_digest=weights_digest(cfg.model_path))
+        info = msgspec.structs.replace(info, kernel_config_id=expect_kernels, weights_digest=verifier.weights_digest)
     log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s, --mg-commit %s", cfg.mg_mode, tau, source,
              info.kernel_config_id, cfg.commit)
     if in_scheduler:

@@ -63,6 +63,8 @@ class ControllerConfig:
     catchup_chunk: int = 256  # tokens per catch-up call: verify_timeout_s bounds a chunk, not a long prompt
     prefill_ahead: int = 0  # prompts >= this taught to the verifier in idle turns (0: off; --mg-prefill-ahead)
     chain: bool = False  # StepRow.behind rows carry VerifyItem.chain (--mg-lag-chain)
+    # the kernel configuration id the launcher reported (scheduler placement): the hello refuses another
+    expect_kernel_config_id: str = ""
     ipc_spin_s: float = 0.0  # experimental: spin for messages and replies first (channel.wait_readable)
     start_timeout_s: float = 300.0  # verifier model load
     verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept

@@ -57,7 +57,8 @@ class WorkerMixin:
         try:
             # attach_slots=False: the controller relays (slot, gen) to the hook; on CUDA attaching
             # would open a CUDA context here for nothing.
-            self.vinfo = client.connect(timeout_s=timeout_s, attach_slots=False)
+            self.vinfo = client.connect(timeout_s=timeout_s, attach_slots=False,
+                                        expect_kernel_config_id=self.cfg.expect_kernel_config_id)
         except BaseException:
             if not self.cfg.spawn_verifier:
                 client.close()

@@ -54,6 +54,7 @@ class VerifierConfig:
     ipc_spin_s: float = 0.0  # experimental: spin this long for the next message after each one (channel.wait_readable)
     parent_pid: int = 0  # the process that started the worker: it exits once that one is gone (0: no watch)
     switch_interval_s: float = 2e-4  # thread placement: the host process's GIL switch interval (at most)
+    weights_digest: str = ""  # the launcher's digest of model_path (scheduler placement: read once); "": here
     trace_calls: int = 0  # diagnostics (env.trace_calls): 1 log each call's phases and GC pauses, 2 + CUDA allocations
 
     def __post_init__(self):
@@ -109,7 +110,7 @@ class VerifierServer:
             self.shm = SlotBuffer.create(cfg.shm_base, cfg.n_slots, s.n_layers, s.n_kv_heads, s.head_dim,
                                          dtype, model.device)
             self.model_id = model_identity(cfg.model_path, dtype)
-            self.weights_digest = weights_digest(cfg.model_path)  # once: for system_fingerprint
+            self.weights_digest = cfg.weights_digest or weights_digest(cfg.model_path)  # once: system_fingerprint
             self.kernel_config_id = ops.config_id(model.device)  # the backend that serves the device
             if model.device.type == "cuda":
                 self._warm_up()
