@@ -10,8 +10,8 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
