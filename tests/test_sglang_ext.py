@@ -123,6 +123,19 @@ def test_cpu_has_no_grammar_backend_and_refuses_xgrammar():
     refuse_on_host(SimpleNamespace(grammar_backend="xgrammar"), "cuda")
 
 
+def test_argv_scheduler_placement_sleeps_when_idle():
+    # the verifier thread starves while an idle scheduler loop polls without blocking (launch.py)
+    from dataclasses import replace
+
+    from mg_server.sglang_ext.launch import sglang_argv
+
+    sched = replace(_cfg(profile="cuda"), verifier_in="scheduler")
+    assert sglang_argv(sched).count("--sleep-on-idle") == 1
+    assert sglang_argv(replace(sched, sglang_args=("--sleep-on-idle",))).count("--sleep-on-idle") == 1
+    assert "--sleep-on-idle" not in sglang_argv(_cfg(profile="cuda"))  # the verifier's own process
+    assert "--sleep-on-idle" not in sglang_argv(replace(sched, mg_mode="off"))
+
+
 @pytest.mark.parametrize("flag", ["--forward-hooks", "--enable-custom-logit-processor"])
 def test_argv_refuses_owned_flags(flag):
     from mg_server.sglang_ext.launch import sglang_argv

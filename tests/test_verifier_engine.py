@@ -152,7 +152,7 @@ def test_seeded_rows_straddling_graph_chunks_are_decided_per_replay(setup, repla
 
     def items(tag):
         return [*(VerifyItem(rid=tag + o, pos=len(p) - 1, tokens=p) for o, p in greedy),
-                VerifyItem(rid=tag + "s", pos=n - 1, tokens=seq[:n], prompt_len=N_PROMPT, temperature=4.0, seed=11)]
+                VerifyItem(rid=tag + "s", pos=n - 1, tokens=seq[:n], prompt_len=N_PROMPT, temperature=1e4, seed=11)]
 
     before = engine.graph_forwards
     try:
@@ -162,7 +162,9 @@ def test_seeded_rows_straddling_graph_chunks_are_decided_per_replay(setup, repla
             assert (a.token, a.margin, a.audit_tokens, a.audit_margins) == (b.token, b.margin, b.audit_tokens,
                                                                             b.audit_margins)
             assert torch.equal(a.logits.cpu(), b.logits.cpu()) and torch.equal(a.kv_column.cpu(), b.kv_column.cpu())
-        assert got[-1].audit_tokens[N_PROMPT:] != seq[N_PROMPT + 1:n]  # sampled, not the greedy reference
+        # sampled, not the greedy reference (why T = 1e4: the CUDA stand-in's random weights give
+        # margins that a T of 0.7 and of 4 left untouched; here the Gumbel noise decides)
+        assert got[-1].audit_tokens[N_PROMPT:] != seq[N_PROMPT + 1:n]
     finally:
         for e, tag in ((engine, "g"), (eager, "e")):
             for it in items(tag):

@@ -49,6 +49,14 @@ BARE_CUDA_ENGINE_ARGS = (
     "--disable-piecewise-cuda-graph",
 )
 ENGINE_ARGS = {"cpu": CPU_ENGINE_ARGS, "cuda-bare": BARE_CUDA_ENGINE_ARGS, "cuda": ()}
+# With the verifier a thread of SGLang's scheduler process (`--mg-verifier-in scheduler`).
+# why: an idle scheduler loop polls its sockets without blocking, taking the GIL back within a
+# microsecond of each release, and CPython then never hands it to a waiting thread (a waiter asks
+# the holder to switch only if the GIL did not change hands for a whole switch interval): the
+# verifier thread, whose calls finish a request after SGLang is done with it, waited 100-1200 ms
+# per call on an H100 (README, "The scheduler placement's GIL, named"). SGLang's idle sleeper blocks in
+# a socket poll instead, GIL released, until a request comes.
+IN_SCHEDULER_ARGS = ("--sleep-on-idle",)
 OWNED_FLAGS = ("--forward-hooks", "--enable-custom-logit-processor")
 
 
@@ -70,6 +78,8 @@ def sglang_argv(cfg: ServeConfig, hook: HookConfig | None = None) -> list[str]:
             raise ValueError(f"{flag} is set by mg-server itself and cannot be passed through")
     argv = ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(cfg.port)]
     argv += ENGINE_ARGS[cfg.profile]
+    if cfg.verifier_in == "scheduler" and cfg.mg_mode != "off":
+        argv += [a for a in IN_SCHEDULER_ARGS if a not in cfg.sglang_args]
     argv += list(cfg.sglang_args)
     hook = hook or HookConfig(metrics_dir=cfg.metrics_dir)
     argv += ["--enable-custom-logit-processor", "--forward-hooks", json.dumps(hook_spec(hook))]
