@@ -59,12 +59,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--mg-seam", choices=["lagged", "sync"], default="lagged",
                    help="CUDA with the overlap scheduler: 'lagged' (default) decides deterministic rows one "
                         "forward late behind a device-side step gate; 'sync' reads their margins before "
-                        "sampling (slower: README, GPU performance). CPU and no-overlap runs always use sync")
+                        "sampling (slower: README, 'On a GPU'). CPU and no-overlap runs always use sync")
     s.add_argument("--mg-early-verify", choices=["on", "off"], default="off",
                    help="experimental, lagged seam: 'on' verifies a forward's low-margin rows as soon as the "
                         "GPU has decided them, from a thread of SGLang's scheduler process, instead of at the "
                         "scheduler's next sampler call (default off: no gain measured where SGLang's step is "
-                        "GPU-bound; README, GPU performance)")
+                        "GPU-bound; README, 'On a GPU')")
     s.add_argument("--mg-ipc-spin-us", type=int, default=0, metavar="N",
                    help="experimental: mg's controller and verifier spin up to N microseconds for their next "
                         "message after answering one, and the controller for the verifier's reply, before they "
@@ -76,19 +76,19 @@ def _parser() -> argparse.ArgumentParser:
                         "low-margin ones behind and, on a divergence, resumes the answer from the verifier's "
                         "token; 'lag' (experimental, lagged seam) lets the fast token through, verifies it while "
                         "the GPU runs the next forward and, on a disagreement, swaps the token before SGLang "
-                        "emits it and holds that request's next forward (README, GPU performance)")
+                        "emits it and holds that request's next forward (README, 'On a GPU')")
     s.add_argument("--mg-lag-chain", choices=["on", "off"], default="off",
                    help="with --mg-commit lag: on a disagreement the same verifier call also answers the "
                         "request's next step (the forward that holds for it), so that hold waits for no verify "
                         "call of its own (default off: no gain measured; the correcting call gets longer, "
-                        "README 'Resolution at bs 8')")
+                        "benchmarks/results/gpu/HISTORY.md, 'Resolution at bs 8')")
     s.add_argument("--mg-verifier-in", choices=["process", "scheduler"], default="process",
                    help="where the verifier worker runs: 'process' (default) is its own process; 'scheduler' "
                         "(experimental, README) is a thread of SGLang's scheduler process, "
                         "whose CUDA stream runs beside "
                         "SGLang's (two processes' kernels take turns on a GPU without CUDA MPS); pair it with "
                         "--mg-commit lag. It loads after SGLang sized its K/V cache: leave it room with "
-                        "--mem-fraction-static (README, GPU performance)")
+                        "--mem-fraction-static (README, 'On a GPU')")
     s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
                    help="longest wait of a response for its verdict (the final audit; default 120)")
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
                         "--mg-prefill-ahead >= 0, --mg-ipc-spin-us in [0, 1000000]")
     if args.mg_verifier_in == "scheduler" and args.mg_commit != "lag":
         # why: a gate holding SGLang's stream for the verifier stalled the verifier thread itself
-        # in every run with --mg-commit hold on an H200 (README, "Verifier in the scheduler")
+        # in every run with --mg-commit hold on an H200 (benchmarks/results/gpu/HISTORY.md, "Verifier in the scheduler")
         _parser().error("--mg-verifier-in scheduler needs --mg-commit lag (holding a forward for a verifier "
                         "in the same process stalled it)")
     if args.mg_verifier_in == "scheduler" and (args.mg_verifier_memory_gb is not None or args.mg_ipc_spin_us):

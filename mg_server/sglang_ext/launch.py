@@ -54,8 +54,8 @@ ENGINE_ARGS = {"cpu": CPU_ENGINE_ARGS, "cuda-bare": BARE_CUDA_ENGINE_ARGS, "cuda
 # microsecond of each release, and CPython then never hands it to a waiting thread (a waiter asks
 # the holder to switch only if the GIL did not change hands for a whole switch interval): the
 # verifier thread, whose calls finish a request after SGLang is done with it, waited 100-1200 ms
-# per call on an H100 (README, "The scheduler placement's GIL, named"). SGLang's idle sleeper blocks in
-# a socket poll instead, GIL released, until a request comes.
+# per call on an H100 (benchmarks/results/gpu/HISTORY.md, "The scheduler placement's GIL, named").
+# SGLang's idle sleeper blocks in a socket poll instead, GIL released, until a request comes.
 IN_SCHEDULER_ARGS = ("--sleep-on-idle",)
 OWNED_FLAGS = ("--forward-hooks", "--enable-custom-logit-processor")
 

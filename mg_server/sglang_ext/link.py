@@ -51,7 +51,7 @@ def _start_verifier(cfg: dict):
     from mg_server.runtime.verifier.thread import start_verifier_thread
 
     log.warning("mg: starting the verifier inside SGLang's scheduler process (experimental: verify calls share "
-                "SGLang's GIL and its GPU; README 'The scheduler placement's GIL, named')")
+                "SGLang's GIL and its GPU; benchmarks/results/gpu/HISTORY.md)")
     worker = start_verifier_thread(VerifierConfig(**cfg))
     if worker.server.load_error:
         raise RuntimeError(f"mg: {worker.server.load_error}")
