@@ -129,7 +129,8 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
     which the long run batches into its verify calls, so mg's ms/step can come out too small
     (bs 32 all-deterministic 18-33 % below plain SGLang on the H100). short=new/2 was meant to
     cancel that (greedy answers are deterministic: both runs make the same first decisions) but
-    measured noisier (H100, benchmarks/results/gpu/HISTORY.md: per-run stalls of ~1 s over half the steps), so it is an option.
+    measured noisier (H100, benchmarks/results/gpu/HISTORY.md: per-run stalls of ~1 s over half
+    the steps), so it is an option.
     stream > 0: one streamed run per rep instead, a chunk every `stream` tokens, ms/step from the
     chunks' arrival times (stream_timing.py: prefill, first steps and the verdict's wait left out)."""
     res = {s.name: {"det": {}, "plain": {}, "verdicts": {}, "by_batch": {}} for s in servers}

@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--mg-prefill-ahead >= 0, --mg-ipc-spin-us in [0, 1000000]")
     if args.mg_verifier_in == "scheduler" and args.mg_commit != "lag":
         # why: a gate holding SGLang's stream for the verifier stalled the verifier thread itself
-        # in every run with --mg-commit hold on an H200 (benchmarks/results/gpu/HISTORY.md, "Verifier in the scheduler")
+        # in every run with --mg-commit hold on an H200 (benchmarks/results/gpu/HISTORY.md,
+        # "Verifier in the scheduler"; once in six bodies on an H100 with --sleep-on-idle)
         _parser().error("--mg-verifier-in scheduler needs --mg-commit lag (holding a forward for a verifier "
                         "in the same process stalled it)")
     if args.mg_verifier_in == "scheduler" and (args.mg_verifier_memory_gb is not None or args.mg_ipc_spin_us):

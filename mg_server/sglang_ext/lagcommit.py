@@ -23,8 +23,8 @@ A deferred repair whose verifier slot was reused meanwhile is skipped: it only r
 path's bits of a column with the verifier's (as hold mode's repair does), so the answer does not
 depend on it; the MUST row's own column, from the wrong token, is never skipped.
 
-Measured on the H100 (benchmarks/results/gpu/HISTORY.md, "One forward behind"): no gain where the verifier's process
-time-slices the GPU with SGLang's; under CUDA MPS it beats holding.
+Measured on the H100 (benchmarks/results/gpu/HISTORY.md, "One forward behind"): no gain where
+the verifier's process time-slices the GPU with SGLang's; under CUDA MPS it beats holding.
 """
 
 from __future__ import annotations
