@@ -60,6 +60,8 @@ def test_a_corrected_token_is_swapped_before_it_is_emitted(setup):
         assert _counter(srv.url, "mg_chained_total") == chained == 0
     log = srv.log_path.read_text()
     assert "lagged commit on" in log and "lag True" in log
+    # the verifier thread's placement makes SGLang's idle loop sleep (launch.IN_SCHEDULER_ARGS)
+    assert "sleep_on_idle=True" in log
     # the verifier is a thread of the scheduler: it loaded there, the controller connected to it,
     # and no verifier process exists among the server's
     assert "starting the verifier inside SGLang's scheduler process" in log and "verifier ready" in log
