@@ -2,7 +2,8 @@
 # One call on the GPU device machine ($OUT set): benchmarks/device_serving.sh under CUDA MPS, so
 # that mg's verifier process and SGLang's run their kernels concurrently
 # (benchmarks/results/gpu/HISTORY.md, "One forward behind"). The MPS control daemon is started
-# for this command only and quit when it ends; no card setting is changed. Every server of the run is an MPS client, plain SGLang included.
+# for this command only and quit when it ends; no card setting is changed. Every server of the
+# run is an MPS client, plain SGLang included.
 #   SWEEP="--models smol --configs 0.1:lag,0.1:hold --decode-tokens 128 --stream-interval 8 \
 #     --reps 2 --batches 1,8,32" TESTS=skip bash benchmarks/device_mps.sh
 # (that run: benchmarks/results/gpu/sweep_smol_lag_vs_hold_mps_h100.*). Exits 0 with a message
