@@ -39,8 +39,8 @@ scheduler thread, which reaches it only at the next sampler call, one host step 
 only where SGLang's step is host-bound. Measured on the H100 with this host's SGLang (no
 sgl_kernel; benchmarks/results/gpu/HISTORY.md, "Early verify"), the step is GPU-bound (94-98 %
 busy at batch 1-32). So a held stream costs the whole call whoever starts it, and no gain showed;
-hence off. A thread sleeps on a CUDA event recorded between each forward's publish kernel and its stream wait (a
-ctypes call: no GIL held); when the values are out and some row needs the verifier, it drains at
+hence off. A thread sleeps on a CUDA event recorded between each forward's publish kernel and its
+stream wait (a ctypes call: no GIL held); when the values are out and some row needs the verifier, it drains at
 once, so the verify call runs while the scheduler thread prepares the next batch, and the
 scheduler's own drain finds the forward done. Forwards with only fast steps are left to the
 scheduler as before. The process's GIL switch interval is lowered (EARLY_SWITCH_S) so that this
