@@ -34,7 +34,13 @@ class AuditMixin:
             st.flip_token = token
         st.mismatches.append(pos)
         self.m.audit_mismatch.inc()
-        log.warning("missed flip: request %s position %d (%s)", rid, pos, what)
+        # where it sits against the request's verified steps and repairs tells a flip above tau
+        # (far from both) from a path that left a wrong column behind (right after a repair)
+        last_rep = max((p for p in st.repairs if p <= pos), default=-1)
+        last_ver = max((p for p in st.verified if p <= pos), default=-1)
+        log.warning("missed flip: request %s position %d (%s); answer token %d; last verified step %d, "
+                    "last repair %d (repairs %d, verified %d)", rid, pos, what, pos - st.prompt_len + 1,
+                    last_ver, last_rep, len(st.repairs), len(st.verified))
 
     def _audit(self, rid: str, st: ReqState, res: P.VerifyResult) -> None:
         """The verifier's catch-up recomputed steps that were committed from the fast path."""
