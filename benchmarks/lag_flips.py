@@ -7,9 +7,15 @@ Each configuration is one server at tau 0.245557 (9.8 % of steps at bs 8, real S
 the same non-streamed deterministic body `--repeats` times: the 8 `other` prompts of
 benchmarks/data/gpu_prompts.json (`lag-alone`: prompt 2 only). It prints each answer's verdict
 and the tail of prompt 2's answer, and the server's `missed flip` lines (position, answer token,
-the request's last verified step and last repair: runtime/controller/audit.py). A missed flip
-in a non-streamed answer is corrected by the verifier (the verdict then reads `verified`), so the
-lines and `mg_corrections_total` are what show it. JSON in --out.
+the verifier's margin there, the request's last verified step and last repair:
+runtime/controller/audit.py). A missed flip in a non-streamed answer is corrected by the verifier
+(the verdict then reads `verified`), so the lines and `mg_corrections_total` are what show it.
+JSON in --out.
+
+Measured on the H100 (benchmarks/results/gpu/HISTORY.md, "Lag's missed flips, explained"): with
+the radix cache, a repeated prompt's prefill takes its prefix from the cache, so its fast path's
+bits differ from the first request's; under lag that trajectory meets a near-tie (verifier margin
+0.0013 and 0.039) whose fast-path margin was above tau: a flip above tau, not a wrong K/V column.
 """
 
 from __future__ import annotations

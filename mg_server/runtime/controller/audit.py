@@ -25,37 +25,40 @@ AUDIT_ITEMS = 32
 
 
 class AuditMixin:
-    def _missed_flip(self, rid: str, st: ReqState, pos: int, what: str, token: int) -> None:
-        """t_{pos+1} is not the verifier's `token` (each position once: a chained answer and the
-        verifier's next catch-up both see the same flip)."""
+    def _missed_flip(self, rid: str, st: ReqState, pos: int, what: str, token: int, margin: float) -> None:
+        """t_{pos+1} is not the verifier's `token`, which it chose with `margin` (each position
+        once: a chained answer and the verifier's next catch-up both see the same flip)."""
         if pos in st.mismatches:
             return
         if not st.mismatches or pos < min(st.mismatches):
             st.flip_token = token
         st.mismatches.append(pos)
         self.m.audit_mismatch.inc()
-        # where it sits against the request's verified steps and repairs tells a flip above tau
-        # (far from both) from a path that left a wrong column behind (right after a repair)
+        # the verifier's margin there and where it sits against the request's verified steps and
+        # repairs tell a near-tie above tau from a fast path that went wrong after a repair
         last_rep = max((p for p in st.repairs if p <= pos), default=-1)
         last_ver = max((p for p in st.verified if p <= pos), default=-1)
-        log.warning("missed flip: request %s position %d (%s); answer token %d; last verified step %d, "
-                    "last repair %d (repairs %d, verified %d)", rid, pos, what, pos - st.prompt_len + 1,
-                    last_ver, last_rep, len(st.repairs), len(st.verified))
+        log.warning("missed flip: request %s position %d (%s); answer token %d, verifier margin %.4g (tau %.4g); "
+                    "last verified step %d, last repair %d (repairs %d, verified %d)", rid, pos, what,
+                    pos - st.prompt_len + 1, margin, self.policy.tau, last_ver, last_rep, len(st.repairs),
+                    len(st.verified))
 
     def _audit(self, rid: str, st: ReqState, res: P.VerifyResult) -> None:
         """The verifier's catch-up recomputed steps that were committed from the fast path."""
         q, start = res.first_mismatch, res.pos - len(res.audit_tokens)  # it covered start .. pos
         if q >= 0:  # the verifier's t_{q+1}: its previous prediction (q = start - 1) or this audit's
-            token = st.pred if q < start else res.audit_tokens[q - start]
-            self._missed_flip(rid, st, q, "fast-path token differs from the verifier's", token)
-        st.pred = res.token
+            i = q - start
+            token, margin = (st.pred, st.pred_margin) if i < 0 else (
+                res.audit_tokens[i], res.audit_margins[i] if i < len(res.audit_margins) else float("nan"))
+            self._missed_flip(rid, st, q, "fast-path token differs from the verifier's", token, margin)
+        st.pred, st.pred_margin = res.token, res.margin
 
     def _audit_through(self, rid: str, st: ReqState, pos: int, res: P.VerifyResult, what: str) -> None:
         """A result at pos whose t_{pos+1} was decided already (a check, the tail audit): audit its
         catch-up and that token too; the verifier has then seen t_0 .. t_pos."""
         self._audit(rid, st, res)
         if res.first_mismatch < 0 and res.token != st.tokens[pos + 1]:
-            self._missed_flip(rid, st, pos, what, res.token)
+            self._missed_flip(rid, st, pos, what, res.token, res.margin)
         st.verifier_len = pos + 1
 
     def _prefill_ahead(self) -> None:

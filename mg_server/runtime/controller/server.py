@@ -168,7 +168,8 @@ class Controller(AuditMixin, WorkerMixin):
                 # may end before the verifier is sent anything again)
                 res = self.chained.pop(row.rid, None)
                 if res is not None and res.pos == row.pos and res.token != row.fast_token:
-                    self._missed_flip(row.rid, st, row.pos, "fast-path token differs from the verifier's", res.token)
+                    self._missed_flip(row.rid, st, row.pos, "fast-path token differs from the verifier's", res.token,
+                                      res.margin)
                 self.m.steps.labels(decision="fast").inc()
                 d.token = row.fast_token
                 st.tokens.append(d.token)

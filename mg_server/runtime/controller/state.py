@@ -35,6 +35,7 @@ class ReqState:
     correction: Correction | None = None  # the verifier's completion after a missed flip
     resumable: bool = False  # committed fast and checked behind; a divergence resumes the answer (protocol)
     pred: int = -1  # the verifier's latest prediction: its token t_{verifier_len} (-1: none yet)
+    pred_margin: float = 0.0  # and the margin it chose it with
     flip_token: int = -1  # the verifier's token at the first missed flip (t_{min(mismatches)+1})
 
     @property
