@@ -210,13 +210,14 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             path.write_text(json.dumps(res, indent=2))
         for rate, commit, *rest in args.configs:
             always = rate == "always"
-            if bad := [x for x in rest if not (x.isdigit() or x in ("early", "sched", "chain", "nochain")
+            if bad := [x for x in rest if not (x.isdigit() or x in ("early", "sched", "host", "chain", "nochain")
                                               or (x.startswith("spin") and x[4:].isdigit()))]:
                 raise SystemExit(f"unknown config marker(s) {bad} in {rate}:{commit}:{':'.join(rest)}")
             ahead = next((int(x) for x in rest if x.isdigit()), 0)  # serve --mg-prefill-ahead
             early = "on" if "early" in rest else "off"  # serve --mg-early-verify
             spin = next((int(x[4:]) for x in rest if x.startswith("spin") and x[4:].isdigit()), 0)  # --mg-ipc-spin-us
-            place = "scheduler" if "sched" in rest else "process"  # serve --mg-verifier-in
+            place = "scheduler" if "sched" in rest or "host" in rest else "process"  # serve --mg-verifier-in
+            host = "host" in rest  # serve --mg-controller-in scheduler (the verifier there too)
             expected = None  # the reference steps' share below tau, when the margins are bf16 steps
             if always:
                 tau = None
@@ -226,14 +227,16 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
                 tau = tau_for_rate(margins, float(rate))
             flags = (([] if always else ["--mg-tau", f"{tau:.6g}"]) + (["--mg-prefill-ahead", str(ahead)] if ahead else [])
                      + ["--mg-early-verify", early, "--mg-ipc-spin-us", str(spin), "--mg-verifier-in", place]
-                     + ["--mg-lag-chain", "on" if "chain" in rest else "off"])  # (explicit: its default changed)
+                     + ["--mg-lag-chain", "on" if "chain" in rest else "off"]  # (explicit: its default changed)
+                     + (["--mg-controller-in", "scheduler"] if host else []))
             srv = E.start(mdir, name, "always" if always else "margin", out,
                           [*flags, *seam, "--mg-commit", commit, *mem], args.device)
-            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/chain" if "chain" in rest else "")
+            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/host" if host else "") + ("/chain" if "chain" in rest else "")
             try:
                 singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
                 cfg = {"target": rate, "tau": tau, "commit": commit, "prefill_ahead": ahead, "early_verify": early,
-                       "ipc_spin_us": spin, "verifier_in": place, "lag_chain": "chain" in rest,
+                       "ipc_spin_us": spin, "verifier_in": place, "controller_in": "scheduler" if host else "process",
+                       "lag_chain": "chain" in rest,
                        "expected_trigger": expected,
                        "det_requests": "single" if singles else "batch",
                        "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles,
@@ -283,6 +286,7 @@ def _variant(c: dict) -> str:
             + (", early verify on" if c.get("early_verify") == "on" else "")
             + (f", IPC spin {c['ipc_spin_us']} µs" if c.get("ipc_spin_us") else "")
             + (", verifier in the scheduler" if c.get("verifier_in") == "scheduler" else "")
+            + (", controller there too" if c.get("controller_in") == "scheduler" else "")
             + ((", chain" if c.get("lag_chain") else ", no chain") if c.get("commit") == "lag" else "")
             + (", gc frozen" if c.get("gc_freeze") else "")  # (an experiment of 2026-11-26, its flag removed)
             + (f", tau from bf16 margins (reference share {100 * c['expected_trigger']:.1f} %)"
@@ -395,9 +399,10 @@ def main() -> int:
     ap.add_argument("--commit", default="resume,hold",
                     help="serve --mg-commit modes to time at each rate (comma list; default resume,hold)")
     ap.add_argument("--configs", default="",
-                    help="RATE:COMMIT[:N][:early][:spinU][:sched],... to time instead of every --rates x --commit "
-                         "pair (e.g. 0.1:hold,0.1:lag:sched; N: serve --mg-prefill-ahead N; early: --mg-early-verify "
-                         "on; spinU: --mg-ipc-spin-us U; sched: --mg-verifier-in scheduler; chain: --mg-lag-chain on; lag runs without it: off)")
+                    help="RATE:COMMIT[:N][:early][:spinU][:sched|host],... to time instead of every --rates x "
+                         "--commit pair (e.g. 0.1:hold,0.1:lag:sched; N: serve --mg-prefill-ahead N; early: "
+                         "--mg-early-verify on; spinU: --mg-ipc-spin-us U; sched: --mg-verifier-in scheduler; host: "
+                         "that and --mg-controller-in scheduler; chain: --mg-lag-chain on; lag runs without it: off)")
     ap.add_argument("--tau-margins", choices=["fp32", "bf16"], default="fp32",
                     help="which reference margins tau comes from: the verifier's fp32 ones (default), or those "
                          "of its logits rounded to bf16, as SGLang's bf16 lm_head shows them to the seam (the "

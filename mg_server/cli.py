@@ -89,6 +89,11 @@ def _parser() -> argparse.ArgumentParser:
                         "SGLang's (two processes' kernels take turns on a GPU without CUDA MPS); pair it with "
                         "--mg-commit lag. It loads after SGLang sized its K/V cache: leave it room with "
                         "--mem-fraction-static (README, 'On a GPU')")
+    s.add_argument("--mg-controller-in", choices=["process", "scheduler"], default="process",
+                   help="where the controller runs: 'process' (default) is its own process; 'scheduler' "
+                        "(experimental, with --mg-verifier-in scheduler) is a thread of SGLang's scheduler "
+                        "process, which the seam and the controller call directly, without a socket: a verify "
+                        "call then costs the verifier's forward, not four IPC hops around it (README)")
     s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
                    help="longest wait of a response for its verdict (the final audit; default 120)")
 
@@ -201,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         # why: the budget is measured as the process's CUDA memory, SGLang's included; a spinning
         # worker thread would take the GIL from SGLang's scheduler
         _parser().error("--mg-verifier-in scheduler takes neither --mg-verifier-memory-gb nor --mg-ipc-spin-us")
+    if args.mg_controller_in == "scheduler" and args.mg_verifier_in != "scheduler":
+        # why: the direct path calls the verifier in the caller's thread; a verifier process
+        # would keep the socket hops this placement exists to remove
+        _parser().error("--mg-controller-in scheduler needs --mg-verifier-in scheduler")
     if args.mg_verifier_memory_gb is not None and not args.mg_verifier_memory_gb > 0:
         _parser().error("--mg-verifier-memory-gb must be > 0")
     try:
@@ -236,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         commit=args.mg_commit,
         lag_chain=args.mg_lag_chain == "on",
         verifier_in=args.mg_verifier_in,
+        controller_in=args.mg_controller_in,
         verifier_memory_gb=args.mg_verifier_memory_gb,
     )
     from mg_server.sglang_ext.launch import serve

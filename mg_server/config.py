@@ -55,6 +55,9 @@ class HookConfig:
     # experimental (--mg-verifier-in scheduler): the VerifierConfig (as a dict) of a verifier worker
     # this process runs as a thread (runtime/verifier/server.py, "Placement"); None: its own process
     verifier: dict | None = None
+    # experimental (--mg-controller-in scheduler, with the verifier there too): the ControllerConfig
+    # (a dict, its `verifier` left out) of a controller this process hosts (runtime/controller/inproc.py)
+    controller: dict | None = None
     lagged_on_cpu: bool = False  # tests only (env MG_LAGGED_ON_CPU): the lagged path with the CPU reference gate
 
     def to_json_dict(self) -> dict:
@@ -107,6 +110,7 @@ class ServeConfig:
     commit: str = "hold"  # "hold" | "resume" | "lag" (--mg-commit)
     lag_chain: bool = False  # lag: a correction's next step is answered in the same verify call (--mg-lag-chain)
     verifier_in: str = "process"  # "process" | "scheduler": where the verifier worker runs (--mg-verifier-in)
+    controller_in: str = "process"  # "process" | "scheduler": where the controller runs (--mg-controller-in)
 
     @property
     def cpu(self) -> bool:

@@ -10,8 +10,10 @@ reference, with the verdict `verified`: single requests, a batch body and a stre
 
 The server runs its verifier as a thread of SGLang's scheduler process (`--mg-verifier-in
 scheduler`, which needs lag), so the same answers also check that placement: one server start
-instead of two (CI time). Lag with the verifier in its own process is covered by
-tests/test_lagged.py and, on a GPU, tests/test_gpu_serving.py.
+instead of two (CI time). Of the two servers, the one without the chain also hosts the controller
+in that process (`--mg-controller-in scheduler`: the seam calls it directly). Lag with the
+verifier in its own process is covered by tests/test_lagged.py and, on a GPU,
+tests/test_gpu_serving.py.
 """
 
 
@@ -28,16 +30,18 @@ FLIP_AT = 3
 MAX_NEW = 20
 
 
-@pytest.fixture(scope="module", params=["chain-on", "chain-off"])
+@pytest.fixture(scope="module", params=["chain-on", "chain-off-hosted"])
 def setup(request, prepared_model, tmp_path_factory):
-    """--mg-lag-chain on and off (the default): the same answers; only on chains the must step."""
+    """--mg-lag-chain on and off (the default): the same answers; only on chains the must step.
+    The second server also hosts the controller in SGLang's scheduler process."""
     env = {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0", "MG_LAGGED_ON_CPU": "1"}
-    chain = request.param.removeprefix("chain-")
+    chain, hosted = request.param == "chain-on", request.param.endswith("hosted")
     for srv, *rest in faulted_server(prepared_model, tmp_path_factory.mktemp("lag") / "server.log",
                                      ["--mg-mode", "margin", "--mg-commit", "lag", "--mg-verifier-in", "scheduler",
-                                      *(["--mg-lag-chain", "on"] if chain == "on" else [])], env,
+                                      *(["--mg-lag-chain", "on"] if chain else []),
+                                      *(["--mg-controller-in", "scheduler"] if hosted else [])], env,
                                      QUESTIONS, MAX_NEW):
-        srv.chain = chain == "on"
+        srv.chain, srv.hosted = chain, hosted
         yield (srv, *rest)
 
 
@@ -63,10 +67,12 @@ def test_a_corrected_token_is_swapped_before_it_is_emitted(setup):
     # the verifier thread's placement makes SGLang's idle loop sleep (launch.IN_SCHEDULER_ARGS)
     assert "sleep_on_idle=True" in log
     # the verifier is a thread of the scheduler: it loaded there, the controller connected to it,
-    # and no verifier process exists among the server's
+    # and no verifier process exists among the server's (hosted: no controller process either)
     assert "starting the verifier inside SGLang's scheduler process" in log and "verifier ready" in log
     procs = titles(srv.proc.pid).values()
     assert any("sglang::scheduler" in t for t in procs) and not any("mg::verifier" in t for t in procs)
+    assert ("hosting the controller inside SGLang's scheduler process" in log) == srv.hosted
+    assert any("mg::controller" in t for t in procs) != srv.hosted
     assert requests.get(srv.url + "/health", timeout=30).status_code == 200
 
 

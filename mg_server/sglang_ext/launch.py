@@ -160,13 +160,14 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
 
     With `--mg-verifier-in scheduler` the controller does not start it: SGLang's scheduler does,
     from the hook (the returned dict is its VerifierConfig), and this process works out what the
-    front reports (kernel configuration id, weights digest) itself.
+    front reports (kernel configuration id, weights digest) itself. With `--mg-controller-in
+    scheduler` no controller process starts either: the hook hosts it (`_hosted_runtime`).
 
-    Returns (controller ipc path, ControllerInfo, the hook's verifier dict or None), or
-    ("", None, None) in mode "off".
+    Returns (controller ipc path, ControllerInfo, the hook's verifier dict or None, the hook's
+    controller dict or None), or ("", None, None, None) in mode "off".
     """
     if cfg.mg_mode == "off":
-        return "", None, None
+        return "", None, None, None
     from mg_server.runtime.channel import RpcError
     from mg_server.runtime.cleanup import shm_base
     from mg_server.runtime.controller.client import ControllerClient
@@ -201,6 +202,8 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
                             catchup_chunk=cfg.catchup_chunk, prefill_ahead=cfg.prefill_ahead, ipc_spin_s=cfg.ipc_spin_s,
                             spawn_verifier=not in_scheduler, chain=cfg.lag_chain,
                             expect_kernel_config_id=expect_kernels)
+    if cfg.controller_in == "scheduler":  # (the CLI makes sure the verifier is there too)
+        return _hosted_runtime(cfg, ccfg, tau, source, expect_kernels, verifier)
     proc = start_controller(ccfg)
 
     def controller_gone() -> str:  # a dead or stopped controller fails the start now, not after start_timeout_s
@@ -238,7 +241,23 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
     # atexit runs last-registered first: the runtime stops, then its files go
     atexit.register(_stop_runtime, proc, ccfg.ipc_path)
     threading.Thread(target=_watch_runtime, args=(proc,), name="mg-runtime-watch", daemon=True).start()
-    return ccfg.ipc_path, info, asdict(verifier) if in_scheduler else None
+    return ccfg.ipc_path, info, asdict(verifier) if in_scheduler else None, None
+
+
+def _hosted_runtime(cfg: ServeConfig, ccfg, tau: float, source: str, kernels: str, verifier):
+    """`--mg-controller-in scheduler`: no controller process; SGLang's scheduler hosts it from the
+    hook (runtime/controller/inproc.py), with the verifier. What the front reports (kernel id,
+    weights digest) is known here already. Returns start_runtime's values plus the controller's
+    config for the hook (a dict; its verifier travels as the hook's own)."""
+    from mg_server.runtime import protocol as P
+
+    info = P.ControllerInfo(protocol_version=P.PROTOCOL_VERSION, mode=cfg.mg_mode, tau=tau, verifier_up=False,
+                            kernel_config_id=kernels, weights_digest=verifier.weights_digest)
+    log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s, --mg-commit %s", cfg.mg_mode, tau, source,
+             kernels, cfg.commit)
+    log.info("mg controller and verifier: in SGLang's scheduler process (start with it)")
+    controller = {k: v for k, v in asdict(ccfg).items() if k != "verifier"}
+    return ccfg.ipc_path, info, asdict(verifier), controller
 
 
 def _stop_runtime(proc, ipc_path: str) -> None:
@@ -308,7 +327,7 @@ def serve(cfg: ServeConfig) -> None:
 
     shutdown.install(cleanup, cfg.drain_timeout_s)
     context_len = served_context(parsed, cfg.model_path)
-    controller_ipc, info, hook_verifier = start_runtime(cfg, context_len)
+    controller_ipc, info, hook_verifier, hook_controller = start_runtime(cfg, context_len)
 
     from mg_server.front.middleware import DeterministicMiddleware
     from mg_server.runtime.fingerprint import system_fingerprint
@@ -321,7 +340,8 @@ def serve(cfg: ServeConfig) -> None:
                       step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
                       fault_missed_flip=env.fault_missed_flip(), fault_flip_margin=env.fault_flip_margin(),
                       lagged_commit=cfg.lagged_commit, early_verify=cfg.early_verify,
-                      lag_commit=cfg.commit == "lag", lagged_on_cpu=env.lagged_on_cpu(), verifier=hook_verifier)
+                      lag_commit=cfg.commit == "lag", lagged_on_cpu=env.lagged_on_cpu(), verifier=hook_verifier,
+                      controller=hook_controller)
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(
         DeterministicMiddleware,

@@ -43,19 +43,31 @@ class Tracked:
     resumable: bool = False  # see `resumable`: the stop watcher may end its fast path
 
 
-def _start_verifier(cfg: dict):
+def _start_verifier(cfg: dict, serve_socket: bool = True):
     """`serve --mg-verifier-in scheduler`: the verifier worker as a thread of this process
     (runtime/verifier/server.py, "Placement"). Loaded here, before the hello, so the controller
-    finds it serving; a load failure stops SGLang's start-up with the worker's own message."""
+    finds it serving; a load failure stops SGLang's start-up with the worker's own message.
+    serve_socket=False: the controller is hosted here too and calls it directly."""
     from mg_server.runtime.verifier.server import VerifierConfig
     from mg_server.runtime.verifier.thread import start_verifier_thread
 
     log.warning("mg: starting the verifier inside SGLang's scheduler process (experimental: verify calls share "
                 "SGLang's GIL and its GPU; benchmarks/results/gpu/HISTORY.md)")
-    worker = start_verifier_thread(VerifierConfig(**cfg))
+    worker = start_verifier_thread(VerifierConfig(**cfg), serve_socket)
     if worker.server.load_error:
         raise RuntimeError(f"mg: {worker.server.load_error}")
     return worker
+
+
+def _host_controller(cfg: dict, verifier: dict, worker):
+    """`serve --mg-controller-in scheduler`: the controller in this process, beside the verifier."""
+    from mg_server.runtime.controller.inproc import ControllerHost
+    from mg_server.runtime.controller.server import ControllerConfig
+    from mg_server.runtime.verifier.server import VerifierConfig
+
+    log.warning("mg: hosting the controller inside SGLang's scheduler process (experimental: the seam calls it "
+                "directly; benchmarks/results/gpu/HISTORY.md)")
+    return ControllerHost(ControllerConfig(**{**cfg, "verifier": VerifierConfig(**verifier)}), worker)
 
 
 class ControllerLink:
@@ -82,8 +94,16 @@ class ControllerLink:
             import signal
 
             faulthandler.register(signal.SIGUSR1, all_threads=True)
-        self.verifier = _start_verifier(config.verifier) if config.verifier else None  # before the hello
-        self.client = ControllerClient(config.controller_ipc, timeout_s=config.step_timeout_s, client_name="hook")
+        # before the hello; with the controller hosted here too, no thread serves the verifier's socket
+        self.verifier = _start_verifier(config.verifier, config.controller is None) if config.verifier else None
+        self.controller = None
+        if config.controller is not None:  # --mg-controller-in scheduler (runtime/controller/inproc.py)
+            if self.verifier is None:
+                raise RuntimeError("mg: --mg-controller-in scheduler needs the verifier in this process too")
+            self.controller = _host_controller(config.controller, config.verifier, self.verifier)
+            self.client = self.controller.client(config.step_timeout_s)
+        else:
+            self.client = ControllerClient(config.controller_ipc, timeout_s=config.step_timeout_s, client_name="hook")
         self.info = self.client.hello()
         self.policy = Policy(self.info.mode, self.info.tau)  # the controller's own policy (pure)
         self.slots = SlotBuffer.attach(self.info.shm) if self.info.shm is not None else None

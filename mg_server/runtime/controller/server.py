@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
 from dataclasses import dataclass, replace
 
@@ -92,6 +93,10 @@ class Controller(AuditMixin, WorkerMixin):
         # result at the position of the request's coming must row, answered without a verify call.
         self.chained: dict[str, P.VerifyResult] = {}
         self.verifier_proc = None
+        self.direct_verifier = None  # inproc.py: the in-process verifier's direct client (no socket)
+        # Held while a message or an idle turn is handled: the controller's state is single-threaded,
+        # and a controller hosted by SGLang's scheduler process is also called directly (inproc.py).
+        self.lock = threading.RLock()
         self.vclient = None
         self.vinfo: P.HelloReply | None = None
         self.start_error: P.ErrorReply | None = None  # the verifier could not start: told to the launcher
@@ -325,14 +330,8 @@ class Controller(AuditMixin, WorkerMixin):
         while self.running:
             busy = self.pending or self.checks or self.ahead  # idle work waits: no blocking poll, no spin
             if not wait_readable(self.sock, 0 if busy else 200, 0.0 if busy else hot + self.cfg.ipc_spin_s):
-                if self.checks:  # idle: check the resumable requests' low-margin steps first
-                    self._run_checks()
-                elif self.pending:  # idle: run deferred tail audits, a few at a time (a Step may come)
-                    self._complete(list(self.pending)[:IDLE_AUDITS])
-                elif self.ahead:  # idle: teach the verifier new requests' prompts (one call)
-                    self._prefill_ahead()
-                else:  # idle: notice a dead verifier without traffic (health, metric)
-                    self.verifier_up()
+                with self.lock:
+                    self._idle_turn()
                 if idle_exit_s and time.monotonic() - last > idle_exit_s:
                     break
                 continue
@@ -344,7 +343,8 @@ class Controller(AuditMixin, WorkerMixin):
                 reply: P.Message = P.Error(error=P.ErrorReply(code=P.ErrorCode.BAD_REQUEST, message=str(e)))
             else:
                 try:
-                    reply = self.handle(msg)
+                    with self.lock:
+                        reply = self.handle(msg)
                 except Exception as e:  # noqa: BLE001 - the controller survives a bad request
                     log.exception("controller error")
                     reply = P.Error(error=P.ErrorReply(code=P.ErrorCode.INTERNAL, message=repr(e)))
@@ -354,6 +354,16 @@ class Controller(AuditMixin, WorkerMixin):
                 reply.msg_id = msg.msg_id
             self.sock.send_multipart([ident, P.encode(reply)])
             hot = time.monotonic()
+
+    def _idle_turn(self) -> None:
+        if self.checks:  # idle: check the resumable requests' low-margin steps first
+            self._run_checks()
+        elif self.pending:  # idle: run deferred tail audits, a few at a time (a Step may come)
+            self._complete(list(self.pending)[:IDLE_AUDITS])
+        elif self.ahead:  # idle: teach the verifier new requests' prompts (one call)
+            self._prefill_ahead()
+        else:  # idle: notice a dead verifier without traffic (health, metric)
+            self.verifier_up()
 
     def close(self) -> None:
         self.stop_verifier()

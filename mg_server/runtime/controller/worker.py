@@ -27,7 +27,7 @@ CONNECT_RETRY_S = 1.0  # and the pause after a failed one
 
 class WorkerMixin:
     # set by Controller.__init__: cfg, lifeline, m (metrics), verifier_proc, vclient, vinfo,
-    # down_reason, _beat_checked, _verifier_beat
+    # down_reason, _beat_checked, _verifier_beat, direct_verifier
 
     def start_verifier(self) -> None:
         if self.cfg.verifier is None:
@@ -50,8 +50,10 @@ class WorkerMixin:
         from mg_server.runtime.verifier.client import VerifierClient
 
         vcfg = self.cfg.verifier
-        client = VerifierClient(vcfg.ipc_path, timeout_s=self.cfg.verify_timeout_s, client_name="controller",
-                                peer_check=self._verifier_gone, spin_s=self.cfg.ipc_spin_s)
+        # (the controller hosted by SGLang's scheduler process calls its verifier directly: inproc.py)
+        client = self.direct_verifier or VerifierClient(
+            vcfg.ipc_path, timeout_s=self.cfg.verify_timeout_s, client_name="controller",
+            peer_check=self._verifier_gone, spin_s=self.cfg.ipc_spin_s)
         if self.cfg.spawn_verifier:  # kept even if the hello fails: close() still sends it Shutdown
             self.vclient = client
         try:

@@ -81,7 +81,7 @@ def _timed(fn, device, iters: int) -> float:
     return statistics.median(ts)
 
 
-def bench_model(name: str, device: str, ctx: int, iters: int, profile: bool = False) -> dict:
+def bench_model(name: str, device: str, ctx: int, iters: int, profile: bool = False, profile_gap: int = 0) -> dict:
     cfg = SHAPES[name]
     dtype = torch.bfloat16
     model = VerifierModel(ModelSpec.from_hf_config(cfg), random_tensors(cfg, device, dtype), dtype,
@@ -121,12 +121,13 @@ def bench_model(name: str, device: str, ctx: int, iters: int, profile: bool = Fa
         from torch.profiler import ProfilerActivity, profile as tprofile
 
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-        items = [VerifyItem(rid="r", pos=ctx, tokens=prompt[ctx: ctx + 1], rewind=True)]
+        g = profile_gap  # (16: a lag call at bs 8 carries ~17 rows)
+        items = [VerifyItem(rid="r", pos=ctx + g, tokens=prompt[ctx: ctx + g + 1], rewind=True)]
         with tprofile(activities=acts) as prof:
             for _ in range(5):
                 engine.step(items)
             _sync(dev)
-        print(f"--- profile: {name}, 5 x verify gap 0 ---")
+        print(f"--- profile: {name}, 5 x verify gap {g} ---")
         sort = "self_device_time_total" if dev.type == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=24, max_name_column_width=48))
         if dev.type == "cuda":  # kernels per step and their summed device time (the graph's floor)
@@ -203,6 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per model")
+    ap.add_argument("--profile-gap", type=int, default=0, help="the profiled step's catch-up tokens (default 0)")
     args = ap.parse_args(argv)
     models = args.models.split(",") if args.models else (
         ["smollm2-135m", "llama-8b"] if args.device.startswith("cuda") else ["smollm2-135m"])
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> dict:
                  "torch": torch.__version__, "kernel_config_id": ops.config_id(dev), "ctx": args.ctx,
                  "models": {}}
     for m in models:
-        res["models"][m] = bench_model(m, args.device, args.ctx, args.iters, args.profile)
+        res["models"][m] = bench_model(m, args.device, args.ctx, args.iters, args.profile, args.profile_gap)
         print(m, json.dumps(res["models"][m]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         res["ipc"] = bench_ipc(models[0], args.device, args.ctx, args.iters, Path(tmp))

@@ -174,7 +174,7 @@ class VerifierServer:
             device=str(eng.model.device), max_seq_len=eng.max_seq_len, max_requests=eng.max_requests,
             shm=self.shm.spec, pool_tokens=eng.pool.n_tokens, memory_bytes=self.memory_bytes)
 
-    def _verify(self, batch: list[tuple[bytes, P.Verify]]) -> None:
+    def _verify(self, batch: list[tuple[bytes, P.Verify]], send=None) -> None:
         items, owners = [], []
         now = time.time_ns()
         late: dict[int, P.ErrorReply] = {}
@@ -208,7 +208,7 @@ class VerifierServer:
         self.shm.write_many(writes)
         t.append(time.perf_counter())
         for (ident, m), results in zip(batch, replies):
-            self._send(ident, P.VerifyReply(msg_id=m.msg_id, results=results))
+            (send or self._send)(ident, P.VerifyReply(msg_id=m.msg_id, results=results))
         if trace:
             self._trace(items, now, t + [time.perf_counter()], allocs)
 
@@ -268,6 +268,20 @@ class VerifierServer:
             self.running = False
             return P.Ack(msg_id=m.msg_id)
         return _err(P.ErrorCode.BAD_REQUEST, f"unexpected message {type(m).__name__}", m.msg_id)
+
+    def call(self, m: P.Message) -> P.Message:
+        """One request served in the caller's thread, without the socket: the reply the socket
+        would carry (`--mg-controller-in scheduler`: thread.DirectVerifierClient). The caller
+        serialises calls and makes the verifier's stream current."""
+        if self.load_error and not isinstance(m, P.Shutdown):
+            return _err(P.ErrorCode.LOAD_FAILED, self.load_error, m.msg_id)
+        if not isinstance(m, P.Verify):
+            return self._control(m)
+        if not 0 < len(m.items) <= self.cfg.n_slots:  # each result needs its own live slot
+            return _err(P.ErrorCode.BAD_REQUEST, f"{len(m.items)} items; 1..{self.cfg.n_slots} per message", m.msg_id)
+        out: list[P.Message] = []
+        self._verify([(b"", m)], send=lambda _ident, reply: out.append(reply))
+        return out[0]
 
     # ---- loop ---------------------------------------------------------------------------
     def _send(self, ident: bytes, msg: P.Message) -> None:

@@ -1,6 +1,9 @@
 """The verifier worker as a thread of the calling process (`serve --mg-verifier-in scheduler`,
 experimental; server.py's module doc, "Placement", says why). Same server object, messages,
 kernels and bits as the process placement; only where its kernels are launched changes.
+
+With the controller in the same process (`--mg-controller-in scheduler`), no thread serves the
+socket: the controller calls the server in its own thread through `DirectVerifierClient`.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from mg_server.runtime import protocol as P
 from mg_server.runtime.verifier.server import VerifierConfig, VerifierServer
 
 
@@ -38,7 +42,9 @@ class VerifierThread:
         self.stopped = threading.Event()
         self.gil_watch: threading.Thread | None = None  # cfg.trace_calls: watch_gil
 
-    def start(self) -> "VerifierThread":
+    def start(self, serve_socket: bool = True) -> "VerifierThread":
+        """Load, then serve the socket from a thread (serve_socket=False: the caller serves it
+        directly, through DirectVerifierClient; the beat still says "serving")."""
         self.lifeline.status = "loading"
         self.lifeline.start()
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
@@ -46,7 +52,8 @@ class VerifierThread:
         # why: the serving thread wakes on a message while the host's threads run Python; CPython
         # hands it the GIL only after the holder's switch interval (5 ms by default).
         sys.setswitchinterval(min(sys.getswitchinterval(), self.cfg.switch_interval_s))
-        self.thread.start()
+        if serve_socket:
+            self.thread.start()
         if self.cfg.trace_calls:
             self.gil_watch = threading.Thread(target=watch_gil, args=(self.stopped,), name="mg-gil-watch", daemon=True)
             self.gil_watch.start()
@@ -66,11 +73,66 @@ class VerifierThread:
     def stop(self, timeout_s: float = 5.0) -> None:
         self.stopped.set()
         self.server.running = False
-        self.thread.join(timeout_s)
+        if self.thread.ident is not None:  # its serving thread closes the server on its way out
+            self.thread.join(timeout_s)
+        else:  # served directly (start(serve_socket=False))
+            self.server.close()
+            self.lifeline.stop()
 
 
-def start_verifier_thread(cfg: VerifierConfig) -> VerifierThread:
-    return VerifierThread(cfg).start()
+def start_verifier_thread(cfg: VerifierConfig, serve_socket: bool = True) -> VerifierThread:
+    return VerifierThread(cfg).start(serve_socket)
+
+
+class DirectVerifierClient:
+    """The controller's verifier client when both live in SGLang's scheduler process
+    (`--mg-controller-in scheduler`): each call runs the server's handler in the caller's thread,
+    on the verifier's CUDA stream, and returns what the socket would have carried. No socket, no
+    thread hand-over: a verify call costs the verifier's forward and its Python. The caller (the
+    controller, under its lock) serialises the calls. Same interface as VerifierClient."""
+
+    def __init__(self, worker: VerifierThread):
+        self.worker = worker
+        self.info: P.HelloReply | None = None
+        self.slots = None  # the controller relays (slot, gen); it never reads the columns
+        self.last_gen = 0  # the newest slot generation in a reply (as VerifierClient.last_gen)
+
+    def _call(self, m: P.Message) -> P.Message:
+        from mg_server.runtime.verifier.client import VerifierError
+
+        s = self.worker.stream
+        with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
+            reply = self.worker.server.call(m)
+        if isinstance(reply, P.Error):
+            raise VerifierError.of(reply.error)
+        return reply
+
+    def connect(self, timeout_s: float | None = None, expect_model_id: str = "", expect_kernel_config_id: str = "",
+                attach_slots: bool = False) -> P.HelloReply:
+        self.info = self._call(P.Hello(protocol_version=P.PROTOCOL_VERSION, client="controller",
+                                       expect_model_id=expect_model_id,
+                                       expect_kernel_config_id=expect_kernel_config_id))
+        return self.info
+
+    def verify_many(self, items: list[P.VerifyItem], timeout_s: float | None = None
+                    ) -> list[P.VerifyResult | P.ErrorReply]:
+        reply = self._call(P.Verify(items=list(items)))
+        for r in reply.results:
+            if isinstance(r, P.VerifyResult):
+                self.last_gen = max(self.last_gen, r.gen if r.next is None else r.next.gen)
+        return reply.results
+
+    def release(self, rids: list[str], timeout_s: float | None = None) -> int:
+        return self._call(P.Release(rids=list(rids))).n
+
+    def stats(self, timeout_s: float | None = None) -> P.StatsReply:
+        return self._call(P.Stats())
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        self._call(P.Shutdown())
+
+    def close(self) -> None:
+        pass
 
 
 def watch_gil(stop: threading.Event, period_s: float = 2e-3, late_s: float = 0.05) -> None:

@@ -1,0 +1,99 @@
+"""The controller as part of SGLang's scheduler process (`serve --mg-controller-in scheduler`,
+experimental; the verifier must be there too: `--mg-verifier-in scheduler`).
+
+Why: measured on an H100 (benchmarks/results/gpu/HISTORY.md, "Where a lag step's time goes"),
+with the verifier a thread of the scheduler process and the controller a process of its own, a
+forward whose rows need the verifier waits for seam -> controller -> verifier -> controller ->
+seam: four socket hops and their wake-ups around the verifier's ~1.5 ms forward, about 3 ms in
+all, and SGLang's scheduler thread is blocked for all of it (34 % of its time at batch 8).
+Here the seam's steps call the controller, and the controller its verifier, as functions in the
+caller's thread: the same Controller object, the same messages and verifier, no socket and no
+thread hand-over on that path.
+
+What stays as it was: the controller's socket, served by a thread of this process, for every
+other client (the front's verdicts, the seam's Finish and Stops, the launcher's Shutdown), so a
+Finish still wakes the loop that runs its tail audit; its beat file (the front's /health); its
+idle work. One lock (Controller.lock) serialises the direct calls and that thread.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from mg_server.runtime import protocol as P
+from mg_server.runtime.channel import RpcError
+from mg_server.runtime.controller.client import ControllerClient
+from mg_server.runtime.controller.server import Controller, ControllerConfig
+from mg_server.runtime.liveness import Lifeline, beat_path
+
+
+class ControllerHost:
+    """Runs a Controller in this process: its socket loop in a daemon thread, its verifier the
+    in-process worker (`worker`: a VerifierThread started without its socket thread)."""
+
+    def __init__(self, cfg: ControllerConfig, worker):
+        from mg_server.runtime.verifier.thread import DirectVerifierClient
+
+        self.lifeline = Lifeline(beat_path(cfg.ipc_path), 0, name="mg-controller-life")  # lives with this process
+        self.controller = Controller(cfg, self.lifeline)
+        self.controller.direct_verifier = DirectVerifierClient(worker)
+        self.lifeline.start()
+        self.controller.start_verifier()  # (spawn_verifier False: it connects at the first verifier_up)
+        self.thread = threading.Thread(target=self._serve, name="mg-controller", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.controller.serve_forever()
+        finally:
+            self.lifeline.stop()
+
+    def client(self, timeout_s: float, client_name: str = "hook") -> "DirectControllerClient":
+        return DirectControllerClient(self.controller, timeout_s, client_name)
+
+
+class DirectControllerClient:
+    """ControllerClient's interface for the seam (one per caller, used under the link's rpc_lock):
+    `step` and `report` call the controller in the caller's thread; the rest goes through the
+    socket (module doc), whose replies are not on a forward's path."""
+
+    def __init__(self, controller: Controller, timeout_s: float, client_name: str):
+        self.controller = controller
+        self.sock = ControllerClient(controller.cfg.ipc_path, timeout_s=timeout_s, client_name=client_name)
+
+    def _direct(self, msg: P.Message) -> P.Message | None:
+        with self.controller.lock:
+            reply = self.controller.handle(msg)
+        if isinstance(reply, P.Error):
+            raise RpcError.of(reply.error)
+        return reply
+
+    def step(self, rows: list[P.StepRow], timeout_s: float | None = None) -> list[P.StepDecision]:
+        return self._direct(P.Step(rows=rows)).decisions
+
+    def report(self, rows: list[P.StepRow]) -> None:
+        self._direct(P.Step(rows=rows, reply=False))
+
+    def hello(self, timeout_s: float | None = None) -> P.ControllerInfo:
+        return self.sock.hello(timeout_s)
+
+    def stops(self, timeout_s: float | None = None) -> list[str]:
+        return self.sock.stops(timeout_s)
+
+    def finish(self, msg: P.Finish, timeout_s: float | None = None) -> None:
+        self.sock.finish(msg, timeout_s)
+
+    def verdict(self, rid: str, correct: bool = False, timeout_s: float | None = None) -> P.VerdictReply:
+        return self.sock.verdict(rid, correct, timeout_s)
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        self.sock.shutdown(timeout_s)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "DirectControllerClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
