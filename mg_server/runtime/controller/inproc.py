@@ -1,14 +1,17 @@
 """The controller as part of SGLang's scheduler process (`serve --mg-controller-in scheduler`,
 experimental; the verifier must be there too: `--mg-verifier-in scheduler`).
 
-Why: measured on an H100 (benchmarks/results/gpu/HISTORY.md, "Where a lag step's time goes"),
-with the verifier a thread of the scheduler process and the controller a process of its own, a
-forward whose rows need the verifier waits for seam -> controller -> verifier -> controller ->
-seam: four socket hops and their wake-ups around the verifier's ~1.5 ms forward, about 3 ms in
-all, and SGLang's scheduler thread is blocked for all of it (34 % of its time at batch 8).
-Here the seam's steps call the controller, and the controller its verifier, as functions in the
-caller's thread: the same Controller object, the same messages and verifier, no socket and no
-thread hand-over on that path.
+Why: with the verifier a thread of the scheduler process and the controller a process of its
+own, a forward whose rows need the verifier waits for seam -> controller -> verifier ->
+controller -> seam, four socket hops around the verifier's ~1.5 ms forward, and a py-spy profile
+on an H100 found SGLang's scheduler thread blocked in that call 34 % of its time at batch 8
+(benchmarks/results/gpu/HISTORY.md, "Where a lag step's time goes"). Here the seam's steps call
+the controller, and the controller its verifier, as functions in the caller's thread: the same
+Controller object, the same messages and verifier, no socket and no thread hand-over on that path.
+
+Measured (same section): the controller's verify call went from 2.00 to 1.76-1.93 ms, and the
+step's overhead at batch 8 did not move (+17 % against +17 %, +18 % against +17 %, two A/B
+sweeps): at that batch size the hops are not what the step waits for. Hence experimental, off.
 
 What stays as it was: the controller's socket, served by a thread of this process, for every
 other client (the front's verdicts, the seam's Finish and Stops, the launcher's Shutdown), so a

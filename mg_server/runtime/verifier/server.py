@@ -13,7 +13,8 @@ a thread of SGLang's scheduler process (`thread.start_verifier_thread`, experime
 two processes' kernels on one GPU take turns (time slices) unless CUDA MPS runs, so a verify
 call made while SGLang's next forward runs (`--mg-commit lag`) adds its whole GPU time to the
 step; one process's streams run their kernels side by side. Same messages, same kernels, same
-bits: only where the engine's kernels are launched changes.
+bits: only where the engine's kernels are launched changes. With the controller there too
+(`--mg-controller-in scheduler`) no thread serves the socket: the controller calls `call`.
 """
 
 from __future__ import annotations
