@@ -197,9 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("--mg-verify-timeout and --mg-verdict-wait must be > 0, --mg-catchup-chunk >= 1, "
                         "--mg-prefill-ahead >= 0, --mg-ipc-spin-us in [0, 1000000]")
     if args.mg_verifier_in == "scheduler" and args.mg_commit != "lag":
-        # why: a gate holding SGLang's stream for the verifier stalled the verifier thread itself
-        # in every run with --mg-commit hold on an H200 (benchmarks/results/gpu/HISTORY.md,
-        # "Verifier in the scheduler"; once in six bodies on an H100 with --sleep-on-idle)
+        # why: a gate holding SGLang's stream for the verifier stalls the verifier thread itself:
+        # a Triton kernel SGLang loads meanwhile waits for the held stream, and the verify call's
+        # graph launch waits behind the load (benchmarks/results/gpu/HISTORY.md, "Hold in the
+        # scheduler's hang, named": once per server on an H100, 30 s, the rows failed)
         _parser().error("--mg-verifier-in scheduler needs --mg-commit lag (holding a forward for a verifier "
                         "in the same process stalled it)")
     if args.mg_verifier_in == "scheduler" and (args.mg_verifier_memory_gb is not None or args.mg_ipc_spin_us):
