@@ -93,7 +93,7 @@ def main() -> int:
             refs = E.references(mdir, prompts, 64, args.out / f"refs-{name}.json", "cuda")
             tau = tau_for_rate([m for k in ("det_margins", "prefix_margins") for row in refs[k] for m in row],
                                args.rate)
-            mem = ["--mem-fraction-static", "0.85", "--max-total-tokens", str(E.POOL_TOKENS[name])]
+            mem = E.mem_flags(name)
             runs = {"plain SGLang": ("off", [], False),
                     f"mg ~{args.rate}, early verify on": ("margin", ["--mg-tau", f"{tau:.6g}", "--mg-early-verify",
                                                                      "on"], True),

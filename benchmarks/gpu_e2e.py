@@ -51,6 +51,11 @@ MODEL_FLAGS = {"smol": [], "llama8b": ["--skip-tokenizer-init"]}
 POOL_TOKENS = {"smol": 262144, "llama8b": 32768}
 
 
+def mem_flags(name: str) -> list[str]:
+    """The memory flags every GPU server of these benchmarks gets (see POOL_TOKENS)."""
+    return ["--mem-fraction-static", "0.85", "--max-total-tokens", str(POOL_TOKENS[name])]
+
+
 def log(msg: str) -> None:
     print(f"[gpu_e2e {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -360,7 +365,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
     plain_set = prompts["other"][:8]
 
     # The same memory flags for every server (see POOL_TOKENS): 0.85 of what is free when each starts.
-    mem = ["--mem-fraction-static", "0.85", "--max-total-tokens", str(POOL_TOKENS[name])] if args.device == "cuda" else []
+    mem = mem_flags(name) if args.device == "cuda" else []
     tau = args.tau
     if "always" in args.modes:
         srv = start(mdir, name, "always", out, mem, args.device)

@@ -189,7 +189,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
     refs = E.references(mdir, prompts, args.tokens, out / f"refs-{name}.json", args.device)
     kind = "_margins_bf16" if args.tau_margins == "bf16" else "_margins"
     margins = [m for key in ("det", "prefix") for row in refs[key + kind] for m in row]
-    mem = ["--mem-fraction-static", "0.85", "--max-total-tokens", str(E.POOL_TOKENS[name])]
+    mem = E.mem_flags(name)
     res = {"model": name, "shape": E.SHAPES[name], "weights": str(mdir) if name in args.checkpoint else "random",
            "batches": args.batches, "decode_tokens": args.decode_tokens,
            "reps": args.reps, "short_tokens": args.short_tokens, "stream_interval": args.stream_interval, "mixed_share": MIXED, "seam": args.seam,

@@ -48,12 +48,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = json.loads(E.PROMPTS_FILE.read_text())["other"]
-    mem = ["--mem-fraction-static", "0.85", "--max-total-tokens", str(E.POOL_TOKENS["smol"])]
     res = {}
     for name in args.configs.split(","):
         d = out / name
         d.mkdir(exist_ok=True)
-        srv = E.start(Path(args.checkpoint), "smol", "margin", d, CONFIGS[name] + mem, "cuda")
+        srv = E.start(Path(args.checkpoint), "smol", "margin", d, CONFIGS[name] + E.mem_flags("smol"), "cuda")
         alone = name == "lag-alone"
         runs = []
         try:

@@ -101,12 +101,11 @@ def run(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     prompts = json.loads(E.PROMPTS_FILE.read_text())["other"]
-    mem = ["--mem-fraction-static", "0.85", "--max-total-tokens", str(E.POOL_TOKENS["smol"])]
     steps = {}
     for name in args.configs.split(","):
         mode, flags = CONFIGS[name]
         (out / name).mkdir(exist_ok=True)
-        srv = E.start(Path(args.checkpoint), "smol", mode, out / name, flags + mem, "cuda")
+        srv = E.start(Path(args.checkpoint), "smol", mode, out / name, flags + E.mem_flags("smol"), "cuda")
         n_det, times, stop = (0 if mode == "off" else 8), [], threading.Event()
 
         def traffic():
