@@ -302,6 +302,33 @@ def test_a_missed_flip_is_completed_by_the_verifier_when_the_answer_can_be_repla
     assert ctl._verdict("s").state == "mismatch" and ctl._verdict("s").correction is None
 
 
+def test_a_completion_runs_in_slices_and_steps_are_served_between(make_ctl, monkeypatch):
+    """audit.CORRECTION_SLICE_S 0: each verdict ask makes one verify call of the completion and
+    reads `running` until the answer is complete; another request's steps go through meanwhile,
+    and the completed answer is the one the one-shot completion gives."""
+    from mg_server.runtime.controller import audit
+
+    monkeypatch.setattr(audit, "CORRECTION_SLICE_S", 0.0)
+    ctl = make_ctl("margin", 0.5)
+    end = dict(max_new=6, stop_ids=[], correctable=True)
+    run_request(ctl, "c", [3, 3], 6, [9.0] * 6, flip_at=2, **end)
+    before = ctl.m.corrections._value.get()  # (the counters are the process's)
+    states, asks = [], 0
+    while True:
+        v = ctl._verdict("c", correct=True)
+        asks += 1
+        states.append(v.state)
+        if v.state != "running":
+            break
+        assert v.correction is None and v.mismatch_positions == [3]
+        if asks == 2:  # another deterministic request decides its steps between two slices
+            run_request(ctl, "d", [4, 4], 3, [9.0] * 3, max_new=3, stop_ids=[], correctable=True)
+            assert ctl._verdict("d").state == "verified"
+    assert states[-1] == "verified" and asks == 4  # the 4 tokens after the flip, one call each
+    assert v.correction.output == reference([3, 3], 6) and "c" not in ctl.completing
+    assert "c#correct" in ctl.vclient.released and ctl.m.corrections._value.get() == before + 1
+
+
 def test_a_correction_ends_by_sglangs_rules_and_not_without_them(make_ctl):
     ctl = make_ctl("margin", 0.5)
     ref = reference([1, 2], 40)

@@ -13,7 +13,7 @@ import logging
 import time
 
 from mg_server.runtime import protocol as P
-from mg_server.runtime.controller.correct import can_correct, complete_answer, resume_point
+from mg_server.runtime.controller.correct import AnswerCompletion, can_correct, resume_point
 from mg_server.runtime.controller.state import ReqState
 
 log = logging.getLogger("mg.controller")
@@ -22,6 +22,9 @@ log = logging.getLogger("mg.controller")
 # forward; on the H100 8 requests' step costs 1.61 ms where one costs 1.36), bounded well below
 # the verifier's slots per message (VerifierConfig.n_slots, 64).
 AUDIT_ITEMS = 32
+# A missed flip's completion runs in slices of about this long, one per verdict ask (the front
+# asks every 10 ms while it reads `running`): Steps are served in between (correct.AnswerCompletion).
+CORRECTION_SLICE_S = 0.02
 
 
 class AuditMixin:
@@ -189,13 +192,23 @@ class AuditMixin:
                         "flip token %d)", rid, min(st.mismatches), st.error, st.aborted,
                         e and (e.max_new, e.correctable), st.flip_token)
         elif correct and st.correction is None and can_correct(st, self.cfg.mode) and self.verifier_up():
+            job = self.completing.get(rid) or self.completing.setdefault(
+                rid, AnswerCompletion(rid, st, self.cfg.verify_timeout_s))
             try:
-                st.correction = complete_answer(self.vclient, rid, st, self.cfg.verify_timeout_s)
-                self.m.corrections.inc()
-                log.warning("request %s: missed flip at answer token %d corrected by the verifier (%d tokens)",
-                            rid, st.correction.first, len(st.correction.output))
+                corr = job.advance(self.vclient, CORRECTION_SLICE_S)
             except Exception as e:  # noqa: BLE001 - the verdict stays `mismatch`
+                self.completing.pop(rid, None)
                 log.error("request %s: correction failed: %s", rid, e)
+            else:
+                if corr is None:  # not complete yet: the front asks again (and Steps go first)
+                    return P.VerdictReply(rid=rid, state=P.VerdictState.RUNNING, steps=st.steps,
+                                          verified_steps=len(st.verified), repairs=len(st.repairs),
+                                          mismatch_positions=list(st.mismatches))
+                del self.completing[rid]
+                st.correction = corr
+                self.m.corrections.inc()
+                log.warning("request %s: missed flip at answer token %d corrected by the verifier (%d tokens, "
+                            "%d verify calls)", rid, corr.first, len(corr.output), job.calls)
         return P.VerdictReply(rid=rid, state=st.state(self.cfg.mode), steps=st.steps,
                               verified_steps=len(st.verified), repairs=len(st.repairs),
                               mismatch_positions=list(st.mismatches), error=st.error or st.aborted,
@@ -205,3 +218,6 @@ class AuditMixin:
         now = time.monotonic()
         for rid in [r for r, s in self.reqs.items() if s.finished_at and now - s.finished_at > self.cfg.verdict_ttl_s]:
             del self.reqs[rid]
+            job = self.completing.pop(rid, None)  # a completion nobody asked for again
+            if job is not None and self.vclient is not None:
+                job.release(self.vclient)

@@ -19,39 +19,71 @@ from mg_server.runtime import protocol as P
 from mg_server.runtime.controller.state import ReqState
 
 
-def complete_answer(vclient, rid: str, st: ReqState, item_timeout_s: float) -> P.Correction:
-    """The verifier's completion of `st` from its first missed flip. Raises VerifierError."""
-    from mg_server.runtime.verifier.client import VerifierError
+class AnswerCompletion:
+    """The verifier's completion of `st` from its first missed flip, a few verify calls at a time.
 
-    end = st.end
-    q = min(st.mismatches)  # t_0 .. t_q agree with the verifier; t_{q+1} was the missed flip
-    tokens = list(st.tokens[:q + 1])  # [q + 1] ids: prompt, then the answer up to the flip
-    stop = set(end.stop_ids)
-    finish = ""
-    key = f"{rid}#correct"  # its own shadow cache: never mixes with a live request of the same rid
-    vclient.release([key], timeout_s=item_timeout_s)
-    try:
-        first = True
-        while not finish:
-            pos = len(tokens) - 1
-            sent = list(tokens) if first else tokens[-1:]
-            item = P.VerifyItem(rid=key, pos=pos, tokens=sent, prompt_len=st.prompt_len if first else 0,
-                                temperature=st.temperature, seed=st.seed,  # the request's own rule
-                                deadline_ns=time.time_ns() + int(item_timeout_s * 1e9))
-            (res,) = vclient.verify_many([item], timeout_s=item_timeout_s)
-            if isinstance(res, P.ErrorReply):
-                raise VerifierError(res.code, res.message)
-            first = False
-            tokens.append(res.token)
-            # SGLang's order: the length limit first, then the token rules
-            if len(tokens) - st.prompt_len >= end.max_new:
-                finish = "length"
-            elif res.token in stop:
-                finish = "stop"
-    finally:
-        vclient.release([key], timeout_s=item_timeout_s)
-    return P.Correction(original=st.tokens[st.prompt_len:], output=tokens[st.prompt_len:],
-                        first=q + 1 - st.prompt_len, finish=finish)
+    Why in slices: the controller is single-threaded, and a completion is one verify call per
+    token (hundreds on a long answer: ~0.2 s on an H100, seconds on a CPU). Run in one go, it would
+    hold up every deterministic forward's Step meanwhile. The front asks for the verdict again
+    every 10 ms while it reads `running`, so each ask advances the completion by one slice and
+    Steps are served in between (controller.audit._verdict)."""
+
+    def __init__(self, rid: str, st: ReqState, item_timeout_s: float):
+        self.st, self.item_timeout_s = st, item_timeout_s
+        self.q = min(st.mismatches)  # t_0 .. t_q agree with the verifier; t_{q+1} was the missed flip
+        self.tokens = list(st.tokens[:self.q + 1])  # [q + 1] ids: prompt, then the answer up to the flip
+        self.stop = set(st.end.stop_ids)
+        self.finish = ""
+        self.key = f"{rid}#correct"  # its own shadow cache: never mixes with a live request of the same rid
+        self.calls = 0
+
+    def advance(self, vclient, budget_s: float = float("inf")) -> P.Correction | None:
+        """Verify calls until the answer is complete (-> its Correction) or `budget_s` has passed
+        (-> None; at least one call is made). Raises VerifierError (the shadow cache released)."""
+        from mg_server.runtime.verifier.client import VerifierError
+
+        st, end = self.st, self.st.end
+        t_end = time.monotonic() + budget_s
+        try:
+            if self.calls == 0:
+                vclient.release([self.key], timeout_s=self.item_timeout_s)
+            while not self.finish:
+                pos = len(self.tokens) - 1
+                first = self.calls == 0
+                sent = list(self.tokens) if first else self.tokens[-1:]
+                item = P.VerifyItem(rid=self.key, pos=pos, tokens=sent, prompt_len=st.prompt_len if first else 0,
+                                    temperature=st.temperature, seed=st.seed,  # the request's own rule
+                                    deadline_ns=time.time_ns() + int(self.item_timeout_s * 1e9))
+                (res,) = vclient.verify_many([item], timeout_s=self.item_timeout_s)
+                if isinstance(res, P.ErrorReply):
+                    raise VerifierError(res.code, res.message)
+                self.calls += 1
+                self.tokens.append(res.token)
+                # SGLang's order: the length limit first, then the token rules
+                if len(self.tokens) - st.prompt_len >= end.max_new:
+                    self.finish = "length"
+                elif res.token in self.stop:
+                    self.finish = "stop"
+                if not self.finish and time.monotonic() >= t_end:
+                    return None
+        except BaseException:
+            self.release(vclient)
+            raise
+        self.release(vclient)
+        return P.Correction(original=st.tokens[st.prompt_len:], output=self.tokens[st.prompt_len:],
+                            first=self.q + 1 - st.prompt_len, finish=self.finish)
+
+    def release(self, vclient) -> None:
+        """Free the completion's shadow cache (also for one given up on)."""
+        try:
+            vclient.release([self.key], timeout_s=self.item_timeout_s)
+        except Exception:  # noqa: BLE001 - the verifier evicts idle caches anyway
+            pass
+
+
+def complete_answer(vclient, rid: str, st: ReqState, item_timeout_s: float) -> P.Correction:
+    """The verifier's completion of `st` from its first missed flip, in one go. Raises VerifierError."""
+    return AnswerCompletion(rid, st, item_timeout_s).advance(vclient)
 
 
 def resume_point(st: ReqState) -> P.Correction:

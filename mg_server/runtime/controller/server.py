@@ -42,6 +42,7 @@ from mg_server.runtime import protocol as P
 from mg_server.runtime.channel import wait_readable
 from mg_server.runtime.controller.audit import AuditMixin
 from mg_server.runtime.controller.catchup import catch_up
+from mg_server.runtime.controller.correct import AnswerCompletion
 from mg_server.runtime.controller.state import ReqState
 from mg_server.runtime.controller.worker import WorkerMixin
 from mg_server.runtime.liveness import Lifeline, beat_path
@@ -92,6 +93,8 @@ class Controller(AuditMixin, WorkerMixin):
         # Lag corrections' next steps, verified in the same call (VerifyItem.chain): rid -> the
         # result at the position of the request's coming must row, answered without a verify call.
         self.chained: dict[str, P.VerifyResult] = {}
+        # Missed flips' completions in progress, one slice per verdict ask (audit._verdict).
+        self.completing: dict[str, AnswerCompletion] = {}
         self.verifier_proc = None
         self.direct_verifier = None  # inproc.py: the in-process verifier's direct client (no socket)
         # Held while a message or an idle turn is handled: the controller's state is single-threaded,
