@@ -75,7 +75,9 @@ class ControllerLink:
 
     One socket for steps, one-way step reports and finishes, used under `rpc_lock`: zmq keeps
     one socket's messages in order, so a Finish never overtakes the report of the request's
-    last steps (two sockets would be read in either order).
+    last steps (two sockets would be read in either order). With the controller hosted here
+    (`--mg-controller-in scheduler`) steps and reports are direct calls, done when they return,
+    so a Finish sent over the socket after them cannot overtake them either.
     """
 
     # the lagged control path's drain(wait) (lagged.py): a Finish follows the reports of every

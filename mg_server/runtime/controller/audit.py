@@ -192,8 +192,9 @@ class AuditMixin:
                         "flip token %d)", rid, min(st.mismatches), st.error, st.aborted,
                         e and (e.max_new, e.correctable), st.flip_token)
         elif correct and st.correction is None and can_correct(st, self.cfg.mode) and self.verifier_up():
-            job = self.completing.get(rid) or self.completing.setdefault(
-                rid, AnswerCompletion(rid, st, self.cfg.verify_timeout_s))
+            job = self.completing.get(rid)
+            if job is None:
+                job = self.completing[rid] = AnswerCompletion(rid, st, self.cfg.verify_timeout_s)
             try:
                 corr = job.advance(self.vclient, CORRECTION_SLICE_S)
             except Exception as e:  # noqa: BLE001 - the verdict stays `mismatch`

@@ -81,11 +81,6 @@ class AnswerCompletion:
             pass
 
 
-def complete_answer(vclient, rid: str, st: ReqState, item_timeout_s: float) -> P.Correction:
-    """The verifier's completion of `st` from its first missed flip, in one go. Raises VerifierError."""
-    return AnswerCompletion(rid, st, item_timeout_s).advance(vclient)
-
-
 def resume_point(st: ReqState) -> P.Correction:
     """A resumable request's correction (server module doc): its answer up to the first missed
     flip, then the verifier's token there (found by the check or audit that saw the flip). Unless

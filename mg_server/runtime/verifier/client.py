@@ -20,6 +20,15 @@ class VerifierError(RpcError):
     """A typed failure of a verifier call: `code` is one of protocol.ErrorCode."""
 
 
+def newest_gen(results: list, last_gen: int) -> int:
+    """The newest slot generation among a reply's results and `last_gen` (the worker stamps
+    results in order; a chained result's `next` is newer than the result itself)."""
+    for r in results:
+        if isinstance(r, P.VerifyResult):
+            last_gen = max(last_gen, r.gen if r.next is None else r.next.gen)
+    return last_gen
+
+
 class VerifierClient(RpcClient):
     error_cls = VerifierError
 
@@ -54,9 +63,7 @@ class VerifierClient(RpcClient):
         """Send items in one message (served in one batched forward where rids differ)."""
         reply = self.call(P.Verify(items=list(items)), timeout_s)
         assert isinstance(reply, P.VerifyReply)
-        for r in reply.results:
-            if isinstance(r, P.VerifyResult):
-                self.last_gen = max(self.last_gen, r.gen if r.next is None else r.next.gen)
+        self.last_gen = newest_gen(reply.results, self.last_gen)
         return reply.results
 
     def verify(self, rid: str, pos: int, tokens: list[int], *, rewind: bool = False,

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from mg_server.runtime import protocol as P
+from mg_server.runtime.verifier.client import VerifierError, newest_gen
 from mg_server.runtime.verifier.server import VerifierConfig, VerifierServer
 
 
@@ -98,8 +99,6 @@ class DirectVerifierClient:
         self.last_gen = 0  # the newest slot generation in a reply (as VerifierClient.last_gen)
 
     def _call(self, m: P.Message) -> P.Message:
-        from mg_server.runtime.verifier.client import VerifierError
-
         s = self.worker.stream
         with torch.cuda.stream(s) if s is not None else contextlib.nullcontext():
             reply = self.worker.server.call(m)
@@ -117,9 +116,7 @@ class DirectVerifierClient:
     def verify_many(self, items: list[P.VerifyItem], timeout_s: float | None = None
                     ) -> list[P.VerifyResult | P.ErrorReply]:
         reply = self._call(P.Verify(items=list(items)))
-        for r in reply.results:
-            if isinstance(r, P.VerifyResult):
-                self.last_gen = max(self.last_gen, r.gen if r.next is None else r.next.gen)
+        self.last_gen = newest_gen(reply.results, self.last_gen)
         return reply.results
 
     def release(self, rids: list[str], timeout_s: float | None = None) -> int:
