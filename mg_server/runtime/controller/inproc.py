@@ -56,8 +56,8 @@ class ControllerHost:
 
 
 class DirectControllerClient:
-    """ControllerClient's interface for the seam (one per caller, used under the link's rpc_lock):
-    `step` and `report` call the controller in the caller's thread; the rest goes through the
+    """The part of ControllerClient's interface the seam's link uses (under its rpc_lock): `step`
+    and `report` call the controller in the caller's thread; `hello` and `finish` go through the
     socket (module doc), whose replies are not on a forward's path."""
 
     def __init__(self, controller: Controller, timeout_s: float, client_name: str):
@@ -80,23 +80,5 @@ class DirectControllerClient:
     def hello(self, timeout_s: float | None = None) -> P.ControllerInfo:
         return self.sock.hello(timeout_s)
 
-    def stops(self, timeout_s: float | None = None) -> list[str]:
-        return self.sock.stops(timeout_s)
-
     def finish(self, msg: P.Finish, timeout_s: float | None = None) -> None:
         self.sock.finish(msg, timeout_s)
-
-    def verdict(self, rid: str, correct: bool = False, timeout_s: float | None = None) -> P.VerdictReply:
-        return self.sock.verdict(rid, correct, timeout_s)
-
-    def shutdown(self, timeout_s: float | None = None) -> None:
-        self.sock.shutdown(timeout_s)
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def __enter__(self) -> "DirectControllerClient":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -90,12 +90,11 @@ class DirectVerifierClient:
     (`--mg-controller-in scheduler`): each call runs the server's handler in the caller's thread,
     on the verifier's CUDA stream, and returns what the socket would have carried. No socket, no
     thread hand-over: a verify call costs the verifier's forward and its Python. The caller (the
-    controller, under its lock) serialises the calls. Same interface as VerifierClient."""
+    controller, under its lock) serialises the calls. The part of VerifierClient's interface the
+    controller uses."""
 
     def __init__(self, worker: VerifierThread):
         self.worker = worker
-        self.info: P.HelloReply | None = None
-        self.slots = None  # the controller relays (slot, gen); it never reads the columns
         self.last_gen = 0  # the newest slot generation in a reply (as VerifierClient.last_gen)
 
     def _call(self, m: P.Message) -> P.Message:
@@ -108,10 +107,8 @@ class DirectVerifierClient:
 
     def connect(self, timeout_s: float | None = None, expect_model_id: str = "", expect_kernel_config_id: str = "",
                 attach_slots: bool = False) -> P.HelloReply:
-        self.info = self._call(P.Hello(protocol_version=P.PROTOCOL_VERSION, client="controller",
-                                       expect_model_id=expect_model_id,
-                                       expect_kernel_config_id=expect_kernel_config_id))
-        return self.info
+        return self._call(P.Hello(protocol_version=P.PROTOCOL_VERSION, client="controller",
+                                  expect_model_id=expect_model_id, expect_kernel_config_id=expect_kernel_config_id))
 
     def verify_many(self, items: list[P.VerifyItem], timeout_s: float | None = None
                     ) -> list[P.VerifyResult | P.ErrorReply]:
@@ -121,9 +118,6 @@ class DirectVerifierClient:
 
     def release(self, rids: list[str], timeout_s: float | None = None) -> int:
         return self._call(P.Release(rids=list(rids))).n
-
-    def stats(self, timeout_s: float | None = None) -> P.StatsReply:
-        return self._call(P.Stats())
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         self._call(P.Shutdown())
