@@ -240,6 +240,50 @@ def test_rms_norm(device, dtype, h):
     assert torch.equal(both[:, 0], K.rms_norm(x + r, w, 1e-5))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(960, 576), (3072, 576), (6144, 4096)])  # 135m qkv/gate_up, 8b qkv
+def test_norm_matmul_invariant_gpu(n, k):
+    """The fused RMSNorm prologue (off in the table: called directly): rows invariant, the
+    residual exact, the product accurate (its sum of squares is walked in BLOCK_K pieces: close
+    to, not necessarily bit-equal with, the two ops), TMA and pointer loads bit-equal."""
+    from mg_server.kernels import fused_triton as F
+
+    x = rand(150, k, dtype=torch.bfloat16, device="cuda", scale=3.0)
+    r = rand(150, k, dtype=torch.bfloat16, device="cuda", seed=3)
+    gn = rand(k, dtype=torch.bfloat16, device="cuda", seed=4)
+    w = rand(n, k, dtype=torch.bfloat16, device="cuda", seed=5, scale=0.05)
+    bias = rand(n, dtype=torch.bfloat16, device="cuda", seed=6) if n == 960 else None
+    both = check_rows(lambda a: torch.cat(F.norm_matmul(a[:, 0], a[:, 1], gn, 1e-5, w, bias), 1),
+                      torch.stack([x, r], 1))
+    assert torch.equal(F.norm_matmul(x, r, gn, 1e-5, w, bias, tma=False)[0], both[:, :n])
+    y, nr = both[:, :n], both[:, n:]
+    assert torch.equal(nr, x + r)
+    s = (x + r).double()
+    h = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * gn.double()
+    ref = h @ w.double().T + (bias.double() if bias is not None else 0)
+    assert rel_err(y, ref) < 2e-2
+    unfused, nr2 = K.norm_matmul(x, r, gn, 1e-5, w, bias)  # the table's path: the two ops
+    assert torch.equal(nr2, nr) and rel_err(y, unfused.double()) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(576, 1536), (4096, 14336)])  # 135m / 8b down
+def test_silu_matmul_invariant_gpu(n, k):
+    """The fused SiLU*up prologue of the down projection (called directly): rows invariant and
+    accurate, TMA and pointer loads bit-equal."""
+    from mg_server.kernels import fused_triton as F
+    gu = rand(150, 2 * k, dtype=torch.bfloat16, device="cuda", scale=3.0)
+    w = rand(n, k, dtype=torch.bfloat16, device="cuda", seed=5, scale=0.05)
+    y = check_rows(lambda a: F.silu_matmul(a, w), gu)
+    assert torch.equal(F.silu_matmul(gu, w, tma=False), y)
+    unfused = K.silu_matmul(gu, w)  # the table's path: the two ops
+    assert torch.equal(unfused, K.matmul(K.silu_mul(gu[:, :k], gu[:, k:]), w))
+    ref = (torch.nn.functional.silu(gu[:, :k].double()) * gu[:, k:].double()) @ w.double().T
+    assert rel_err(y, ref) < 2e-2
+    assert rel_err(y, unfused.double()) < 1e-2
+    print(f"silu_matmul {n}x{k}: bit-equal to the two ops: {torch.equal(y, unfused)}")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_log_softmax(device, dtype):

@@ -85,6 +85,21 @@ SCRIPT = textwrap.dedent("""
     close(q, qr, 1e-6); close(kl, kr, 1e-6); close(vl, vr, 0.0 + 1e-30)
     gu = torch.randn(7, 64)  # silu_mul reads column slices of one [M, 2I] output in place
     close(K.silu_mul(gu[:, :32], gu[:, 32:]), K.silu_mul(gu[:, :32].contiguous(), gu[:, 32:].contiguous()), 1e-30)
+    # fused prologue matmuls (the verifier's RMSNorm and SiLU*up inside the next projection; off
+    # in the table, so called directly) against the two ops K dispatches to
+    from mg_server.kernels import fused_triton as F
+    xh, rh = torch.randn(37, 96).half(), torch.randn(37, 96).half()
+    gn, wf, bf = torch.randn(96).half(), (torch.randn(80, 96) * 0.1).half(), torch.randn(80).half()
+    y, nr = F.norm_matmul(xh, rh, gn, 1e-5, wf, bf)
+    hn, nr2 = K.add_rms_norm(xh, rh, gn, 1e-5)
+    assert torch.equal(K.norm_matmul(xh, rh, gn, 1e-5, wf, bf)[0], K.matmul(hn, wf, bf))
+    assert torch.equal(nr, nr2) and y.dtype == torch.float16 and y.shape == (37, 80)
+    close(y, hn.double() @ wf.double().T + bf.double(), 2e-2)
+    close(F.norm_matmul(xh[4:9], rh[4:9], gn, 1e-5, wf, bf)[0], y[4:9], 1e-6)
+    gu = torch.randn(37, 192).half()
+    ys = F.silu_matmul(gu, wf)
+    close(ys, K.silu_mul(gu[:, :96], gu[:, 96:]).double() @ wf.double().T, 2e-2)
+    close(F.silu_matmul(gu[:3], wf), ys[:3], 1e-6)
     # the lagged seam's decide / force kernels against their torch reference (ties, -inf rows,
     # positions that are not the expected step, the row modes, tau, mode always)
     from mg_server.kernels import decide as DC

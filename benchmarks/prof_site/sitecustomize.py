@@ -11,12 +11,16 @@ scheduler (LaggedControl), the controller's verify calls, and the verifier worke
 The functions in TIMELINE also keep each call's (start, end) on CLOCK_MONOTONIC, which every
 process on the host shares (the first 20000 calls), under "timeline": benchmarks/verify_timeline.py
 lines the three processes' calls up into one verify call's segments.
+
+With MG_PROF=trace the same functions, and SGLang's scheduler loop (receive, next batch, run batch,
+process result), are also torch.profiler ranges (record_function), so a trace taken with SGLang's
+/start_profile (benchmarks/step_timeline.py) shows them beside both streams' kernels.
 """
 
 import os
 import sys
 
-if os.environ.get("MG_PROF") == "1":
+if os.environ.get("MG_PROF") in ("1", "trace"):
     import importlib.abc
     import importlib.util
     import json
@@ -27,7 +31,7 @@ if os.environ.get("MG_PROF") == "1":
     TARGETS = {
         "mg_server.sglang_ext.lagged": {"LaggedControl.launch": "launch", "LaggedControl._process": "process",
                                          "LaggedControl._settle": "settle",
-                                         "LaggedControl.drain": "drain", "decide": "decide", "force": "force",
+                                         "LaggedControl.drain": "drain", "_wait": "wait_host", "decide": "decide", "force": "force",
                                          "StepGate.launch": "gate_launch"},
         "mg_server.runtime.controller.server": {"Controller._step": "ctl_step",
                                                 "Controller._call_verifier": "ctl_verify_call"},
@@ -41,7 +45,15 @@ if os.environ.get("MG_PROF") == "1":
                                   "SlotBuffer.write_many": "shm_write_many"},
         "mg_server.runtime.controller.client": {"ControllerClient.step": "client_step"},
         "mg_server.runtime.protocol": {"encode": "encode", "decode": "decode"},
+        "mg_server.runtime.controller.inproc": {"DirectControllerClient.step": "client_step",
+                                                "DirectControllerClient.report": "client_report"},
+        "mg_server.runtime.verifier.thread": {"DirectVerifierClient.verify_many": "v_direct_call"},
+        "sglang.srt.managers.scheduler": {"Scheduler.recv_requests": "s_recv",
+                                          "Scheduler.get_next_batch_to_run": "s_next_batch",
+                                          "Scheduler.run_batch": "s_run_batch",
+                                          "Scheduler.process_batch_result": "s_process_result"},
     }
+    TRACE = os.environ["MG_PROF"] == "trace"
     TIMELINE = {"client_step", "process", "settle", "ctl_step", "ctl_verify_call", "v_handle_batch", "v_forward",
                 "v_graph_run", "shm_write_many", "v_send"}
     STATS: dict = {}  # name -> [calls, wall seconds, thread CPU seconds]; "timeline": [[name, t0, t1]]
@@ -79,10 +91,20 @@ if os.environ.get("MG_PROF") == "1":
             s[2] += cpu
 
     def wrap(name: str, fn):
+        if TRACE:
+            import torch.profiler
+
+            def ranged(*a, **k):
+                with torch.profiler.record_function("mg:" + name):
+                    return fn(*a, **k)
+            inner = ranged
+        else:
+            inner = fn
+
         def timed(*a, **k):
             t0, c0 = time.monotonic(), time.thread_time()
             try:
-                return fn(*a, **k)
+                return inner(*a, **k)
             finally:
                 t1 = time.monotonic()
                 rec(name, t1 - t0, time.thread_time() - c0, t1)

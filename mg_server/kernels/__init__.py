@@ -18,6 +18,12 @@ Public API (shapes: M rows, K in-features, N out-features, T query tokens, S key
                                            fp64 copy, cached per tensor), CUDA -> w.contiguous()
     rms_norm(x, weight, eps)               x [...,H] -> [...,H] x.dtype
     add_rms_norm(x, residual, weight, eps) -> (rms_norm(x+residual), x+residual)
+    norm_matmul(x, residual, norm_w, eps, w, bias=None)
+                                           -> (matmul(add_rms_norm(...)[0], w, bias), x+residual)
+    silu_matmul(gu, w)                     gu [M,2I] (gate, up) -> matmul(silu_mul(gate, up), w)
+                                           (both: one fused kernel on CUDA for 16-bit weights
+                                           while KERNEL_CONFIG["fused"] says so, fused_triton;
+                                           otherwise, and on CPU, the two ops: same bits as them)
     log_softmax(x, dtype=torch.float32)    x [...,V] -> [...,V] dtype
     top2(x)                                -> (values [M,2] fp32, indices [M,2] int64);
                                            ties -> lower index
@@ -56,7 +62,7 @@ from .config import KERNEL_CONFIG, kernel_config_id
 from .cpu import PreparedWeight
 from .sampling import choice_of_pair, gumbel_noise, sampled_choice, sampled_pair, sampled_scores
 
-__all__ = ["matmul", "prepare_weight", "PreparedWeight", "rms_norm", "add_rms_norm",
+__all__ = ["matmul", "prepare_weight", "PreparedWeight", "rms_norm", "add_rms_norm", "norm_matmul", "silu_matmul",
            "log_softmax", "top2", "argmax", "silu_mul", "attention", "attention_paged",
            "attention_rows", "rope_store", "KERNEL_CONFIG", "kernel_config_id", "gumbel_noise", "sampled_scores",
            "sampled_choice", "sampled_pair", "choice_of_pair"]
@@ -104,6 +110,29 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float):
     return (_tri() if _gpu(x) else _cpu).add_rms_norm(x, residual, weight, eps)
+
+
+def _fused(x: Tensor, w, op: str) -> bool:
+    """The fused prologue kernel serves this call: CUDA, 16-bit, and the table turns it on (a GPU
+    entry, so it is part of the GPU kernel configuration id and never of the CPU one)."""
+    return (_gpu(x) and not isinstance(w, PreparedWeight) and x.dtype in (torch.bfloat16, torch.float16)
+            and bool(KERNEL_CONFIG["fused"][op]))
+
+
+def norm_matmul(x: Tensor, residual: Tensor, norm_w: Tensor, eps: float, w, bias: Tensor | None = None):
+    if _fused(x, w, "norm_matmul"):
+        from . import fused_triton
+        return fused_triton.norm_matmul(x, residual, norm_w, eps, w, bias)
+    h, new_residual = add_rms_norm(x, residual, norm_w, eps)
+    return matmul(h, w, bias), new_residual
+
+
+def silu_matmul(gu: Tensor, w) -> Tensor:
+    if _fused(gu, w, "silu_matmul"):
+        from . import fused_triton
+        return fused_triton.silu_matmul(gu, w)
+    i = gu.shape[-1] // 2
+    return matmul(silu_mul(gu[..., :i], gu[..., i:]), w)
 
 
 def log_softmax(x: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -119,6 +119,16 @@ KERNEL_CONFIG: dict = {
     # and a 512-token verifier prefill rose from 70 to 83 ms; the choice cannot depend on M.
     "matmul_splitk": {"K_SPLIT": 512, "max_n_tiles": 0, "num_warps": 4, "num_stages": 4,
                       "MERGE_BLOCK": 1024, "workspace_bytes": 1 << 26},
+    # The verifier's RMSNorm (after the residual add) and SiLU*up as prologues of the next
+    # projection's matmul (fused_triton; 16-bit only). The row's sum of squares is walked in
+    # BLOCK_K pieces instead of the row-wise kernel's CHUNK walk, so turning one on may change bits
+    # (and does change this id). tma: the weight through a TMA descriptor (same values).
+    # OFF, measured on an H100 (`python -m mg_server.kernels.bench_fused`, results/gpu/bench_fused_h100.json):
+    # the fused kernel took 11.5 us for 135m qkv at 17 rows where norm + matmul took 6.0 us, 25 us
+    # for 135m down against 8.3 us (the prologue in the K loop stalls the weight pipeline); the
+    # verifier's 17-row step rose from 1.49 to 2.14 ms with 223 instead of 312 kernels, and bs-8
+    # lag traffic from about +17 % to +50 % over plain SGLang.
+    "fused": {"norm_matmul": False, "silu_matmul": False, "tma": True},
     # Row-wise reductions (RMSNorm, log-softmax, top2): one program per row, the row is walked
     # in CHUNK-sized pieces in index order; per-lane partials are combined by one tl.sum/tl.max.
     # why: the chunk walk and the final tree depend on N (feature width) only, never on M.

@@ -205,7 +205,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="print a torch.profiler table per model")
     ap.add_argument("--profile-gap", type=int, default=0, help="the profiled step's catch-up tokens (default 0)")
+    ap.add_argument("--fused", action="store_true",
+                    help="RMSNorm and SiLU inside the next matmul (KERNEL_CONFIG['fused'] on; off in the table)")
     args = ap.parse_args(argv)
+    if args.fused:
+        from mg_server.kernels import KERNEL_CONFIG
+        KERNEL_CONFIG["fused"] = {op: True for op in KERNEL_CONFIG["fused"]}  # (the id below follows)
     models = args.models.split(",") if args.models else (
         ["smollm2-135m", "llama-8b"] if args.device.startswith("cuda") else ["smollm2-135m"])
     dev = torch.device(args.device)

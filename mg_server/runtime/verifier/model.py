@@ -252,9 +252,14 @@ class VerifierModel:
         r = tokens.shape[0]
         hq, hkv, d = s.n_heads, s.n_kv_heads, s.head_dim
         residual = self.embed[tokens]  # [R, H] dtype
-        h = ops.rms_norm(residual, self.layers[0].ln1, s.eps)
+        m = None  # [R, H] dtype: the previous layer's MLP output, not yet added to the residual
         for li, lay in enumerate(self.layers):
-            qkv = ops.matmul(h, lay.wqkv, lay.bqkv)  # [R, (Hq+2Hkv)*D] dtype
+            # each RMSNorm runs inside the next projection (ops.norm_matmul: one kernel on CUDA)
+            if m is None:
+                qkv = ops.matmul(ops.rms_norm(residual, lay.ln1, s.eps), lay.wqkv, lay.bqkv)
+            else:
+                qkv, residual = ops.norm_matmul(m, residual, lay.ln1, s.eps, lay.wqkv, lay.bqkv)
+            # qkv [R, (Hq+2Hkv)*D] dtype
             qk = qkv[:, : (hq + hkv) * d].view(r, hq + hkv, d)  # q heads then k heads (a view)
             v = qkv[:, (hq + hkv) * d:].view(r, hkv, d)
             if lay.q_norm is not None:  # Qwen3: per-head RMSNorm over head_dim, before RoPE
@@ -265,11 +270,9 @@ class VerifierModel:
             q = ops.rope_store(qk, v, self.cos, self.sin, positions, out_slots, pool.k[li], pool.v[li], hq)
             attn = attend(li, q)  # [R, Hq, D] dtype
             o = ops.matmul(attn.reshape(r, hq * d), lay.wo)  # [R, H] dtype
-            h, residual = ops.add_rms_norm(o, residual, lay.ln2, s.eps)
-            gu = ops.matmul(h, lay.w_gate_up)  # [R, 2I] dtype
-            gate, up = gu[:, : s.intermediate], gu[:, s.intermediate:]
-            # silu via the kernels: torch's CPU silu changes bits with the number of rows.
-            m = ops.matmul(ops.silu_mul(gate, up), lay.w_down)  # [R, H] dtype
-            nxt = self.layers[li + 1].ln1 if li + 1 < s.n_layers else self.final_norm
-            h, residual = ops.add_rms_norm(m, residual, nxt, s.eps)
+            gu, residual = ops.norm_matmul(o, residual, lay.ln2, s.eps, lay.w_gate_up)  # [R, 2I] dtype
+            # silu via the kernels (torch's CPU silu changes bits with the number of rows), inside
+            # the down projection on CUDA
+            m = ops.silu_matmul(gu, lay.w_down)  # [R, H] dtype
+        h, residual = ops.add_rms_norm(m, residual, self.final_norm, s.eps)
         return ops.matmul(h, self.lm_head, out_dtype=torch.float32)  # [R, V] fp32

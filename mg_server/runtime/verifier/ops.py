@@ -15,12 +15,13 @@ from mg_server.kernels import (  # noqa: F401 - re-exported
     attention_rows,
     kernel_config_id,
     matmul,
+    norm_matmul,
     prepare_weight,
     rms_norm,
     rope_store,
     sampled_choice,
     sampled_pair,
-    silu_mul,
+    silu_matmul,
     top2,
 )
 

@@ -1,0 +1,265 @@
+"""What a deterministic bs-8 decode step waits for: a torch-profiler timeline of SGLang's scheduler
+process (both CUDA streams' kernels, the scheduler loop's phases and mg's calls), per server
+configuration, reduced to a per-step table.
+
+    python benchmarks/step_timeline.py --out DIR --checkpoint /tmp/mg-models/smol-real \
+        [--configs plain,lag-host] [--steps 80]
+    python benchmarks/step_timeline.py --analyze TRACE.json.gz     # the table again, from a trace
+
+Per configuration: one server (gpu_e2e.start) with MG_PROF=trace (benchmarks/prof_site: mg's
+seam, controller and verifier calls and SGLang's receive / next batch / run batch / process result
+become profiler ranges), bodies of 8 requests of 128 tokens kept coming, then SGLang's own
+/start_profile for `--steps` forwards (CPU + GPU activity, no Python stacks: the stack tracer
+would slow the host several times over and change what is measured).
+
+The table, per decode step (one run_batch): the main stream's kernel time and its idle gap before
+the step's first kernel ("bubble"), whether that gap is the host's (the step's first launch came
+after the stream went idle), the verifier stream's kernel time and how much of it overlaps the
+main stream, and the host's time per scheduler phase and in mg's calls. Why: to tell a step that
+waits for the GPU (the verifier sharing it) from one that waits for the host (the seam's verify
+call on the scheduler thread) -- README, "Where performance stands".
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import gzip
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+HERE = Path(__file__).resolve().parent
+LAG = ["--mg-commit", "lag", "--mg-verifier-in", "scheduler", "--mg-lag-chain", "off"]
+CONFIGS = {  # name -> (mg mode, serve flags); tau 0.245557 gave 9.8 % triggers at bs 8 (real SmolLM2)
+    "plain": ("off", []),
+    "lag-tau0": ("margin", ["--mg-tau", "0", *LAG]),  # lag's machinery, nothing verified
+    "lag": ("margin", ["--mg-tau", "0.245557", *LAG]),
+    "lag-host": ("margin", ["--mg-tau", "0.245557", *LAG, "--mg-controller-in", "scheduler"]),
+}
+# the verifier's kernels (mg_server.kernels; the seam's decide/gate kernels run on SGLang's stream)
+MG_KERNELS = ("_matmul_tma_kernel", "_matmul_kernel", "_rms_kernel", "_rope_store_kernel", "_silu_mul_kernel",
+              "_attn_", "_top2_kernel", "_prologue_matmul_kernel")
+PHASES = ("s_recv", "s_next_batch", "s_run_batch", "s_process_result")
+MG_RANGES = ("client_step", "client_report", "wait_host", "v_direct_call", "v_graph_run", "drain")
+
+
+def _events(path: Path) -> list[dict]:
+    raw = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()
+    return [e for e in json.loads(raw)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+
+
+def _span(ev: dict) -> tuple[float, float]:
+    return float(ev["ts"]), float(ev["ts"]) + float(ev["dur"])
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length of the intersection of two sorted lists of disjoint intervals (µs)."""
+    i = j = 0
+    tot = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        tot += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tot
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(lo, hi) for lo, hi in out]
+
+
+def analyze(path: Path) -> dict:
+    """The per-step table of one trace (module doc). A step is one CUDA-graph launch whose
+    kernels run on the main stream (SGLang's decode forward); the scheduler-loop ranges are
+    used when the trace has them (CPU activity on)."""
+    evs = _events(path)
+    ranges = collections.defaultdict(list)  # "s_run_batch" ... -> [(t0, t1, tid)]
+    for e in evs:
+        if e.get("cat") == "user_annotation" and e["name"].startswith("mg:"):
+            ranges[e["name"][3:]].append((*_span(e), e.get("tid")))
+    launches, graph_calls = {}, []  # correlation -> (host time of the launch call, tid); graph launches
+    for e in evs:
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {}):
+            launches[e["args"]["correlation"]] = (float(e["ts"]), e.get("tid"))
+            if e["name"] == "cudaGraphLaunch":
+                graph_calls.append(e["args"]["correlation"])
+    kernels = collections.defaultdict(list)  # stream -> [(t0, t1, correlation)]
+    mg_time = collections.Counter()  # stream -> time in mg's verifier kernels
+    for e in evs:
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            a = e.get("args", {})
+            st = a.get("stream", e.get("tid"))
+            kernels[st].append((*_span(e), a.get("correlation")))
+            if e["name"].startswith(MG_KERNELS):
+                mg_time[st] += float(e["dur"])
+    busy = {s: sum(k[1] - k[0] for k in ks) for s, ks in kernels.items()}
+    if not busy:
+        raise SystemExit(f"{path}: no kernels (GPU activity off?)")
+    # the verifier's stream: the one running most of mg's kernels; SGLang's: the busiest other one
+    vstream = mg_time.most_common(1)[0][0] if mg_time and mg_time.most_common(1)[0][1] > 0.5 * busy[
+        mg_time.most_common(1)[0][0]] else None
+    main = max((s for s in busy if s != vstream), key=busy.get)
+    mk = sorted(kernels[main])
+    main_spans = _union([(a, b) for a, b, _ in mk])
+    vk = _union([(a, b) for a, b, _ in kernels.get(vstream, [])])
+    by_corr = collections.defaultdict(list)
+    for k in mk:
+        by_corr[k[2]].append(k)
+    graphs = sorted((min(k[0] for k in by_corr[c]), max(k[1] for k in by_corr[c]), launches[c][0], launches[c][1])
+                    for c in set(graph_calls) if c in by_corr)  # (GPU start, GPU end, host launch, tid)
+    if len(graphs) < 3:
+        raise SystemExit(f"{path}: fewer than three decode graphs on the main stream")
+    sched_tid = graphs[0][3]
+    ends = [b for _, b in main_spans]
+    rows = []
+    for cur, nxt in zip(graphs, graphs[1:]):
+        lo, hi = cur[0], nxt[0]  # one step: this graph's start to the next one's
+        m_in = [(max(a, lo), min(b, hi)) for a, b in main_spans if b > lo and a < hi]
+        v_in = [(max(a, lo), min(b, hi)) for a, b in vk if b > lo and a < hi]
+        i = bisect.bisect_left(ends, hi) - 1  # the main stream's last busy span before the next graph
+        idle_before = max(0.0, hi - ends[i]) if i >= 0 else 0.0
+        host = {p: sum(max(0.0, min(b, hi) - max(a, lo)) for a, b, t in ranges.get(p, []) if t == sched_tid)
+                for p in PHASES + MG_RANGES}
+        rows.append({
+            "period_us": hi - lo, "main_busy_us": sum(b - a for a, b in m_in),
+            "main_idle_us": (hi - lo) - sum(b - a for a, b in m_in),
+            "idle_before_next_graph_us": idle_before,
+            # the next graph was launched after the stream went idle: the step waited for the host
+            "next_launch_late_us": max(0.0, min(nxt[2], hi) - (hi - idle_before)) if idle_before > 5 else 0.0,
+            "verifier_busy_us": sum(b - a for a, b in v_in),
+            "verifier_beside_main_us": _overlap(v_in, m_in),
+            **{f"host_{k}_us": v for k, v in host.items() if ranges.get(k)}})
+    med = statistics.median(r["period_us"] for r in rows)
+    steady = [r for r in rows if r["period_us"] < 3 * med]  # decode only: prefill-like outliers out
+
+    def mean(rs):
+        return {k: round(statistics.fmean(r[k] for r in rs), 1) for k in rs[0]} if rs else {}
+    with_v = [r for r in steady if r["verifier_busy_us"] > 0]
+    return {"trace": str(path), "streams": {"main": main, "verifier": vstream},
+            "steps": len(steady), "dropped": len(rows) - len(steady), "mean_per_step": mean(steady),
+            "mean_per_step_with_verifier": mean(with_v),
+            "mean_per_step_without_verifier": mean([r for r in steady if r["verifier_busy_us"] == 0]),
+            "steps_with_verifier": len(with_v),
+            "steps_with_gap_over_20us": sum(r["idle_before_next_graph_us"] > 20 for r in steady)}
+
+
+def table(results: dict) -> str:
+    keys = ["period_us", "main_busy_us", "main_idle_us", "idle_before_next_graph_us", "next_launch_late_us",
+            "verifier_busy_us", "verifier_beside_main_us", *[f"host_{p}_us" for p in PHASES + MG_RANGES]]
+    cols = [(n, part) for n in results for part in ("mean_per_step", "mean_per_step_with_verifier")
+            if results[n].get(part)]
+    lines = ["| per step (mean µs) | " + " | ".join(n + ("" if p == "mean_per_step" else ", verifier steps")
+                                                 for n, p in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for k in keys:
+        if any(k in results[n][p] for n, p in cols):
+            lines.append(f"| {k} | " + " | ".join(str(results[n][p].get(k, "")) for n, p in cols) + " |")
+    names = list(results)
+    lines.append("| steps (verifier ran / gap > 20 µs) | " + " | ".join(
+        f"{results[n]['steps']} ({results[n]['steps_with_verifier']} / {results[n]['steps_with_gap_over_20us']})"
+        for n in names) + " |")
+    return "\n".join(lines)
+
+
+def run(args) -> None:
+    sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]  # gpu_e2e, and its server_util
+    import gpu_e2e as E
+    import gpu_sweep as S
+
+    acts = args.activities.split(",")
+    if "CPU" in acts:  # the scheduler loop's phases and mg's calls as profiler ranges
+        os.environ["MG_PROF"] = "trace"
+        os.environ["PYTHONPATH"] = f"{HERE / 'prof_site'}:{os.environ.get('PYTHONPATH', '')}"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = json.loads(E.PROMPTS_FILE.read_text())["other"]
+    results, step_ms = {}, {}
+    for name in args.configs.split(","):
+        mode, flags = CONFIGS[name]
+        tdir = out / f"trace-{name}"
+        tdir.mkdir(exist_ok=True)
+        srv = E.start(Path(args.checkpoint), "smol", mode, out, flags + E.mem_flags("smol"), "cuda")
+        n_det, times, stop = (0 if mode == "off" else 8), [], threading.Event()
+
+        def traffic():
+            k = 0
+            while not stop.is_set():
+                body = [prompts[(i + k) % len(prompts)] for i in range(8)]
+                r = S.front_batch(srv.url, body, 128, n_det, False)
+                times.append(r.get("det" if n_det else "plain"))
+                k += 1
+
+        t = threading.Thread(target=traffic, daemon=True)
+        try:
+            t.start()
+            time.sleep(args.warm_s)  # past the first bodies (compiles, prefix cache)
+            r = requests.post(srv.url + "/start_profile", json={
+                "output_dir": str(tdir), "num_steps": args.steps, "activities": acts,
+                "with_stack": False, "record_shapes": False}, timeout=60)
+            E.log(f"{name}: start_profile {r.status_code} {r.text[:200]}")
+            deadline = time.time() + 120
+            while time.time() < deadline and not list(tdir.glob("*.trace.json*")):
+                time.sleep(1)
+            time.sleep(3)  # (the export finishes writing)
+        finally:
+            stop.set()
+            t.join(120)
+            srv.stop()
+        step_ms[name] = [round(1e3 * x / 128, 3) for x in times if x]
+        traces = sorted(tdir.glob("*.trace.json*"))
+        if not traces:
+            E.log(f"{name}: no trace written")
+            continue
+        try:
+            results[name] = analyze(traces[-1])
+        except SystemExit as e:  # (the trace stays in DIR for --analyze)
+            E.log(f"{name}: {e}")
+            continue
+        results[name]["body_ms_per_token"] = step_ms[name]
+        E.log(f"{name}: {json.dumps(results[name]['mean_per_step'])}")
+    (out / "step_timeline.json").write_text(json.dumps(results, indent=1))
+    text = table(results)
+    (out / "step_timeline.md").write_text(text + "\n")
+    print(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out")
+    ap.add_argument("--analyze", help="one saved trace (.json or .json.gz): print its table")
+    ap.add_argument("--checkpoint", default="/tmp/mg-models/smol-real")
+    ap.add_argument("--configs", default="plain,lag-host")
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--warm-s", type=float, default=10.0)
+    ap.add_argument("--activities", default="GPU",
+                    help="GPU (kernels and CUDA API calls only: the host runs near full speed) or CPU,GPU (adds "
+                         "the scheduler's phases and mg's calls, but CPU-op recording slowed the plain step from "
+                         "3.7 to 4.5 ms on the H100)")
+    args = ap.parse_args()
+    if args.analyze:
+        res = {Path(args.analyze).name: analyze(Path(args.analyze))}
+        print(json.dumps(res, indent=1))
+        print(table(res))
+    elif args.out:
+        run(args)
+    else:
+        ap.error("--out or --analyze")
+
+
+if __name__ == "__main__":
+    main()
