@@ -1,23 +1,25 @@
 """What a deterministic bs-8 decode step waits for: a torch-profiler timeline of SGLang's scheduler
-process (both CUDA streams' kernels, the scheduler loop's phases and mg's calls), per server
-configuration, reduced to a per-step table.
+process (both CUDA streams' kernels and the CUDA API calls; with CPU activity also the scheduler
+loop's phases and mg's calls), per server configuration, reduced to a per-step table.
 
     python benchmarks/step_timeline.py --out DIR --checkpoint /tmp/mg-models/smol-real \
-        [--configs plain,lag-host] [--steps 80]
+        [--configs plain,lag,lag-host] [--steps 120] [--activities GPU | CPU,GPU]
     python benchmarks/step_timeline.py --analyze TRACE.json.gz     # the table again, from a trace
 
-Per configuration: one server (gpu_e2e.start) with MG_PROF=trace (benchmarks/prof_site: mg's
-seam, controller and verifier calls and SGLang's receive / next batch / run batch / process result
-become profiler ranges), bodies of 8 requests of 128 tokens kept coming, then SGLang's own
-/start_profile for `--steps` forwards (CPU + GPU activity, no Python stacks: the stack tracer
-would slow the host several times over and change what is measured).
+Per configuration: one server (gpu_e2e.start), bodies of 8 requests of 128 tokens kept coming,
+then SGLang's own /start_profile for `--steps` forwards. With CPU activity the server also runs
+under MG_PROF=trace (benchmarks/prof_site: SGLang's receive / next batch / run batch / process
+result and mg's seam, controller and verifier calls become profiler ranges). Never with Python
+stacks: that tracer would slow the host several times over.
 
-The table, per decode step (one run_batch): the main stream's kernel time and its idle gap before
-the step's first kernel ("bubble"), whether that gap is the host's (the step's first launch came
-after the stream went idle), the verifier stream's kernel time and how much of it overlaps the
-main stream, and the host's time per scheduler phase and in mg's calls. Why: to tell a step that
-waits for the GPU (the verifier sharing it) from one that waits for the host (the seam's verify
-call on the scheduler thread) -- README, "Where performance stands".
+A step is one CUDA-graph launch on SGLang's stream (its decode forward), to the next one. Per
+step: SGLang's stream busy and idle time, its idle time before the next graph and how late the
+host launched that graph, the verifier's stream busy time (the stream running mg's kernels) and
+how much of it ran beside SGLang's kernels; means over all steps and over the steps with verifier
+work. The profiler costs time itself (measured on the H100: plain SGLang's bs-8 step 3.7 ms
+unprofiled, 4.7 ms GPU-only, 4.5 ms with CPU activity), so read the shape, not the absolute
+numbers (benchmarks/results/gpu/HISTORY.md, "Fused prologue matmuls, and what one verify call
+costs a bs-8 step").
 """
 
 from __future__ import annotations
