@@ -36,6 +36,8 @@ import threading
 import time
 from pathlib import Path
 
+import shutil
+
 import requests
 
 HERE = Path(__file__).resolve().parent
@@ -49,6 +51,7 @@ CONFIGS = {  # name -> (mg mode, serve flags); tau 0.245557 gave 9.8 % triggers 
 # the verifier's kernels (mg_server.kernels; the seam's decide/gate kernels run on SGLang's stream)
 MG_KERNELS = ("_matmul_tma_kernel", "_matmul_kernel", "_rms_kernel", "_rope_store_kernel", "_silu_mul_kernel",
               "_attn_", "_top2_kernel", "_prologue_matmul_kernel")
+GO = "/tmp/mgprof_events_go"  # mgprof_events records only while this file exists
 PHASES = ("s_recv", "s_next_batch", "s_run_batch", "s_process_result")
 MG_RANGES = ("client_step", "client_report", "wait_host", "v_direct_call", "v_graph_run", "drain")
 
@@ -161,6 +164,75 @@ def analyze(path: Path) -> dict:
             "steps_with_gap_over_20us": sum(r["idle_before_next_graph_us"] > 20 for r in steady)}
 
 
+def _pairs(log: list, name: str) -> list[tuple]:
+    """b/e entries of `name` paired per thread -> [(thread, stream, host_b, gpu_b, host_e, gpu_e)]."""
+    open_, out = {}, []
+    for n, ph, h, g, st, tid in log:
+        if n != name:
+            continue
+        if ph == "b":
+            open_.setdefault(tid, []).append((st, h, g))
+        elif open_.get(tid):
+            st0, h0, g0 = open_[tid].pop()
+            out.append((tid, st0, h0, g0, h, g))
+    return sorted(out, key=lambda x: x[2])
+
+
+def analyze_events(path: Path) -> dict:
+    """The per-step table of one mgprof_events dump (module doc: --events)."""
+    log = json.loads(path.read_text())["log"]
+    graphs = [x for x in _pairs(log, "graph") if x[3] is not None and x[5] is not None]
+    per_stream = collections.Counter(x[1] for x in graphs)
+    if not per_stream:
+        raise SystemExit(f"{path}: no graph replays")
+    main = per_stream.most_common(1)[0][0]  # SGLang's decode graphs: one per step
+    sg = [x for x in graphs if x[1] == main]
+    vg = [x for x in graphs if x[1] != main]
+    sched = sg[0][0]
+    host = {n: [(x[2], x[4]) for x in _pairs(log, n) if x[0] == sched]
+            for n in ("run_batch", "process_result", "recv", "next_batch", "drain", "mg_launch", "step_call",
+                      "wait_published")}
+    rows = []
+    for cur, nxt in zip(sg, sg[1:]):
+        lo, hi = cur[3], nxt[3]
+        v_in = [(max(x[3], lo), min(x[5], hi)) for x in vg if x[5] > lo and x[3] < hi]
+        rows.append({
+            "period_ms": hi - lo, "graph_ms": cur[5] - cur[3], "after_graph_ms": hi - cur[5],
+            # how long the next launch waited for earlier work on the stream: ~0 -> the stream sat
+            # idle until the host launched it (the step waited for the host)
+            "next_launch_waited_ms": max(0.0, hi - nxt[2]),
+            "host_bound": 1.0 if hi - nxt[2] < 0.05e-3 else 0.0,
+            "verifier_graphs": len(v_in), "verifier_gpu_ms": sum(b - a for a, b in v_in),
+            "verifier_beside_graph_ms": sum(max(0.0, min(b, cur[5]) - max(a, cur[3])) for a, b in v_in),
+            **{f"host_{n}_ms": sum(max(0.0, min(b, hi) - max(a, lo)) for a, b in iv) for n, iv in host.items()}})
+    rows = [{k: v * 1e3 if k.endswith("_ms") else v for k, v in r.items()} for r in rows]  # s -> ms
+    med = statistics.median(r["period_ms"] for r in rows)
+    steady = [r for r in rows if r["period_ms"] < 3 * med]
+
+    def mean(rs):
+        return {k: round(statistics.fmean(r[k] for r in rs), 3) for k in rs[0]} if rs else {}
+    with_v = [r for r in steady if r["verifier_graphs"]]
+    return {"dump": str(path), "steps": len(steady), "dropped": len(rows) - len(steady),
+            "mean_per_step": mean(steady), "mean_per_step_with_verifier": mean(with_v),
+            "mean_per_step_without_verifier": mean([r for r in steady if not r["verifier_graphs"]]),
+            "steps_with_verifier": len(with_v)}
+
+
+def table_events(results: dict) -> str:
+    cols = [(n, p) for n in results for p in ("mean_per_step", "mean_per_step_with_verifier",
+                                              "mean_per_step_without_verifier") if results[n].get(p)]
+    head = {"mean_per_step": "", "mean_per_step_with_verifier": ", verifier steps",
+            "mean_per_step_without_verifier": ", other steps"}
+    keys = list(results[cols[0][0]][cols[0][1]]) if cols else []
+    lines = ["| per step (mean) | " + " | ".join(n + head[p] for n, p in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    lines += [f"| {k} | " + " | ".join(str(results[n][p].get(k, "")) for n, p in cols) + " |" for k in keys]
+    lines.append("| steps | " + " | ".join(str(results[n]["steps"] if p == "mean_per_step" else
+                                                 results[n]["steps_with_verifier"] if "with_v" in p else
+                                                 results[n]["steps"] - results[n]["steps_with_verifier"])
+                                             for n, p in cols) + " |")
+    return "\n".join(lines)
+
+
 def table(results: dict) -> str:
     keys = ["period_us", "main_busy_us", "main_idle_us", "idle_before_next_graph_us", "next_launch_late_us",
             "verifier_busy_us", "verifier_beside_main_us", *[f"host_{p}_us" for p in PHASES + MG_RANGES]]
@@ -184,7 +256,10 @@ def run(args) -> None:
     import gpu_sweep as S
 
     acts = args.activities.split(",")
-    if "CPU" in acts:  # the scheduler loop's phases and mg's calls as profiler ranges
+    if args.events:  # the CUDA-event timeline (prof_site/mgprof_events.py) instead of the profiler
+        os.environ["MG_PROF"] = "events"
+        os.environ["PYTHONPATH"] = f"{HERE / 'prof_site'}:{os.environ.get('PYTHONPATH', '')}"
+    elif "CPU" in acts:  # the scheduler loop's phases and mg's calls as profiler ranges
         os.environ["MG_PROF"] = "trace"
         os.environ["PYTHONPATH"] = f"{HERE / 'prof_site'}:{os.environ.get('PYTHONPATH', '')}"
     out = Path(args.out)
@@ -195,6 +270,9 @@ def run(args) -> None:
         mode, flags = CONFIGS[name]
         tdir = out / f"trace-{name}"
         tdir.mkdir(exist_ok=True)
+        if args.events:
+            shutil.rmtree("/tmp/mgprof_events", ignore_errors=True)
+            Path(GO).unlink(missing_ok=True)
         srv = E.start(Path(args.checkpoint), "smol", mode, out, flags + E.mem_flags("smol"), "cuda")
         n_det, times, stop = (0 if mode == "off" else 8), [], threading.Event()
 
@@ -210,19 +288,38 @@ def run(args) -> None:
         try:
             t.start()
             time.sleep(args.warm_s)  # past the first bodies (compiles, prefix cache)
-            r = requests.post(srv.url + "/start_profile", json={
-                "output_dir": str(tdir), "num_steps": args.steps, "activities": acts,
-                "with_stack": False, "record_shapes": False}, timeout=60)
-            E.log(f"{name}: start_profile {r.status_code} {r.text[:200]}")
-            deadline = time.time() + 120
-            while time.time() < deadline and not list(tdir.glob("*.trace.json*")):
-                time.sleep(1)
-            time.sleep(3)  # (the export finishes writing)
+            if args.events:  # record from now on (mgprof_events.GO), for that long, then two dumps more
+                Path(GO).touch()
+                time.sleep(args.events + 4.5)
+            else:
+                r = requests.post(srv.url + "/start_profile", json={
+                    "output_dir": str(tdir), "num_steps": args.steps, "activities": acts,
+                    "with_stack": False, "record_shapes": False}, timeout=60)
+                E.log(f"{name}: start_profile {r.status_code} {r.text[:200]}")
+                deadline = time.time() + 120
+                while time.time() < deadline and not list(tdir.glob("*.trace.json*")):
+                    time.sleep(1)
+                time.sleep(3)  # (the export finishes writing)
         finally:
             stop.set()
             t.join(120)
             srv.stop()
         step_ms[name] = [round(1e3 * x / 128, 3) for x in times if x]
+        if args.events:
+            res = []
+            for f in Path("/tmp/mgprof_events").glob("*.json"):
+                try:
+                    res.append(analyze_events(f))
+                except SystemExit:
+                    continue  # (a process without decode graphs)
+            if not res:
+                E.log(f"{name}: no event dump with graph replays")
+                continue
+            results[name] = max(res, key=lambda r: r["steps"])
+            shutil.copy(results[name]["dump"], tdir / "events.json")
+            results[name]["body_ms_per_token"] = step_ms[name]
+            E.log(f"{name}: {json.dumps(results[name]['mean_per_step'])}")
+            continue
         traces = sorted(tdir.glob("*.trace.json*"))
         if not traces:
             E.log(f"{name}: no trace written")
@@ -235,7 +332,7 @@ def run(args) -> None:
         results[name]["body_ms_per_token"] = step_ms[name]
         E.log(f"{name}: {json.dumps(results[name]['mean_per_step'])}")
     (out / "step_timeline.json").write_text(json.dumps(results, indent=1))
-    text = table(results)
+    text = table_events(results) if args.events else table(results)
     (out / "step_timeline.md").write_text(text + "\n")
     print(text)
 
@@ -248,15 +345,19 @@ def main() -> None:
     ap.add_argument("--configs", default="plain,lag-host")
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--warm-s", type=float, default=10.0)
+    ap.add_argument("--events", type=float, default=0.0,
+                    help="SECONDS: record a CUDA-event timeline (benchmarks/prof_site/mgprof_events.py) for that "
+                         "long instead of a profiler trace")
     ap.add_argument("--activities", default="GPU",
                     help="GPU (kernels and CUDA API calls only: the host runs near full speed) or CPU,GPU (adds "
                          "the scheduler's phases and mg's calls, but CPU-op recording slowed the plain step from "
                          "3.7 to 4.5 ms on the H100)")
     args = ap.parse_args()
     if args.analyze:
-        res = {Path(args.analyze).name: analyze(Path(args.analyze))}
+        ev = not args.analyze.endswith((".gz", ".trace.json"))
+        res = {Path(args.analyze).name: (analyze_events if ev else analyze)(Path(args.analyze))}
         print(json.dumps(res, indent=1))
-        print(table(res))
+        print(table_events(res) if ev else table(res))
     elif args.out:
         run(args)
     else:

@@ -15,10 +15,15 @@ lines the three processes' calls up into one verify call's segments.
 With MG_PROF=trace the same functions, and SGLang's scheduler loop (receive, next batch, run batch,
 process result), are also torch.profiler ranges (record_function), so a trace taken with SGLang's
 /start_profile (benchmarks/step_timeline.py) shows them beside both streams' kernels.
+
+With MG_PROF=events, mgprof_events.py instead (a CUDA-event timeline, without the profiler's cost).
 """
 
 import os
 import sys
+
+if os.environ.get("MG_PROF") == "events":  # a CUDA-event timeline of the scheduler process instead
+    import mgprof_events  # noqa: F401
 
 if os.environ.get("MG_PROF") in ("1", "trace"):
     import importlib.abc
