@@ -4,7 +4,8 @@ loop's phases and mg's calls), per server configuration, reduced to a per-step t
 
     python benchmarks/step_timeline.py --out DIR --checkpoint /tmp/mg-models/smol-real \
         [--configs plain,lag,lag-host] [--steps 120] [--activities GPU | CPU,GPU]
-    python benchmarks/step_timeline.py --analyze TRACE.json.gz     # the table again, from a trace
+    python benchmarks/step_timeline.py --out DIR --configs plain,lag,lag-host --events 8   # CUDA events
+    python benchmarks/step_timeline.py --analyze DIR/trace-plain/events.json,...  # the table again
 
 Per configuration: one server (gpu_e2e.start), bodies of 8 requests of 128 tokens kept coming,
 then SGLang's own /start_profile for `--steps` forwards. With CPU activity the server also runs
@@ -212,7 +213,18 @@ def analyze_events(path: Path) -> dict:
     def mean(rs):
         return {k: round(statistics.fmean(r[k] for r in rs), 3) for k in rs[0]} if rs else {}
     with_v = [r for r in steady if r["verifier_graphs"]]
+    # the seam's verify calls (Step calls with exactly one verifier graph inside): host work before
+    # the graph's launch, the graph on the GPU, host work after it until the call returns
+    calls = []
+    for tid, _, b, _, e, _ in _pairs(log, "step_call"):
+        inside = [x for x in vg if b <= x[2] <= e]
+        if len(inside) == 1:
+            x = inside[0]
+            calls.append({"call_ms": e - b, "before_graph_ms": x[2] - b, "graph_gpu_ms": x[5] - x[3],
+                          "after_graph_ms": e - x[5]})
+    call_med = {k: round(1e3 * statistics.median(c[k] for c in calls), 3) for k in calls[0]} if calls else {}
     return {"dump": str(path), "steps": len(steady), "dropped": len(rows) - len(steady),
+            "verify_calls": len(calls), "verify_call_median": call_med,
             "mean_per_step": mean(steady), "mean_per_step_with_verifier": mean(with_v),
             "mean_per_step_without_verifier": mean([r for r in steady if not r["verifier_graphs"]]),
             "steps_with_verifier": len(with_v)}
@@ -226,7 +238,12 @@ def table_events(results: dict) -> str:
     keys = list(results[cols[0][0]][cols[0][1]]) if cols else []
     lines = ["| per step (mean) | " + " | ".join(n + head[p] for n, p in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     lines += [f"| {k} | " + " | ".join(str(results[n][p].get(k, "")) for n, p in cols) + " |" for k in keys]
-    lines.append("| steps | " + " | ".join(str(results[n]["steps"] if p == "mean_per_step" else
+    calls = [n for n in results if results[n].get("verify_call_median")]
+    if calls:
+        lines += ["", "| seam's verify call (median ms) | " + " | ".join(calls) + " |", "|---" * (len(calls) + 1) + "|"]
+        lines += [f"| {k} | " + " | ".join(str(results[n]["verify_call_median"][k]) for n in calls) + " |"
+                  for k in results[calls[0]]["verify_call_median"]]
+    lines.insert(len(keys) + 2, "| steps | " + " | ".join(str(results[n]["steps"] if p == "mean_per_step" else
                                                  results[n]["steps_with_verifier"] if "with_v" in p else
                                                  results[n]["steps"] - results[n]["steps_with_verifier"])
                                              for n, p in cols) + " |")
@@ -340,7 +357,7 @@ def run(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out")
-    ap.add_argument("--analyze", help="one saved trace (.json or .json.gz): print its table")
+    ap.add_argument("--analyze", help="saved traces (.trace.json[.gz]) or event dumps (events.json), comma-separated")
     ap.add_argument("--checkpoint", default="/tmp/mg-models/smol-real")
     ap.add_argument("--configs", default="plain,lag-host")
     ap.add_argument("--steps", type=int, default=80)
@@ -353,9 +370,11 @@ def main() -> None:
                          "the scheduler's phases and mg's calls, but CPU-op recording slowed the plain step from "
                          "3.7 to 4.5 ms on the H100)")
     args = ap.parse_args()
-    if args.analyze:
-        ev = not args.analyze.endswith((".gz", ".trace.json"))
-        res = {Path(args.analyze).name: (analyze_events if ev else analyze)(Path(args.analyze))}
+    if args.analyze:  # one table over the files, each named by its folder (trace-NAME) or file
+        files = [Path(f) for f in args.analyze.split(",")]
+        ev = not files[0].name.endswith((".gz", ".trace.json"))
+        res = {f.parent.name.removeprefix("trace-") if f.parent.name.startswith("trace-") else f.name:
+               (analyze_events if ev else analyze)(f) for f in files}
         print(json.dumps(res, indent=1))
         print(table_events(res) if ev else table(res))
     elif args.out:
