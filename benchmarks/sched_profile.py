@@ -32,9 +32,12 @@ CONFIGS = {  # name -> (mg mode, serve flags); tau 0.245557 gave 9.8 % triggers 
     "plain": ("off", []),
     "lag": ("margin", ["--mg-tau", "0.245557", "--mg-commit", "lag", "--mg-verifier-in", "scheduler",
                        "--mg-lag-chain", "off"]),
+    "lag-host": ("margin", ["--mg-tau", "0.245557", "--mg-commit", "lag", "--mg-verifier-in", "scheduler",
+                            "--mg-lag-chain", "off", "--mg-controller-in", "scheduler"]),
     "hold": ("margin", ["--mg-tau", "0.245557", "--mg-commit", "hold"]),
 }
 MG_FILES = ("lagged.py", "lagcommit.py", "hook.py", "link.py", "processor.py", "gate.py", "decide.py")
+CALL = "DirectControllerClient.step"  # a hosted verify call: its frames below, tabled apart
 
 
 def load(path: Path) -> list[tuple[list[str], int]]:
@@ -55,10 +58,11 @@ def _file(frame: str) -> str:
     return frame.split(" (")[1].split(":")[0].rsplit("/", 1)[-1] if " (" in frame else ""
 
 
-def analyze(path: Path, thread: str = "MainThread", top: int = 8) -> dict:
+def analyze(path: Path, thread: str = "MainThread", top: int = 12) -> dict:
     rows = load(path)
     per_thread = collections.Counter()
     phase, mg, leaf = collections.Counter(), collections.Counter(), collections.Counter()
+    call, call_leaf = collections.Counter(), collections.Counter()
     for st, n in rows:
         per_thread[st[0].split(": ", 1)[-1]] += n
         if not st[0].endswith(thread):
@@ -66,6 +70,10 @@ def analyze(path: Path, thread: str = "MainThread", top: int = 8) -> dict:
         names = [_fn(x) for x in st]
         i = names.index("Scheduler.event_loop_overlap") if "Scheduler.event_loop_overlap" in names else -1
         phase[names[i + 1] if 0 <= i < len(names) - 1 else "(other)"] += n
+        if CALL in names:  # where a hosted Step call's time goes: the first frames below it
+            j = names.index(CALL)
+            call[" > ".join(names[j + 1:j + 4]) or "(the call itself)"] += n
+            call_leaf[f"{names[-1]} ({_file(st[-1])})"] += n
         frames = [x for x in st if _file(x) in MG_FILES]
         if frames:
             mg[f"{_fn(frames[0])} > {_fn(st[-1])}"] += n
@@ -73,7 +81,7 @@ def analyze(path: Path, thread: str = "MainThread", top: int = 8) -> dict:
     tot = sum(phase.values()) or 1
     pick = (lambda c: [(k, v, round(100 * v / tot, 1)) for k, v in c.most_common(top)])
     return {"samples": dict(per_thread), "thread_samples": tot, "phases": pick(phase), "mg": pick(mg),
-            "leaves": pick(leaf)}
+            "leaves": pick(leaf), "hosted_call": pick(call), "hosted_call_leaves": pick(call_leaf)}
 
 
 def report(out: Path) -> str:
@@ -85,7 +93,7 @@ def report(out: Path) -> str:
         a = res.setdefault(name, {})[kind] = analyze(f)
         lines.append(f"== {name} / {kind}: samples by thread {a['samples']}")
         if kind != "gil":
-            for title in ("phases", "mg", "leaves"):
+            for title in ("phases", "mg", "leaves", "hosted_call", "hosted_call_leaves"):
                 lines.append(f"  scheduler thread, {title}:")
                 lines += [f"    {pct:5.1f}%  {k}" for k, _, pct in a[title]]
     (out / "sched_profile.json").write_text(json.dumps(res, indent=1))
