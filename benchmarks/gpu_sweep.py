@@ -228,7 +228,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             flags = (([] if always else ["--mg-tau", f"{tau:.6g}"]) + (["--mg-prefill-ahead", str(ahead)] if ahead else [])
                      + ["--mg-early-verify", early, "--mg-ipc-spin-us", str(spin), "--mg-verifier-in", place]
                      + ["--mg-lag-chain", "on" if "chain" in rest else "off"]  # (explicit: its default changed)
-                     + (["--mg-controller-in", "scheduler"] if host else []))
+                     + (["--mg-controller-in", "scheduler" if host else "process"] if place == "scheduler" else []))
             srv = E.start(mdir, name, "always" if always else "margin", out,
                           [*flags, *seam, "--mg-commit", commit, *mem], args.device)
             srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/host" if host else "") + ("/chain" if "chain" in rest else "")
@@ -401,8 +401,8 @@ def main() -> int:
     ap.add_argument("--configs", default="",
                     help="RATE:COMMIT[:N][:early][:spinU][:sched|host],... to time instead of every --rates x "
                          "--commit pair (e.g. 0.1:hold,0.1:lag:sched; N: serve --mg-prefill-ahead N; early: "
-                         "--mg-early-verify on; spinU: --mg-ipc-spin-us U; sched: --mg-verifier-in scheduler; host: "
-                         "that and --mg-controller-in scheduler; chain: --mg-lag-chain on; lag runs without it: off)")
+                         "--mg-early-verify on; spinU: --mg-ipc-spin-us U; sched: --mg-verifier-in scheduler with "
+                         "--mg-controller-in process; host: the verifier and the controller in the scheduler; chain: --mg-lag-chain on; lag runs without it: off)")
     ap.add_argument("--tau-margins", choices=["fp32", "bf16"], default="fp32",
                     help="which reference margins tau comes from: the verifier's fp32 ones (default), or those "
                          "of its logits rounded to bf16, as SGLang's bf16 lm_head shows them to the seam (the "

@@ -31,7 +31,7 @@ HERE = Path(__file__).resolve().parent
 CONFIGS = {  # name -> (mg mode, serve flags); tau 0.245557 gave 9.8 % triggers at bs 8 (real SmolLM2)
     "plain": ("off", []),
     "lag": ("margin", ["--mg-tau", "0.245557", "--mg-commit", "lag", "--mg-verifier-in", "scheduler",
-                       "--mg-lag-chain", "off"]),
+                       "--mg-lag-chain", "off", "--mg-controller-in", "process"]),
     "lag-host": ("margin", ["--mg-tau", "0.245557", "--mg-commit", "lag", "--mg-verifier-in", "scheduler",
                             "--mg-lag-chain", "off", "--mg-controller-in", "scheduler"]),
     "hold": ("margin", ["--mg-tau", "0.245557", "--mg-commit", "hold"]),

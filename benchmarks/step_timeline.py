@@ -42,12 +42,12 @@ import shutil
 import requests
 
 HERE = Path(__file__).resolve().parent
-LAG = ["--mg-commit", "lag", "--mg-verifier-in", "scheduler", "--mg-lag-chain", "off"]
+LAG = ["--mg-commit", "lag", "--mg-verifier-in", "scheduler", "--mg-lag-chain", "off", "--mg-controller-in", "process"]
 CONFIGS = {  # name -> (mg mode, serve flags); tau 0.245557 gave 9.8 % triggers at bs 8 (real SmolLM2)
     "plain": ("off", []),
     "lag-tau0": ("margin", ["--mg-tau", "0", *LAG]),  # lag's machinery, nothing verified
     "lag": ("margin", ["--mg-tau", "0.245557", *LAG]),
-    "lag-host": ("margin", ["--mg-tau", "0.245557", *LAG, "--mg-controller-in", "scheduler"]),
+    "lag-host": ("margin", ["--mg-tau", "0.245557", *LAG[:-1], "scheduler"]),
 }
 # the verifier's kernels (mg_server.kernels; the seam's decide/gate kernels run on SGLang's stream)
 MG_KERNELS = ("_matmul_tma_kernel", "_matmul_kernel", "_rms_kernel", "_rope_store_kernel", "_silu_mul_kernel",

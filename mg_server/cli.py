@@ -89,11 +89,12 @@ def _parser() -> argparse.ArgumentParser:
                         "SGLang's (two processes' kernels take turns on a GPU without CUDA MPS); pair it with "
                         "--mg-commit lag. It loads after SGLang sized its K/V cache: leave it room with "
                         "--mem-fraction-static (README, 'On a GPU')")
-    s.add_argument("--mg-controller-in", choices=["process", "scheduler"], default="process",
-                   help="where the controller runs: 'process' (default) is its own process; 'scheduler' "
-                        "(experimental, with --mg-verifier-in scheduler) is a thread of SGLang's scheduler "
-                        "process, which the seam and the controller call directly, without a socket: a verify "
-                        "call then costs the verifier's forward, not four IPC hops around it (README)")
+    s.add_argument("--mg-controller-in", choices=["auto", "process", "scheduler"], default="auto",
+                   help="where the controller runs: 'process' is its own process; 'scheduler' (with "
+                        "--mg-verifier-in scheduler) is a thread of SGLang's scheduler process, which the seam "
+                        "and the controller call directly, without a socket: a verify call then costs the "
+                        "verifier's forward, not four IPC hops around it. 'auto' (default): 'scheduler' when "
+                        "the verifier is there, else 'process' (README, 'Where performance stands')")
     s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
                    help="longest wait of a response for its verdict (the final audit; default 120)")
 
@@ -207,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         # why: the budget is measured as the process's CUDA memory, SGLang's included; a spinning
         # worker thread would take the GIL from SGLang's scheduler
         _parser().error("--mg-verifier-in scheduler takes neither --mg-verifier-memory-gb nor --mg-ipc-spin-us")
+    if args.mg_controller_in == "auto":
+        # why: with the verifier in the scheduler, hosting the controller beside it shortened the seam's
+        # verify call by 0.9 ms and bs-8 lag traffic from +46 to +31 % over plain SGLang on an H100, and
+        # was never slower in four runs (benchmarks/results/gpu/HISTORY.md, sixth session)
+        args.mg_controller_in = "scheduler" if args.mg_verifier_in == "scheduler" else "process"
     if args.mg_controller_in == "scheduler" and args.mg_verifier_in != "scheduler":
         # why: the direct path calls the verifier in the caller's thread; a verifier process
         # would keep the socket hops this placement exists to remove

@@ -55,7 +55,7 @@ class HookConfig:
     # experimental (--mg-verifier-in scheduler): the VerifierConfig (as a dict) of a verifier worker
     # this process runs as a thread (runtime/verifier/server.py, "Placement"); None: its own process
     verifier: dict | None = None
-    # experimental (--mg-controller-in scheduler, with the verifier there too): the ControllerConfig
+    # --mg-controller-in scheduler (the default with the verifier there too): the ControllerConfig
     # (a dict, its `verifier` left out) of a controller this process hosts (runtime/controller/inproc.py)
     controller: dict | None = None
     lagged_on_cpu: bool = False  # tests only (env MG_LAGGED_ON_CPU): the lagged path with the CPU reference gate

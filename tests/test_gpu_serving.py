@@ -56,7 +56,7 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
     srv = ServerProcess(["--model", str(model), "--device", "cuda", "--mg-mode", mode, "--mg-seam", seam,
                          "--mg-commit", commit, *(["--mg-tau", "0.05"] if mode == "margin" else []),
                          *(["--mg-verifier-in", "scheduler"] if place else []),
-                         *(["--mg-controller-in", "scheduler"] if place == "hosted" else [])],
+                         *(["--mg-controller-in", "scheduler" if place == "hosted" else "process"] if place else [])],
                         tmp_path / "server.log")
     try:
         srv.wait_ready(timeout=600)

@@ -39,7 +39,7 @@ def setup(request, prepared_model, tmp_path_factory):
     for srv, *rest in faulted_server(prepared_model, tmp_path_factory.mktemp("lag") / "server.log",
                                      ["--mg-mode", "margin", "--mg-commit", "lag", "--mg-verifier-in", "scheduler",
                                       *(["--mg-lag-chain", "on"] if chain else []),
-                                      *(["--mg-controller-in", "scheduler"] if hosted else [])], env,
+                                      "--mg-controller-in", "scheduler" if hosted else "process"], env,
                                      QUESTIONS, MAX_NEW):
         srv.chain, srv.hosted = chain, hosted
         yield (srv, *rest)

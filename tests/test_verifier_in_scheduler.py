@@ -37,7 +37,11 @@ def test_the_hosted_controller_flag_needs_the_verifier_there(monkeypatch, prepar
     base = ["serve", "--model", str(prepared_model), "--device", "cpu", "--mg-commit", "lag"]
     assert cli.main([*base, "--mg-verifier-in", "scheduler", "--mg-controller-in", "scheduler"]) == 0
     assert seen[0].controller_in == "scheduler"
-    assert cli.main([*base, "--mg-verifier-in", "scheduler"]) == 0 and seen[1].controller_in == "process"
+    # auto (the default): beside the verifier when it is in the scheduler, else its own process
+    assert cli.main([*base, "--mg-verifier-in", "scheduler"]) == 0 and seen[1].controller_in == "scheduler"
+    assert cli.main([*base, "--mg-verifier-in", "scheduler", "--mg-controller-in", "process"]) == 0
+    assert seen[2].controller_in == "process"
+    assert cli.main([*base]) == 0 and seen[3].controller_in == "process"
     try:
         rc = cli.main([*base, "--mg-controller-in", "scheduler"])
     except SystemExit as e:

@@ -1,5 +1,5 @@
-"""The controller as part of SGLang's scheduler process (`serve --mg-controller-in scheduler`,
-experimental; the verifier must be there too: `--mg-verifier-in scheduler`).
+"""The controller as part of SGLang's scheduler process (`serve --mg-controller-in scheduler`, the
+default (`auto`) whenever the verifier is there too: `--mg-verifier-in scheduler`).
 
 Why: with the verifier a thread of the scheduler process and the controller a process of its
 own, a forward whose rows need the verifier waits for seam -> controller -> verifier ->
@@ -9,9 +9,12 @@ on an H100 found SGLang's scheduler thread blocked in that call 34 % of its time
 the controller, and the controller its verifier, as functions in the caller's thread: the same
 Controller object, the same messages and verifier, no socket and no thread hand-over on that path.
 
-Measured (same section): the controller's verify call went from 2.00 to 1.76-1.93 ms, and the
-step's overhead at batch 8 did not move (+17 % against +17 %, +18 % against +17 %, two A/B
-sweeps): at that batch size the hops are not what the step waits for. Hence experimental, off.
+Measured on H100s: in the fifth session the controller's verify call went from 2.00 to 1.76-1.93
+ms and the bs-8 step's overhead did not move (+17 % against +17 %, +18 % against +17 %, two A/B
+sweeps). In the sixth, a CUDA-event timeline found every verify step waiting for the seam's call
+(the call 3.05 ms through the sockets, 2.15 ms direct), and the overhead fell from +37 to +22 %
+(that timeline) and from +46 to +31 % (a sweep) with the controller here ("Fused prologue
+matmuls, and what one verify call costs a bs-8 step"). Never slower: hence the default.
 
 What stays as it was: the controller's socket, served by a thread of this process, for every
 other client (the front's verdicts, the seam's Finish and Stops, the launcher's Shutdown), so a
