@@ -120,6 +120,19 @@ def front_batch(url: str, rows: list[list[int]], max_new: int, n_det: int, singl
     return out
 
 
+def keep_bodies(url: str, prompts: list[list[int]], n_det: int, stop, times: list, size: int = 8,
+                tokens: int = 128) -> None:
+    """Bodies of `size` requests of `tokens` tokens (prompts in turn), one after another until
+    `stop` (an Event) is set, the first n_det deterministic; each body's seconds (front_batch's
+    "det", or "plain" without deterministic rows) appended to `times`. For profilers' load."""
+    k = 0
+    while not stop.is_set():
+        body = [prompts[(i + k) % len(prompts)] for i in range(size)]
+        r = front_batch(url, body, tokens, n_det, False)
+        times.append(r.get("det" if n_det else "plain"))
+        k += 1
+
+
 def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, reps: int, frac: dict,
               singles: bool = False, short: int = 2, stream: int = 0) -> dict:
     """gpu_e2e.decode_ms through front_batch: ms/step of the deterministic and of the plain rows

@@ -293,15 +293,7 @@ def run(args) -> None:
         srv = E.start(Path(args.checkpoint), "smol", mode, out, flags + E.mem_flags("smol"), "cuda")
         n_det, times, stop = (0 if mode == "off" else 8), [], threading.Event()
 
-        def traffic():
-            k = 0
-            while not stop.is_set():
-                body = [prompts[(i + k) % len(prompts)] for i in range(8)]
-                r = S.front_batch(srv.url, body, 128, n_det, False)
-                times.append(r.get("det" if n_det else "plain"))
-                k += 1
-
-        t = threading.Thread(target=traffic, daemon=True)
+        t = threading.Thread(target=S.keep_bodies, args=(srv.url, prompts, n_det, stop, times), daemon=True)
         try:
             t.start()
             time.sleep(args.warm_s)  # past the first bodies (compiles, prefix cache)

@@ -18,13 +18,13 @@ finished events and writes /tmp/mgprof_events/<pid>.json every 2 s; benchmarks/s
 --events reads them.
 """
 
-import importlib.abc
-import importlib.util
 import json
 import os
 import sys
 import threading
 import time
+
+from import_hook import after_import
 
 MAX = 60000
 GO = "/tmp/mgprof_events_go"  # entries are recorded only once this file exists (after a warm-up)
@@ -118,31 +118,16 @@ def _patch_graph_replay() -> None:
     g.CUDAGraph.replay = marked
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        table = HOST.pop(name, None)
-        hook_torch = name == "torch.cuda.graphs"
-        if table is None and not hook_torch:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
-        run = spec.loader.exec_module
-
-        def exec_module(m):
-            run(m)
-            if hook_torch:
-                _patch_graph_replay()
-            for path_, short in (table or {}).items():
-                owner, _, attr = path_.rpartition(".")
-                obj = getattr(m, owner) if owner else m
-                if hasattr(obj, attr):
-                    setattr(obj, attr, _wrap_host(short, getattr(obj, attr)))
-        spec.loader.exec_module = exec_module
-        return spec
+def _host_patch(table: dict):
+    def patch(m) -> None:
+        for path_, short in table.items():
+            owner, _, attr = path_.rpartition(".")
+            obj = getattr(m, owner) if owner else m
+            if hasattr(obj, attr):  # a renamed function is skipped, not fatal
+                setattr(obj, attr, _wrap_host(short, getattr(obj, attr)))
+    return patch
 
 
-sys.meta_path.insert(0, _Finder())
+after_import({"torch.cuda.graphs": lambda m: _patch_graph_replay(),
+              **{mod: _host_patch(table) for mod, table in HOST.items()}})
 threading.Thread(target=_watch, name="mgprof-go", daemon=True).start()

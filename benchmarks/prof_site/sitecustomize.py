@@ -26,8 +26,6 @@ if os.environ.get("MG_PROF") == "events":  # a CUDA-event timeline of the schedu
     import mgprof_events  # noqa: F401
 
 if os.environ.get("MG_PROF") in ("1", "trace"):
-    import importlib.abc
-    import importlib.util
     import json
     import threading
     import time
@@ -122,22 +120,6 @@ if os.environ.get("MG_PROF") in ("1", "trace"):
             if hasattr(obj, attr):  # a renamed function is skipped, not fatal
                 setattr(obj, attr, wrap(name, getattr(obj, attr)))
 
-    class Finder(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path, target=None):
-            table = TARGETS.pop(name, None)
-            if table is None:
-                return None
-            sys.meta_path.remove(self)  # find the real spec without recursing into this finder
-            try:
-                spec = importlib.util.find_spec(name)
-            finally:
-                sys.meta_path.insert(0, self)
-            run = spec.loader.exec_module
+    from import_hook import after_import
 
-            def exec_module(m):
-                run(m)
-                patch(m, table)
-            spec.loader.exec_module = exec_module
-            return spec
-
-    sys.meta_path.insert(0, Finder())
+    after_import({mod: (lambda m, t=table: patch(m, t)) for mod, table in TARGETS.items()})
