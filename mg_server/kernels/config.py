@@ -126,8 +126,8 @@ KERNEL_CONFIG: dict = {
     # OFF, measured on an H100 (`python -m mg_server.kernels.bench_fused`, results/gpu/bench_fused_h100.json):
     # the fused kernel took 11.5 us for 135m qkv at 17 rows where norm + matmul took 6.0 us, 25 us
     # for 135m down against 8.3 us (the prologue in the K loop stalls the weight pipeline); the
-    # verifier's 17-row step rose from 1.49 to 2.14 ms with 223 instead of 312 kernels, and bs-8
-    # lag traffic from about +17 % to +50 % over plain SGLang.
+    # verifier's 17-row step rose from 1.49 to 2.14 ms with 223 instead of 312 kernels (one
+    # bs-8 lag sweep with it on: +50 % over plain SGLang; unfused, on another machine: +35 %).
     "fused": {"norm_matmul": False, "silu_matmul": False, "tma": True},
     # Row-wise reductions (RMSNorm, log-softmax, top2): one program per row, the row is walked
     # in CHUNK-sized pieces in index order; per-lane partials are combined by one tl.sum/tl.max.
