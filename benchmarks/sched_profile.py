@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import os
 import subprocess
@@ -43,7 +44,8 @@ CALL = "DirectControllerClient.step"  # a hosted verify call: its frames below, 
 def load(path: Path) -> list[tuple[list[str], int]]:
     """py-spy's raw format: `thread (tid): name;frame;frame... count` per line."""
     rows = []
-    for line in path.read_text().splitlines():
+    text = gzip.open(path, "rt").read() if path.suffix == ".gz" else path.read_text()  # (kept gzipped)
+    for line in text.splitlines():
         if line.strip():
             stack, n = line.rsplit(" ", 1)
             rows.append((stack.split(";"), int(n)))
@@ -86,8 +88,8 @@ def analyze(path: Path, thread: str = "MainThread", top: int = 12) -> dict:
 
 def report(out: Path) -> str:
     lines, res = [], {}
-    for f in sorted(out.glob("*_*.txt")):
-        name, kind = f.stem.rsplit("_", 1)
+    for f in sorted([*out.glob("*_*.txt"), *out.glob("*_*.txt.gz")]):
+        name, kind = f.name.split(".txt")[0].rsplit("_", 1)
         if kind not in ("active", "gil", "idle"):
             continue
         a = res.setdefault(name, {})[kind] = analyze(f)
