@@ -223,7 +223,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             path.write_text(json.dumps(res, indent=2))
         for rate, commit, *rest in args.configs:
             always = rate == "always"
-            if bad := [x for x in rest if not (x.isdigit() or x in ("early", "sched", "host", "chain", "nochain")
+            if bad := [x for x in rest if not (x.isdigit() or x in ("early", "sched", "host", "chain", "nochain", "vahead")
                                               or (x.startswith("spin") and x[4:].isdigit()))]:
                 raise SystemExit(f"unknown config marker(s) {bad} in {rate}:{commit}:{':'.join(rest)}")
             ahead = next((int(x) for x in rest if x.isdigit()), 0)  # serve --mg-prefill-ahead
@@ -241,15 +241,16 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             flags = (([] if always else ["--mg-tau", f"{tau:.6g}"]) + (["--mg-prefill-ahead", str(ahead)] if ahead else [])
                      + ["--mg-early-verify", early, "--mg-ipc-spin-us", str(spin), "--mg-verifier-in", place]
                      + ["--mg-lag-chain", "on" if "chain" in rest else "off"]  # (explicit: its default changed)
-                     + (["--mg-controller-in", "scheduler" if host else "process"] if place == "scheduler" else []))
+                     + (["--mg-controller-in", "scheduler" if host else "process"] if place == "scheduler" else [])
+                     + (["--mg-verify-ahead", "on"] if "vahead" in rest else []))
             srv = E.start(mdir, name, "always" if always else "margin", out,
                           [*flags, *seam, "--mg-commit", commit, *mem], args.device)
-            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/host" if host else "") + ("/chain" if "chain" in rest else "")
+            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/host" if host else "") + ("/chain" if "chain" in rest else "") + ("/vahead" if "vahead" in rest else "")
             try:
                 singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
                 cfg = {"target": rate, "tau": tau, "commit": commit, "prefill_ahead": ahead, "early_verify": early,
                        "ipc_spin_us": spin, "verifier_in": place, "controller_in": "scheduler" if host else "process",
-                       "lag_chain": "chain" in rest,
+                       "lag_chain": "chain" in rest, "verify_ahead": "vahead" in rest,
                        "expected_trigger": expected,
                        "det_requests": "single" if singles else "batch",
                        "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles,
@@ -415,7 +416,8 @@ def main() -> int:
                     help="RATE:COMMIT[:N][:early][:spinU][:sched|host],... to time instead of every --rates x "
                          "--commit pair (e.g. 0.1:hold,0.1:lag:sched; N: serve --mg-prefill-ahead N; early: "
                          "--mg-early-verify on; spinU: --mg-ipc-spin-us U; sched: --mg-verifier-in scheduler with "
-                         "--mg-controller-in process; host: the verifier and the controller in the scheduler; chain: --mg-lag-chain on; lag runs without it: off)")
+                         "--mg-controller-in process; host: the verifier and the controller in the scheduler; chain: --mg-lag-chain on; lag runs without it: off; "
+                         "vahead: --mg-verify-ahead on, with host)")
     ap.add_argument("--tau-margins", choices=["fp32", "bf16"], default="fp32",
                     help="which reference margins tau comes from: the verifier's fp32 ones (default), or those "
                          "of its logits rounded to bf16, as SGLang's bf16 lm_head shows them to the seam (the "

@@ -95,6 +95,11 @@ def _parser() -> argparse.ArgumentParser:
                         "and the controller call directly, without a socket: a verify call then costs the "
                         "verifier's forward, not four IPC hops around it. 'auto' (default): 'scheduler' when "
                         "the verifier is there, else 'process' (README, 'Where performance stands')")
+    s.add_argument("--mg-verify-ahead", choices=["on", "off"], default="off",
+                   help="experimental, with the controller in SGLang's scheduler process: 'on' sends every "
+                        "deterministic row's coming step to the verifier when its forward is launched, so the "
+                        "verdict is ready when the host asks for it; the verifier then computes every protected "
+                        "step, not only the low-margin ones (default off; README, 'Where performance stands')")
     s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
                    help="longest wait of a response for its verdict (the final audit; default 120)")
 
@@ -217,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         # why: the direct path calls the verifier in the caller's thread; a verifier process
         # would keep the socket hops this placement exists to remove
         _parser().error("--mg-controller-in scheduler needs --mg-verifier-in scheduler")
+    if args.mg_verify_ahead == "on" and (args.mg_controller_in != "scheduler" or args.mg_seam != "lagged"):
+        # why: the ahead calls are direct calls from a thread of the scheduler process; through
+        # the controller's socket they would queue ahead of the Steps they are meant to shorten
+        _parser().error("--mg-verify-ahead on needs the controller in SGLang's scheduler process "
+                        "(--mg-verifier-in scheduler) and the lagged seam")
     if args.mg_verifier_memory_gb is not None and not args.mg_verifier_memory_gb > 0:
         _parser().error("--mg-verifier-memory-gb must be > 0")
     try:
@@ -253,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         lag_chain=args.mg_lag_chain == "on",
         verifier_in=args.mg_verifier_in,
         controller_in=args.mg_controller_in,
+        verify_ahead=args.mg_verify_ahead == "on",
         verifier_memory_gb=args.mg_verifier_memory_gb,
     )
     from mg_server.sglang_ext.launch import serve

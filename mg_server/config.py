@@ -52,6 +52,9 @@ class HookConfig:
     # lagged path, experimental (--mg-commit lag): verify low-margin rows one forward behind
     # instead of holding the stream (sglang_ext/lagcommit.py)
     lag_commit: bool = False
+    # lagged path with the controller hosted here, experimental (--mg-verify-ahead): each protected
+    # row's coming step goes to the verifier at its forward's launch (runtime/controller/ahead.py)
+    verify_ahead: bool = False
     # experimental (--mg-verifier-in scheduler): the VerifierConfig (as a dict) of a verifier worker
     # this process runs as a thread (runtime/verifier/server.py, "Placement"); None: its own process
     verifier: dict | None = None
@@ -111,6 +114,7 @@ class ServeConfig:
     lag_chain: bool = False  # lag: a correction's next step is answered in the same verify call (--mg-lag-chain)
     verifier_in: str = "process"  # "process" | "scheduler": where the verifier worker runs (--mg-verifier-in)
     controller_in: str = "process"  # "process" | "scheduler": where the controller runs (--mg-controller-in)
+    verify_ahead: bool = False  # the verifier answers each protected step at its launch (--mg-verify-ahead)
 
     @property
     def cpu(self) -> bool:

@@ -71,8 +71,10 @@ class ControllerMetrics:
                                       "Missed flips found by the verifier's audit of unverified steps")
         self.corrections = Counter("mg_corrections", "Missed flips whose non-streamed answer the verifier completed "
                                    "from the flip (the response then equals the reference)")
-        self.chained = Counter("mg_chained", "Must steps (--mg-commit lag) answered from the correcting verify "
-                               "call's chained result (VerifyItem.chain), without a verify call of their own")
+        self.chained = Counter("mg_chained", "Must steps (--mg-commit lag) answered without a verify call of their "
+                               "own: from the correcting call's chained result (VerifyItem.chain) or ahead")
+        self.verify_ahead = Counter("mg_verify_ahead", "Steps the verifier answered while the fast path computed "
+                                    "them (--mg-verify-ahead), kept for the step's verdict")
         self.lookahead = Counter("mg_lookahead_steps", "Steps decided after a request's last token (the overlap "
                                  "scheduler's look-ahead forward); SGLang drops their tokens")
         # The fast path's margin where the verifier disagreed: tau must stay above these (calibration).

@@ -642,3 +642,30 @@ def test_one_idle_turn_teaches_at_most_one_chunk_in_all(make_ctl):
         ctl._prefill_ahead()
     assert calls == [[16], [4, 12], [8]]
     assert ctl.reqs["a"].verifier_len == ctl.reqs["b"].verifier_len == 20
+
+
+def test_a_step_verified_ahead_is_answered_without_a_verify_call(make_ctl):
+    """--mg-verify-ahead (controller/ahead.py): the verifier answers a step when the seam launches
+    it; the Step then takes that answer (no call), a stale or unknown row costs nothing, and a
+    fast-committed token that differs from the answer is a missed flip found at its Step."""
+    ctl = make_ctl("margin", 0.5, chain=False)
+    prompt = [5, 6, 7]
+    (d,) = ctl._step([P.StepRow(rid="a", pos=2, prompt=prompt, margin=3.0, fast_token=ref_next(prompt))])
+    tokens = prompt + [d.token]
+    assert ctl.handle(P.VerifyAhead(rows=[P.AheadRow(rid="a", pos=3)])) is None  # one-way
+    calls = len(ctl.vclient.items)
+    assert calls == 1 and ctl.vclient.items[0].tokens == tokens  # the catch-up from the prompt on
+    assert (ctl.chained["a"].pos, ctl.chained["a"].token) == (3, ref_next(tokens))
+    wrong = (ref_next(tokens) + 1) % 50
+    (d,) = ctl._step([P.StepRow(rid="a", pos=3, margin=0.1, fast_token=wrong)])  # below tau: verified
+    assert d.verified and d.repair and d.token == ref_next(tokens) and len(ctl.vclient.items) == calls
+    tokens.append(d.token)
+    ctl.handle(P.VerifyAhead(rows=[P.AheadRow(rid="a", pos=3), P.AheadRow(rid="zz", pos=0)]))  # stale, unknown
+    assert len(ctl.vclient.items) == calls and "a" not in ctl.chained
+    ctl.handle(P.VerifyAhead(rows=[P.AheadRow(rid="a", pos=4)]))
+    assert ctl.vclient.items[-1].tokens == [tokens[4]]  # one token: the verifier had seen the rest
+    (d,) = ctl._step([P.StepRow(rid="a", pos=4, margin=3.0, fast_token=(ref_next(tokens) + 1) % 50)])
+    assert not d.verified and ctl.reqs["a"].mismatches == [4]  # above tau: committed fast, found at once
+    tokens.append(d.token)
+    ctl._finish(P.Finish(rid="a", output=tokens[len(prompt):]))
+    assert ctl._verdict("a").state == "mismatch" and ctl.m.verify_ahead._value.get() >= 2

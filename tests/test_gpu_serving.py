@@ -33,7 +33,8 @@ def model(tmp_path_factory):
                                               ("lagged", "margin", "hold"), ("lagged", "margin", "resume"),
                                               ("lagged", "margin", "lag"), ("lagged", "always", "lag"),
                                               ("lagged", "margin", "lag-sched"), ("lagged", "always", "lag-sched"),
-                                              ("lagged", "margin", "lag-hosted"), ("lagged", "always", "lag-hosted")])
+                                              ("lagged", "margin", "lag-hosted"), ("lagged", "always", "lag-hosted"),
+                                              ("lagged", "margin", "lag-ahead")])
 def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, seam, mode, commit):
     """mode margin (tau 0.05, ~15 % of steps verified on these random weights) also checks the
     fast-committed tokens: the device's fast token of every row (a strided one was another row's).
@@ -43,7 +44,8 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
     verified one forward behind, a disagreement swapped before SGLang emits it (lagcommit.py).
     "-sched": the verifier is a thread of SGLang's scheduler process (--mg-verifier-in scheduler),
     its kernels on a stream of its own beside SGLang's (a held gate must not wait for it);
-    "-hosted": the controller there too (--mg-controller-in scheduler: direct calls, no sockets)."""
+    "-hosted": the controller there too (--mg-controller-in scheduler: direct calls, no sockets);
+    "-ahead": hosted, with every step verified at its launch (--mg-verify-ahead on)."""
     from mg_server.evaluation.determinism import DeterminismConfig, noop_processor, run
     from mg_server.runtime.verifier.reference import greedy_reference, load_engine
 
@@ -56,7 +58,8 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
     srv = ServerProcess(["--model", str(model), "--device", "cuda", "--mg-mode", mode, "--mg-seam", seam,
                          "--mg-commit", commit, *(["--mg-tau", "0.05"] if mode == "margin" else []),
                          *(["--mg-verifier-in", "scheduler"] if place else []),
-                         *(["--mg-controller-in", "scheduler" if place == "hosted" else "process"] if place else [])],
+                         *(["--mg-controller-in", "process" if place == "sched" else "scheduler"] if place else []),
+                         *(["--mg-verify-ahead", "on"] if place == "ahead" else [])],
                         tmp_path / "server.log")
     try:
         srv.wait_ready(timeout=600)
@@ -64,7 +67,8 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
         assert "disable_cuda_graph=False" in log and "disable_overlap_schedule=False" in log
         assert ("mg: lagged commit on" in log) == (seam == "lagged") and ("lag True" in log) == (commit == "lag")
         assert ("verifier inside SGLang's scheduler" in log) == bool(place)
-        assert ("controller inside SGLang's scheduler" in log) == (place == "hosted")
+        assert ("controller inside SGLang's scheduler" in log) == (place in ("hosted", "ahead"))
+        assert ("verify ahead on" in log) == (place == "ahead")
         rep = run(DeterminismConfig(url=srv.url, max_new=32, phases=("alone", "mixed")), det, refs, other,
                   noop_processor())
     finally:

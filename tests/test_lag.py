@@ -30,24 +30,27 @@ FLIP_AT = 3
 MAX_NEW = 20
 
 
-@pytest.fixture(scope="module", params=["chain-on", "chain-off-hosted"])
+@pytest.fixture(scope="module", params=["chain-on", "chain-off-hosted", "ahead-hosted"])
 def setup(request, prepared_model, tmp_path_factory):
     """--mg-lag-chain on and off (the default): the same answers; only on chains the must step.
-    The second server also hosts the controller in SGLang's scheduler process."""
+    The other servers host the controller in SGLang's scheduler process, the last one with
+    --mg-verify-ahead on (every step verified at its launch: runtime/controller/ahead.py)."""
     env = {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0", "MG_LAGGED_ON_CPU": "1"}
-    chain, hosted = request.param == "chain-on", request.param.endswith("hosted")
+    chain, hosted, ahead = request.param == "chain-on", request.param.endswith("hosted"), request.param == "ahead-hosted"
     for srv, *rest in faulted_server(prepared_model, tmp_path_factory.mktemp("lag") / "server.log",
                                      ["--mg-mode", "margin", "--mg-commit", "lag", "--mg-verifier-in", "scheduler",
                                       *(["--mg-lag-chain", "on"] if chain else []),
+                                      *(["--mg-verify-ahead", "on"] if ahead else []),
                                       "--mg-controller-in", "scheduler" if hosted else "process"], env,
                                      QUESTIONS, MAX_NEW):
-        srv.chain, srv.hosted = chain, hosted
+        srv.chain, srv.hosted, srv.ahead = chain, hosted, ahead
         yield (srv, *rest)
 
 
 def test_a_corrected_token_is_swapped_before_it_is_emitted(setup):
     srv, _, prompts, refs = setup
     fixed, chained = _counter(srv.url, "mg_lag_corrections_total"), _counter(srv.url, "mg_chained_total")
+    ahead = _counter(srv.url, "mg_verify_ahead_total")
     body = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
     r = requests.post(srv.url + "/generate", json=body, headers={"X-Deterministic": "1"}, timeout=600)
     assert r.status_code == 200, r.text
@@ -57,11 +60,14 @@ def test_a_corrected_token_is_swapped_before_it_is_emitted(setup):
     assert r.headers["x-mg-system-fingerprint"].startswith("fp_")
     assert _counter(srv.url, "mg_lag_corrections_total") >= fixed + 1  # the fault's token was replaced
     # with the chain, the next step (a must row) was answered by the correcting call itself
-    # (VerifyItem.chain); without it (the default), by a verify call of its own
-    if srv.chain:
+    # (VerifyItem.chain); ahead, by the call its launch made (each of the answer's steps after the
+    # first had one: most are counted, the rest raced their Step); else (the default), by a verify call of its own
+    if srv.chain or srv.ahead:
         assert _counter(srv.url, "mg_chained_total") >= chained + 1
     else:
         assert _counter(srv.url, "mg_chained_total") == chained == 0
+    assert _counter(srv.url, "mg_verify_ahead_total") - ahead >= (MAX_NEW // 2 if srv.ahead else 0)
+    assert ("verify ahead on" in srv.log_path.read_text()) == srv.ahead
     log = srv.log_path.read_text()
     assert "lagged commit on" in log and "lag True" in log
     # the verifier thread's placement makes SGLang's idle loop sleep (launch.IN_SCHEDULER_ARGS)

@@ -49,6 +49,26 @@ def test_the_hosted_controller_flag_needs_the_verifier_there(monkeypatch, prepar
     assert rc == 2 and "--mg-controller-in scheduler needs --mg-verifier-in scheduler" in capsys.readouterr().err
 
 
+def test_verify_ahead_needs_the_hosted_controller(monkeypatch, prepared_model, capsys):
+    """`--mg-verify-ahead on` (runtime/controller/ahead.py): its calls are direct calls from the
+    scheduler process, so the controller must be hosted there, on the lagged seam."""
+    from mg_server import cli
+    from mg_server.sglang_ext import launch
+
+    seen = []
+    monkeypatch.setattr(launch, "serve", seen.append)
+    base = ["serve", "--model", str(prepared_model), "--device", "cpu", "--mg-commit", "lag", "--mg-verify-ahead", "on"]
+    assert cli.main([*base, "--mg-verifier-in", "scheduler"]) == 0 and seen[0].verify_ahead
+    assert cli.main(base[:-2]) == 0 and not seen[1].verify_ahead  # off by default
+    for flags in (["--mg-verifier-in", "scheduler", "--mg-controller-in", "process"], [],
+                  ["--mg-verifier-in", "scheduler", "--mg-seam", "sync"]):
+        try:
+            rc = cli.main([*base, *flags])
+        except SystemExit as e:
+            rc = e.code
+        assert rc == 2 and "--mg-verify-ahead on needs the controller" in capsys.readouterr().err, flags
+
+
 def test_a_direct_verifier_client_answers_as_the_socket_would(tmp_path):
     """DirectVerifierClient (the hosted controller's verifier client) against the socket client of
     the same worker: equal results, field by field, for the same items (CPU, the tiny random model)."""

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 8  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
+PROTOCOL_VERSION = 9  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
 # 6: resumable rows (StepRow.resumable, Stops, Correction.resume); 7: StepRow.must (lagged corrections);
-# 8: StepRow.behind, VerifyItem.chain, VerifyResult.next (a lag correction's next step in the same call)
+# 8: StepRow.behind, VerifyItem.chain, VerifyResult.next (a lag correction's next step in the same call);
+# 9: VerifyAhead (--mg-verify-ahead)
 
 
 class ErrorCode:
@@ -229,6 +230,19 @@ class Step(Message):
     reply: bool = True  # False: every row was fast-committed by the seam; nothing is sent back
 
 
+class AheadRow(msgspec.Struct, kw_only=True):
+    rid: str
+    pos: int  # the position of the input token t_pos of the request's coming step (t_pos is decided)
+
+
+class VerifyAhead(Message):
+    """`--mg-verify-ahead` (controller/ahead.py): have the verifier answer these requests' coming
+    steps now, while the fast path computes them; the controller keeps each result for the
+    request's Step at that position. One-way: nothing is sent back."""
+
+    rows: list[AheadRow]
+
+
 class StepDecision(msgspec.Struct, kw_only=True, omit_defaults=True):
     rid: str
     token: int = -1  # the token t_{pos+1} to emit (the fast one, or the verifier's)
@@ -320,7 +334,7 @@ class VerdictReply(Message):
 
 AnyMessage = (Hello | HelloReply | Verify | VerifyReply | Release | Stats | StatsReply | Shutdown
               | Ack | Error | ControllerHello | ControllerInfo | Step | StepReply | Finish | Verdict
-              | VerdictReply | Stops | StopsReply)
+              | VerdictReply | Stops | StopsReply | VerifyAhead)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

@@ -72,7 +72,7 @@ import torch
 from torch import Tensor
 
 from mg_server import metrics
-from mg_server.kernels.decide import decide, force
+from mg_server.kernels.decide import LAZY, decide, force
 from mg_server.kernels.gate import ReferenceStepGate, StepGate
 from mg_server.runtime import protocol as P
 from mg_server.sglang_ext.lagcommit import LagCommit
@@ -98,6 +98,7 @@ class Forward:
     rows: list[tuple[int, object, str]]  # (batch row, SGLang Req, instance key)
     seen: float | None = None  # the watchdog's first sight of it published and unanswered
     outs: list[tuple[str, int]] = field(default_factory=list)  # lag: (key, output index) of its BEHIND rows
+    ahead: threading.Event | None = None  # --mg-verify-ahead: set once the controller has its rows' answers
 
 
 def _wait(cond, what: str) -> None:
@@ -114,9 +115,13 @@ class LaggedControl(LagCommit):
     """The seam's control path on CUDA (see module doc). `seam` is the hook's StepSeam; on a CPU
     device (unit tests) the gate is kernels.gate.ReferenceStepGate."""
 
-    def __init__(self, seam, device: torch.device, early: bool = False, lag: bool = False, inline: bool = False):
+    def __init__(self, seam, device: torch.device, early: bool = False, lag: bool = False, inline: bool = False,
+                 ahead: bool = False):
         self.seam = seam
         self.link = seam.link
+        # --mg-verify-ahead (runtime/controller/ahead.py): at each launch the hosted controller's
+        # client sends the protected rows' coming steps to the verifier from a thread of its own
+        self.ahead = self.link.client.verify_ahead if ahead else None
         self.device = device
         runner = seam.runner
         pool, r2t = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
@@ -184,7 +189,13 @@ class LaggedControl(LagCommit):
             self.inject_fault(logits, positions, rows)
         with link.lock:
             expected = [self.expected(req, key) for _, req, key in rows]
+            known = [key in link.tracked for _, _, key in rows]  # (else its first step: the controller has no state)
         modes = [self.mode(req, key) for _, req, key in rows]
+        ahead = None
+        if self.ahead is not None:  # first: the verifier's forward then runs beside this one
+            todo = [P.AheadRow(rid=key, pos=e) for (_, _, key), e, k, m in zip(rows, expected, known, modes)
+                    if e >= 0 and k and m != LAZY]
+            ahead = self.ahead(todo) if todo else None
         mh = self._meta_np
         mh[:n], mh[n:2 * n], mh[2 * n:3 * n] = [i for i, _, _ in rows], expected, modes
         self._tau_np[0] = link.policy.tau
@@ -199,7 +210,7 @@ class LaggedControl(LagCommit):
         decide(logits, positions.to(logits.device), self.meta_host, self.tau_host, link.policy.mode == "always",
                margin, fast, pos, need, rows_dev)
         self.last_target += 1
-        f = Forward(self.last_target, rows)
+        f = Forward(self.last_target, rows, ahead=ahead)
         if self.lag:
             self.track_outputs(f, expected, modes)
         # pending first: once the gate is enqueued, this thread's next CUDA call may block until
@@ -298,6 +309,8 @@ class LaggedControl(LagCommit):
         need = {i: int(n) for (i, _, _), (*_, n) in zip(f.rows, values)}  # 0, 1 (decided now), 2 (behind)
         need_of = {key: need[i] for i, _, key in f.rows}
         gated = 1 in need.values()
+        if f.ahead is not None and any(need.values()):  # the verdicts asked for were started at launch
+            f.ahead.wait(HOST_WAIT_S)  # (if not done by then, the Step verifies them itself)
         tokens = [int(tok) for _, tok, _, _ in values]  # what the gate lets through unless replaced
         slot_of = {i: k for k, (i, _, _) in enumerate(f.rows)}
         key_of = {id(req): key for _, req, key in f.rows}
@@ -370,18 +383,22 @@ def attach(seam, config, runner) -> LaggedControl | None:
     if config.lagged_commit and overlap and platform.machine() == "x86_64" and (cuda or config.lagged_on_cpu):
         try:
             dev = torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)) if cuda else torch.device("cpu")
-            lagged = LaggedControl(seam, dev, early=config.early_verify, lag=config.lag_commit, inline=not cuda)
+            lagged = LaggedControl(seam, dev, early=config.early_verify, lag=config.lag_commit, inline=not cuda,
+                                   ahead=config.verify_ahead)
         except Exception as e:  # noqa: BLE001 - e.g. a driver without stream memory operations
             log.warning("mg: lagged commit unavailable (%s: %s); deterministic rows use the synchronous seam",
                         type(e).__name__, e)
     if lagged is None:
         if config.lag_commit:
             log.warning("mg: --mg-commit lag needs the lagged seam, which is off here; low-margin steps hold")
+        if config.verify_ahead:
+            log.warning("mg: --mg-verify-ahead needs the lagged seam, which is off here; steps are verified when asked")
         return None
     seam.link.before_finish = lagged.drain
     seam.link.gate_watchdog = lagged.watchdog
-    log.warning("mg: lagged commit on (step gate capacity %d rows, early verify %s, lag %s)",
-                lagged.capacity, "on" if config.early_verify else "off", config.lag_commit)
+    log.warning("mg: lagged commit on (step gate capacity %d rows, early verify %s, lag %s, verify ahead %s)",
+                lagged.capacity, "on" if config.early_verify else "off", config.lag_commit,
+                "on" if config.verify_ahead else "off")
     return lagged
 
 

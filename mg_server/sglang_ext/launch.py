@@ -57,6 +57,7 @@ ENGINE_ARGS = {"cpu": CPU_ENGINE_ARGS, "cuda-bare": BARE_CUDA_ENGINE_ARGS, "cuda
 # per call on an H100 (benchmarks/results/gpu/HISTORY.md, "The scheduler placement's GIL, named").
 # SGLang's idle sleeper blocks in a socket poll instead, GIL released, until a request comes.
 IN_SCHEDULER_ARGS = ("--sleep-on-idle",)
+AHEAD_SLOTS = 256  # the verifier's K/V-column slots with --mg-verify-ahead (default 64)
 OWNED_FLAGS = ("--forward-hooks", "--enable-custom-logit-processor")
 
 
@@ -183,6 +184,9 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
         memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=max(16384, 2 * context_len),
         ipc_spin_s=cfg.ipc_spin_s, trace_calls=env.trace_calls(),
+        # why more slots ahead: each protected row's result is kept one forward for its Step, and
+        # an answer whose slot may be reused before the seam copies it is verified again
+        n_slots=AHEAD_SLOTS if cfg.verify_ahead else VerifierConfig.n_slots,
     )
     in_scheduler = cfg.verifier_in == "scheduler"
     expect_kernels = ""
@@ -340,7 +344,8 @@ def serve(cfg: ServeConfig) -> None:
                       step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
                       fault_missed_flip=env.fault_missed_flip(), fault_flip_margin=env.fault_flip_margin(),
                       lagged_commit=cfg.lagged_commit, early_verify=cfg.early_verify,
-                      lag_commit=cfg.commit == "lag", lagged_on_cpu=env.lagged_on_cpu(), verifier=hook_verifier,
+                      lag_commit=cfg.commit == "lag", verify_ahead=cfg.verify_ahead,
+                      lagged_on_cpu=env.lagged_on_cpu(), verifier=hook_verifier,
                       controller=hook_controller)
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(

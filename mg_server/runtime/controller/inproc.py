@@ -24,6 +24,8 @@ idle work. One lock (Controller.lock) serialises the direct calls and that threa
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
 
 from mg_server.runtime import protocol as P
@@ -31,6 +33,8 @@ from mg_server.runtime.channel import RpcError
 from mg_server.runtime.controller.client import ControllerClient
 from mg_server.runtime.controller.server import Controller, ControllerConfig
 from mg_server.runtime.liveness import Lifeline, beat_path
+
+log = logging.getLogger(__name__)
 
 
 class ControllerHost:
@@ -66,6 +70,7 @@ class DirectControllerClient:
     def __init__(self, controller: Controller, timeout_s: float, client_name: str):
         self.controller = controller
         self.sock = ControllerClient(controller.cfg.ipc_path, timeout_s=timeout_s, client_name=client_name)
+        self._ahead: queue.SimpleQueue | None = None  # verify_ahead's jobs (rows, done), started at its first
 
     def _direct(self, msg: P.Message) -> P.Message | None:
         with self.controller.lock:
@@ -79,6 +84,32 @@ class DirectControllerClient:
 
     def report(self, rows: list[P.StepRow]) -> None:
         self._direct(P.Step(rows=rows, reply=False))
+
+    def verify_ahead(self, rows: list[P.AheadRow]) -> threading.Event:
+        """`--mg-verify-ahead` (controller/ahead.py): send the rows to the controller from a thread
+        of this client's, in order; the event is set once the controller has handled them (or
+        failed to: then the Step verifies those rows itself)."""
+        if self._ahead is None:
+            self._ahead = queue.SimpleQueue()
+            threading.Thread(target=self._ahead_loop, name="mg-verify-ahead", daemon=True).start()
+        done = threading.Event()
+        self._ahead.put((rows, done))
+        return done
+
+    def _ahead_loop(self) -> None:
+        failing = False
+        while True:
+            rows, done = self._ahead.get()
+            try:
+                self._direct(P.VerifyAhead(rows=rows))
+                failing = False
+            except Exception as e:  # noqa: BLE001 - the Steps verify these rows themselves
+                if not failing:
+                    log.warning("mg: a verify-ahead call failed (%s: %s); the steps verify themselves",
+                                type(e).__name__, e)
+                failing = True
+            finally:
+                done.set()
 
     def hello(self, timeout_s: float | None = None) -> P.ControllerInfo:
         return self.sock.hello(timeout_s)

@@ -40,6 +40,7 @@ import zmq
 
 from mg_server.runtime import protocol as P
 from mg_server.runtime.channel import wait_readable
+from mg_server.runtime.controller.ahead import AheadMixin
 from mg_server.runtime.controller.audit import AuditMixin
 from mg_server.runtime.controller.catchup import catch_up
 from mg_server.runtime.controller.correct import AnswerCompletion
@@ -73,7 +74,7 @@ class ControllerConfig:
     parent_pid: int = 0  # mg-server's pid: the controller exits once it is gone (0: no watch)
 
 
-class Controller(AuditMixin, WorkerMixin):
+class Controller(AheadMixin, AuditMixin, WorkerMixin):
     def __init__(self, cfg: ControllerConfig, lifeline: Lifeline | None = None):
         from mg_server.metrics import controller_metrics
 
@@ -90,8 +91,9 @@ class Controller(AuditMixin, WorkerMixin):
         # the diverged ones whose fast path the seam has not been told to end yet.
         self.checks: dict[str, list[int]] = {}
         self.stops: dict[str, None] = {}
-        # Lag corrections' next steps, verified in the same call (VerifyItem.chain): rid -> the
-        # result at the position of the request's coming must row, answered without a verify call.
+        # Lag corrections' next steps, verified in the same call (VerifyItem.chain), and the steps
+        # verified ahead (controller/ahead.py): rid -> the result at the position of the request's
+        # coming step, answered without a verify call.
         self.chained: dict[str, P.VerifyResult] = {}
         # Missed flips' completions in progress, one slice per verdict ask (audit._verdict).
         self.completing: dict[str, AnswerCompletion] = {}
@@ -121,6 +123,9 @@ class Controller(AuditMixin, WorkerMixin):
         if isinstance(msg, P.Step):
             decisions = self._step(msg.rows)  # errors stay in the requests' states (verdicts)
             return P.StepReply(decisions=decisions) if msg.reply else None
+        if isinstance(msg, P.VerifyAhead):
+            self._verify_ahead(msg.rows)  # (one-way: its results wait in `chained` for the Steps)
+            return None
         if isinstance(msg, P.Finish):
             self._finish(msg)
             return P.Ack()
@@ -226,14 +231,15 @@ class Controller(AuditMixin, WorkerMixin):
                                             for row, st in ask], t0) if ask else ())
         for i, row, st, res in ready:
             d = decisions[i]
-            res = res or next(results)
+            known, res = res is not None, res or next(results)
             if isinstance(res, P.ErrorReply):
                 st.error = d.error = f"verifier: [{res.code}] {res.message}"
                 self.m.verify_errors.inc()
                 continue
             self.m.steps.labels(decision="verify").inc()
             self.m.verify.inc()
-            self._audit(row.rid, st, res)
+            if not known:  # (a chained or ahead answer was audited when it came)
+                self._audit(row.rid, st, res)
             st.verifier_len = row.pos + 1
             st.verified.append(row.pos)
             d.verified, d.token, d.slot, d.gen = True, res.token, res.slot, res.gen
@@ -263,7 +269,8 @@ class Controller(AuditMixin, WorkerMixin):
             if res is None:
                 continue
             if newest - res.gen < n_slots // 2:
-                self.m.chained.inc()
+                if row.must:
+                    self.m.chained.inc()
                 continue
             ready[k] = (i, row, st, None)
             st.verifier_len = row.pos
