@@ -322,6 +322,8 @@ def run(args) -> None:
                     res.append(analyze_events(f))
                 except SystemExit:
                     continue  # (a process without decode graphs)
+                except json.JSONDecodeError as e:  # (a dump cut short by an older mgprof_events)
+                    E.log(f"{name}: {f} unreadable ({e}); skipped")
             if not res:
                 E.log(f"{name}: no event dump with graph replays")
                 continue

@@ -92,8 +92,10 @@ def _dumper() -> None:
                 LOG[done][3] = h0 + ref.elapsed_time(ev) / 1e3
             done += 1
         os.makedirs("/tmp/mgprof_events", exist_ok=True)
-        with open(f"/tmp/mgprof_events/{os.getpid()}.json", "w") as f:
+        path = f"/tmp/mgprof_events/{os.getpid()}.json"
+        with open(path + ".tmp", "w") as f:
             json.dump({"argv": sys.argv[:3], "log": LOG[:done]}, f)
+        os.replace(path + ".tmp", path)  # (atomic: the server may be stopped in the middle of a dump)
 
 
 def _wrap_host(name: str, fn):
