@@ -10,7 +10,6 @@ import threading
 import time
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from mg_server.runtime import protocol as P
@@ -412,7 +411,7 @@ def test_lag_lets_the_fast_token_through_and_corrects_it_before_sglang_emits_it(
 
     seam = lagged_seam(hook_mod, runner, verify, tmp_path, monkeypatch, Policy("margin", 0.5), lag=True)
     gates, client, lag = seam.gates, seam.link.client, seam.lagged
-    req = ending_req("g", stop=[21])  # the verifier's token 21 may end it
+    req = FakeReq("g", [4, 5])
     logits = logits_with(20, 0.1)
     seam(None, sampler_args([(req, True)], logits, [1]))
     assert gates.gates == [(0, 1)] and int(logits[0].argmax()) == 20  # no hold: the fast token goes through
@@ -438,48 +437,6 @@ def test_lag_lets_the_fast_token_through_and_corrects_it_before_sglang_emits_it(
     req.output_ids.append(33)
     assert req.output_ids == [21, 33] and lag.fixups == {} and lag.corrections == {} and lag.unsettled == {}
     assert req.to_finish is None
-
-
-def ending_req(rid: str, stop: list[int], max_new: int = 64):
-    """A FakeReq with SGLang's end rules (link.end_rules, lagcommit.may_end read them)."""
-    req = FakeReq(rid, [4, 5], ignore_eos=False, stop_token_ids=stop, max_new_tokens=max_new, stop_strs=[],
-                  stop_regex_strs=[])
-    req.eos_token_ids, req.tokenizer, req.vocab_size = [], None, VOCAB
-    return req
-
-
-@pytest.mark.parametrize("why", ["none", "length", "abort"])
-def test_lag_a_swap_that_cannot_end_the_request_leaves_its_must_forward_to_the_next_drain(
-        hook_mod, runner, tmp_path, monkeypatch, why):
-    """The swap waits for the MUST forward only when SGLang may release the request in this call
-    (lagcommit.may_end): else the scheduler goes on, and the next sampler call's drain answers
-    that forward (held meanwhile) with the same repairs."""
-    def verify(row):
-        token = 33 if row.must else (row.fast_token + 1) % VOCAB
-        return P.StepDecision(rid=row.rid, token=token, verified=True, repair=True, slot=5, gen=9)
-
-    seam = lagged_seam(hook_mod, runner, verify, tmp_path, monkeypatch, Policy("margin", 0.5), lag=True)
-    gates, lag = seam.gates, seam.lagged
-    req = ending_req("n", stop=[40], max_new=1 if why == "length" else 64)
-    seam(None, sampler_args([(req, True)], logits_with(20, 0.1), [1]))
-    seam(None, sampler_args([(req, True)], logits_with(7, 9.0), [2]))  # drains the first: 21, a MUST row next
-    assert gates.gates[-1] == (1, 2) and gates.releases == []
-    if why == "abort":
-        req.to_finish = object()  # an abort pending: SGLang ends it at this append
-    req.output_ids.append(20)
-    assert req.output_ids == [21]
-    if why != "none":  # it may end here: answered now, as the swap's own test shows
-        assert gates.releases == [2] and not lag.pending
-        return
-    assert gates.releases == [] and len(lag.pending) == 1  # still holding: no wait for its GPU step
-    seam(None, sampler_args([(req, True)], logits_with(3, 9.0), [3]))  # the next sampler call drains it
-    assert gates.releases == [2] and seam.link.tracked["n"].tokens == [4, 5, 21, 33]
-    pool = runner.token_to_kv_pool
-    for pos in (1, 2):  # the deferred repair and the MUST row's own, as when answered at the swap
-        for layer in range(LAYERS):
-            assert torch.equal(pool.k_buffer[layer][10 + pos], seam.link.slots.data[5, layer, 0])
-    req.output_ids.append(33)
-    assert req.output_ids == [21, 33] and lag.fixups == {} and lag.corrections == {}
 
 
 def test_lag_agreement_costs_nothing_and_an_early_append_drains_its_forward(hook_mod, runner, tmp_path,

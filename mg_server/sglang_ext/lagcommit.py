@@ -33,7 +33,6 @@ from mg_server import metrics
 from mg_server.kernels.decide import BEHIND, HOLD, LAZY, MUST
 from mg_server.runtime import protocol as P
 from mg_server.sglang_ext.hook import resumable
-from mg_server.sglang_ext.link import end_rules
 
 
 class LagCommit:
@@ -60,7 +59,7 @@ class LagCommit:
         remember which forward decides each BEHIND row's output token."""
         for (_, req, key), e, mode in zip(f.rows, expected, modes):
             if type(req.output_ids) is not Outputs:
-                req.output_ids = Outputs(req.output_ids, self, key, req)
+                req.output_ids = Outputs(req.output_ids, self, key)
             if mode == BEHIND and e >= 0:
                 f.outs.append((key, e - len(req.origin_input_ids) + 1))
                 self.unsettled[f.outs[-1]] = f.target
@@ -70,17 +69,14 @@ class LagCommit:
         self.corrections[(key, pos - len(req.origin_input_ids) + 1)] = d.token
         self.fixups.setdefault(key, []).append((pos, d.slot, d.gen))
 
-    def output_token(self, key: str, index: int, token: int, req=None) -> int:
-        """SGLang appends `token` as output `index` of `req`: if that step is verified behind,
-        wait for its verdict (normally known already) and return the verifier's token.
-        A swapped token that may end the request also settles its MUST forward here (launched:
-        the overlap scheduler appends after launching the next forward): the scheduler may
-        release the request in this same call, and its K/V columns must be repaired while it
-        still holds them, before the radix cache keeps them under the verifier's token. That
-        waits for the MUST forward's whole GPU step, while SGLang's next forward is not prepared
-        (measured: 1-2 ms of idle GPU after ~13 % of bs-8 steps), so a swap that cannot end the
-        request here leaves its MUST forward to the next sampler call's drain, as any forward:
-        the request's later forwards run behind its gate, which writes the repair first."""
+    def output_token(self, key: str, index: int, token: int) -> int:
+        """SGLang appends `token` as output `index` of the request: if that step is verified
+        behind, wait for its verdict (normally known already) and return the verifier's token.
+        A swapped token also settles the request's MUST forward here, if it is launched: the
+        scheduler may release the request in this same call (the swapped token can end it), and
+        its K/V columns must be repaired while it still holds them, before the radix cache
+        keeps them under the verifier's token. (That forward holds the stream until answered,
+        so answering it now only shortens the hold.)"""
         target = self.unsettled.get((key, index))
         if target is not None:
             self.drain(wait=True, upto=target)
@@ -88,7 +84,7 @@ class LagCommit:
         if fixed is None:
             return token
         self.corrected.inc()  # (counted here: a look-ahead row's correction is never emitted)
-        if key in self.fixups and (req is None or may_end(req, index, fixed)):
+        if key in self.fixups:
             self.drain(wait=True)
         return fixed
 
@@ -139,30 +135,19 @@ class LagCommit:
                 self.corrections.pop(k, None)
 
 
-def may_end(req, index: int, token: int) -> bool:
-    """Whether SGLang's check after appending `token` as output `index` may finish `req` (its
-    Req.check_finished; seams.py checks that source): an abort pending, the length limit, a stop
-    token, a token outside the vocabulary, or text rules (stop strings, regexes, a grammar) that
-    mg does not model, so any token may end it."""
-    rules = end_rules(req)
-    vocab = getattr(req, "vocab_size", None)
-    return (req.to_finish is not None or not rules["correctable"] or token in rules["stop_ids"]
-            or index + 1 >= rules["max_new"] or vocab is None or not 0 <= token <= vocab)
-
-
 class Outputs(list):
     """A lag request's `req.output_ids`: SGLang's scheduler appends each emitted token with
     `append` (seams.py checks that source fact), and a token verified behind is swapped for the
     verifier's there, before anything reads it."""
 
-    __slots__ = ("_lag", "_key", "_req")
+    __slots__ = ("_lag", "_key")
 
-    def __init__(self, items, lag: LagCommit, key: str, req=None):
+    def __init__(self, items, lag: LagCommit, key: str):
         super().__init__(items)
-        self._lag, self._key, self._req = lag, key, req
+        self._lag, self._key = lag, key
 
     def append(self, token) -> None:
-        super().append(self._lag.output_token(self._key, len(self), token, self._req))
+        super().append(self._lag.output_token(self._key, len(self), token))
 
 
 __all__ = ["LagCommit", "Outputs"]

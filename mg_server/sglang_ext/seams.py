@@ -70,13 +70,8 @@ def check() -> str:
         ("Req._check_token_based_finish", Req._check_token_based_finish,
          ("self.sampling_params.ignore_eos", "self.sampling_params.stop_token_ids", "self.eos_token_ids",
           "self.tokenizer.eos_token_id", "self.tokenizer.additional_stop_token_ids")),
-        # and lagcommit.may_end all of check_finished's rules (whether a swapped token may end it)
         ("Req.check_finished", Req.check_finished,
-         ("if self.to_finish:", "len(self.output_ids) >= self.sampling_params.max_new_tokens",
-          "if self.grammar is not None:", "self._check_vocab_boundary_finish(new_accepted_tokens)",
-          "self._check_str_based_finish()")),
-        ("Req._check_vocab_boundary_finish", Req._check_vocab_boundary_finish,
-         ("token_id > self.vocab_size or token_id < 0",)),
+         ("len(self.output_ids) >= self.sampling_params.max_new_tokens", "self._check_str_based_finish()")),
         # reasons.unmodelled reads these to refuse what the verifier does not compute
         ("SamplingParams.__init__", SamplingParams.__init__,
          ("self.frequency_penalty", "self.presence_penalty", "self.repetition_penalty", "self.min_new_tokens",
