@@ -47,6 +47,13 @@ def lag_corrections() -> Counter:
 
 
 @lru_cache(maxsize=None)
+def musts_answered_ahead() -> Counter:
+    """--mg-commit lag with --mg-verify-ahead: MUST forwards answered before their gate held (lagcommit.py)."""
+    return Counter("mg_musts_answered_ahead", "Forwards after a lag correction (MUST rows) whose gate was answered "
+                   "from the answers verified ahead, before it could hold SGLang's stream")
+
+
+@lru_cache(maxsize=None)
 def resume_stops() -> Counter:
     """Resumable deterministic requests whose fast path the seam ended early (a divergence found behind)."""
     return Counter("mg_resume_stops", "Resumable deterministic requests whose fast path mg ended early after a "

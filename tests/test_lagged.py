@@ -32,14 +32,25 @@ class Slots:
         return self.data[slot].clone()
 
 
-def lagged_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy, early=False, lag=False):
+def lagged_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy, early=False, lag=False, ahead=None):
     """A seam on the lagged path with the CPU reference gate, its launches and answers recorded
-    in seam.gates = SimpleNamespace(gates=[(need_any, target)], releases=[target])."""
+    in seam.gates = SimpleNamespace(gates=[(need_any, target)], releases=[target]). `ahead`:
+    answer(rid, pos) -> the controller's kept VerifyResult or None (--mg-verify-ahead)."""
     from mg_server.sglang_ext.lagged import LaggedControl
 
     seam = make_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy=policy)
     seam.link.slots = Slots(seam.link.slots.col)
-    seam.lagged = LaggedControl(seam, torch.device("cpu"), early=early, lag=lag)
+    if ahead is not None:  # the hosted controller's client: ahead calls answered at once
+        client = seam.link.client
+        client.ahead_rows = []
+
+        def verify_ahead(rows):
+            client.ahead_rows.append([(r.rid, r.pos) for r in rows])
+            done = threading.Event()
+            done.set()
+            return done
+        client.verify_ahead, client.ahead_answer = verify_ahead, ahead
+    seam.lagged = LaggedControl(seam, torch.device("cpu"), early=early, lag=lag, ahead=ahead is not None)
     log = seam.gates = SimpleNamespace(gates=[], releases=[], threads=[])
     gate = seam.lagged.gate
     launch, release = gate.launch, gate.release
@@ -437,6 +448,41 @@ def test_lag_lets_the_fast_token_through_and_corrects_it_before_sglang_emits_it(
     req.output_ids.append(33)
     assert req.output_ids == [21, 33] and lag.fixups == {} and lag.corrections == {} and lag.unsettled == {}
     assert req.to_finish is None
+
+
+def test_lag_ahead_answers_the_must_forward_at_the_swap_without_waiting_for_it(hook_mod, runner, tmp_path,
+                                                                               monkeypatch):
+    """--mg-verify-ahead: the MUST forward's answer (the verifier's token for it and its K/V
+    column) was asked for at its launch, so the swap writes it to that forward's gate at once
+    (lagcommit.answer_ahead) instead of waiting for the forward's values; the forward is then
+    processed as any other, its Step committing the same answer, and nothing is released twice."""
+    def verify(row):
+        token = 33 if row.must else (row.fast_token + 1) % VOCAB
+        return P.StepDecision(rid=row.rid, token=token, verified=True, repair=True, slot=5, gen=9)
+
+    def answer(rid, pos):  # the controller's kept answer for the MUST step (position 2)
+        return P.VerifyResult(rid=rid, pos=pos, token=33, margin=1.0, slot=5, gen=9) if pos == 2 else None
+
+    seam = lagged_seam(hook_mod, runner, verify, tmp_path, monkeypatch, Policy("margin", 0.5), lag=True,
+                       ahead=answer)
+    gates, client, lag = seam.gates, seam.link.client, seam.lagged
+    req = FakeReq("g", [4, 5])
+    seam(None, sampler_args([(req, True)], logits_with(20, 0.1), [1]))
+    assert client.ahead_rows == []  # (its first step: the controller does not know it yet)
+    seam(None, sampler_args([(req, True)], logits_with(7, 9.0), [2]))  # drains the first: 21; a MUST row
+    assert client.ahead_rows == [[("g", 2)]] and gates.gates[-1] == (1, 2) and gates.releases == []
+    req.output_ids.append(20)  # the swap: answered from the kept answer, the forward still pending
+    assert req.output_ids == [21] and gates.releases == [2] and len(lag.pending) == 1 and lag.fixups == {}
+    assert lag.chosen[:1].tolist() == [33] and lag.answered_ahead._value.get() == 1
+    pool = runner.token_to_kv_pool
+    for pos in (1, 2):  # the deferred repair and the MUST row's own, written by that answer
+        for layer in range(LAYERS):
+            assert torch.equal(pool.k_buffer[layer][10 + pos], seam.link.slots.data[5, layer, 0])
+    seam(None, sampler_args([(req, True)], logits_with(3, 9.0), [3]))  # processed as any forward
+    assert [(r.pos, r.must) for r in client.rows] == [(1, False), (2, True)] and gates.releases == [2]
+    assert seam.link.tracked["g"].tokens == [4, 5, 21, 33] and client.ahead_rows[-1] == [("g", 3)]
+    req.output_ids.append(33)
+    assert req.output_ids == [21, 33] and lag.corrections == {} and req.to_finish is None
 
 
 def test_lag_agreement_costs_nothing_and_an_early_append_drains_its_forward(hook_mod, runner, tmp_path,

@@ -72,7 +72,7 @@ import torch
 from torch import Tensor
 
 from mg_server import metrics
-from mg_server.kernels.decide import LAZY, decide, force
+from mg_server.kernels.decide import LAZY, MUST, decide, force
 from mg_server.kernels.gate import ReferenceStepGate, StepGate
 from mg_server.runtime import protocol as P
 from mg_server.sglang_ext.lagcommit import LagCommit
@@ -99,6 +99,9 @@ class Forward:
     seen: float | None = None  # the watchdog's first sight of it published and unanswered
     outs: list[tuple[str, int]] = field(default_factory=list)  # lag: (key, output index) of its BEHIND rows
     ahead: threading.Event | None = None  # --mg-verify-ahead: set once the controller has its rows' answers
+    musts: list[tuple[int, str, int]] = field(default_factory=list)  # lag: (row, key, position) of its MUST rows
+    answered: dict[str, int] | None = None  # key -> token of the MUST rows answered before it was processed
+    answered_checks: list = field(default_factory=list)  # (req, key, slot, gen) of those answers' repairs
 
 
 def _wait(cond, what: str) -> None:
@@ -210,7 +213,9 @@ class LaggedControl(LagCommit):
         decide(logits, positions.to(logits.device), self.meta_host, self.tau_host, link.policy.mode == "always",
                margin, fast, pos, need, rows_dev)
         self.last_target += 1
-        f = Forward(self.last_target, rows, ahead=ahead)
+        f = Forward(self.last_target, rows, ahead=ahead,
+                    musts=[(k, key, e) for k, ((_, _, key), e, m) in enumerate(zip(rows, expected, modes))
+                           if m == MUST and e >= 0])
         if self.lag:
             self.track_outputs(f, expected, modes)
         # pending first: once the gate is enqueued, this thread's next CUDA call may block until
@@ -319,7 +324,8 @@ class LaggedControl(LagCommit):
         with link.lock:
             live, fails = seam._classify(steps)
         seam._count(live)
-        must = {key for i, *_, key in live if need[i] == 1 and key in self.fixups}
+        answered = f.answered or {}  # (answer_ahead: its deferred repairs are written already)
+        must = {key for i, *_, key in live if need[i] == 1 and (key in self.fixups or key in answered)}
         behind = {key for i, *_, key in live if need[i] == 2}
         decisions = seam.decide(live, any(need[i] for i, *_ in live), must, behind)
         for (i, _, _, _, tok, _, _), d in zip(live, decisions):
@@ -343,12 +349,16 @@ class LaggedControl(LagCommit):
                 repairs.append((slot * gate.slot_numel, int(req.req_pool_idx), p))
                 checks.append((req, key, slot, gen))
 
+        for (_, _, _, _, _, _, key), d in zip(live, decisions):
+            if key in answered and not d.error and d.token != answered[key]:  # never expected: the same result
+                d.error = "mg's answer ahead differs from the controller's decision"
         committed = seam.commit(live, decisions, fails, repair)
         for i, d in committed:
             tokens[slot_of[i]] = d.token
         if gated:  # (if anything above raised, drain opens the gate unanswered and fails the rows)
-            gate.release(f.target, tokens, repairs)
-            self._settle(f, need, checks)
+            if f.answered is None:
+                gate.release(f.target, tokens, repairs)
+            self._settle(f, need, checks + f.answered_checks)
 
     def _settle(self, f: Forward, need: dict[int, int], checks) -> None:
         """After answering a holding gate: wait for its acknowledgement (the copy is done), then

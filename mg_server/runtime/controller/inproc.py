@@ -96,6 +96,13 @@ class DirectControllerClient:
         self._ahead.put((rows, done))
         return done
 
+    def ahead_answer(self, rid: str, pos: int) -> P.VerifyResult | None:
+        """The answer kept for the request's step at pos (verified ahead or chained), if any; it
+        stays kept for that step's Step (lagcommit.answer_ahead writes it to a gate first)."""
+        with self.controller.lock:
+            res = self.controller.chained.get(rid)
+        return res if res is not None and res.pos == pos else None
+
     def _ahead_loop(self) -> None:
         failing = False
         while True:
