@@ -69,7 +69,8 @@ def metrics(url: str) -> dict:
             "fsum": "mg_verifier_forward_seconds_sum", "rsum": "mg_verify_rows_sum",
             "csum": "mg_control_seconds_sum", "ccount": "mg_control_seconds_count",
             "arows": "mg_prefill_ahead_rows_total", "lagfix": "mg_lag_corrections_total",
-            "chained": "mg_chained_total", "vahead": "mg_verify_ahead_total"}
+            "chained": "mg_chained_total", "vahead": "mg_verify_ahead_total",
+            "mahead": "mg_musts_answered_ahead_total"}
     c = scrape(url, (*MG_COUNTERS, *sums.values()))
     return {"fast": c["steps_fast"], "verify": c["steps_verify"], "repair": c["mg_repair_total"],
             "resumes": c["mg_corrections_total"], "stops": c["mg_resume_stops_total"],
@@ -90,7 +91,8 @@ def rates(before: dict, after: dict) -> dict:
             "verify_call_ms": 1e3 * d["vsum"] / d["vcount"] if d["vcount"] else None,
             # the seam's time per forward whose rows were all fast-committed (mg_control_seconds)
             "fast_control_ms": 1e3 * d["csum"] / d["ccount"] if d["ccount"] else None, "verify_calls": d["vcount"],
-            "prefill_ahead_rows": d["arows"], "verified_ahead": d["vahead"]}
+            "prefill_ahead_rows": d["arows"], "verified_ahead": d["vahead"],
+            "musts_answered_ahead": d["mahead"]}
 
 
 def front_batch(url: str, rows: list[list[int]], max_new: int, n_det: int, singles: bool = False) -> dict:
