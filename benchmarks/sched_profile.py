@@ -36,7 +36,10 @@ CONFIGS = {  # name -> (mg mode, serve flags); tau 0.245557 gave 9.8 % triggers 
     "lag-host": ("margin", ["--mg-tau", "0.245557", "--mg-commit", "lag", "--mg-verifier-in", "scheduler",
                             "--mg-lag-chain", "off", "--mg-controller-in", "scheduler"]),
     "hold": ("margin", ["--mg-tau", "0.245557", "--mg-commit", "hold"]),
+    "lag-ahead": ("margin", ["--mg-tau", "0.245557", "--mg-commit", "lag", "--mg-verifier-in", "scheduler",
+                             "--mg-lag-chain", "off", "--mg-controller-in", "scheduler", "--mg-verify-ahead", "on"]),
 }
+AHEAD = "mg-verify-ahead"  # --mg-verify-ahead's thread (runtime/controller/inproc.py): its functions, inclusive
 MG_FILES = ("lagged.py", "lagcommit.py", "hook.py", "link.py", "processor.py", "gate.py", "decide.py")
 CALL = "DirectControllerClient.step"  # a hosted verify call: its frames below, tabled apart
 
@@ -65,8 +68,12 @@ def analyze(path: Path, thread: str = "MainThread", top: int = 12) -> dict:
     per_thread = collections.Counter()
     phase, mg, leaf = collections.Counter(), collections.Counter(), collections.Counter()
     call, call_leaf = collections.Counter(), collections.Counter()
+    ahead = collections.Counter()
     for st, n in rows:
         per_thread[st[0].split(": ", 1)[-1]] += n
+        if st[0].endswith(AHEAD):
+            for f in dict.fromkeys(f"{_fn(x)} ({_file(x)})" for x in st[1:]):  # (each function once per sample)
+                ahead[f] += n
         if not st[0].endswith(thread):
             continue
         names = [_fn(x) for x in st]
@@ -82,8 +89,11 @@ def analyze(path: Path, thread: str = "MainThread", top: int = 12) -> dict:
         leaf[f"{names[-1]} ({_file(st[-1])})"] += n
     tot = sum(phase.values()) or 1
     pick = (lambda c: [(k, v, round(100 * v / tot, 1)) for k, v in c.most_common(top)])
+    own = per_thread.get(next((t for t in per_thread if t.endswith(AHEAD)), ""), 0) or 1
     return {"samples": dict(per_thread), "thread_samples": tot, "phases": pick(phase), "mg": pick(mg),
-            "leaves": pick(leaf), "hosted_call": pick(call), "hosted_call_leaves": pick(call_leaf)}
+            "leaves": pick(leaf), "hosted_call": pick(call), "hosted_call_leaves": pick(call_leaf),
+            # the ahead thread's functions, % of its own samples
+            "ahead_thread": [(k, v, round(100 * v / own, 1)) for k, v in ahead.most_common(2 * top)]}
 
 
 def report(out: Path) -> str:
@@ -98,6 +108,9 @@ def report(out: Path) -> str:
             for title in ("phases", "mg", "leaves", "hosted_call", "hosted_call_leaves"):
                 lines.append(f"  scheduler thread, {title}:")
                 lines += [f"    {pct:5.1f}%  {k}" for k, _, pct in a[title]]
+        if a["ahead_thread"]:
+            lines.append(f"  {AHEAD} thread ({kind}), functions, % of its samples:")
+            lines += [f"    {pct:5.1f}%  {k}" for k, _, pct in a["ahead_thread"]]
     (out / "sched_profile.json").write_text(json.dumps(res, indent=1))
     (out / "sched_profile.md").write_text("\n".join(lines) + "\n")
     return "\n".join(lines)

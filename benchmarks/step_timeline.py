@@ -184,16 +184,19 @@ def analyze_events(path: Path) -> dict:
     """The per-step table of one mgprof_events dump (module doc: --events)."""
     log = json.loads(path.read_text())["log"]
     graphs = [x for x in _pairs(log, "graph") if x[3] is not None and x[5] is not None]
-    per_stream = collections.Counter(x[1] for x in graphs)
-    if not per_stream:
+    if not graphs:
         raise SystemExit(f"{path}: no graph replays")
-    main = per_stream.most_common(1)[0][0]  # SGLang's decode graphs: one per step
+    # SGLang's decode graphs: one per step, launched by the scheduler thread (the one running
+    # run_batch); with --mg-verify-ahead another thread launches more verifier graphs than that
+    threads = collections.Counter(x[0] for x in _pairs(log, "run_batch"))
+    sched = threads.most_common(1)[0][0] if threads else collections.Counter(x[0] for x in graphs).most_common(1)[0][0]
+    main = collections.Counter(x[1] for x in graphs if x[0] == sched).most_common(1)[0][0]
     sg = [x for x in graphs if x[1] == main]
     vg = [x for x in graphs if x[1] != main]
-    sched = sg[0][0]
     host = {n: [(x[2], x[4]) for x in _pairs(log, n) if x[0] == sched]
             for n in ("run_batch", "process_result", "recv", "next_batch", "drain", "mg_launch", "step_call",
                       "wait_published")}
+    host["ahead_call"] = [(x[2], x[4]) for x in _pairs(log, "ahead_call")]  # (its own thread: --mg-verify-ahead)
     rows = []
     for cur, nxt in zip(sg, sg[1:]):
         lo, hi = cur[3], nxt[3]
