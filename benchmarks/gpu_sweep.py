@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -226,6 +227,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
         for rate, commit, *rest in args.configs:
             always = rate == "always"
             if bad := [x for x in rest if not (x.isdigit() or x in ("early", "sched", "host", "chain", "nochain", "vahead")
+                                              or (x.startswith("gil") and x[3:].isdigit())
                                               or (x.startswith("spin") and x[4:].isdigit()))]:
                 raise SystemExit(f"unknown config marker(s) {bad} in {rate}:{commit}:{':'.join(rest)}")
             ahead = next((int(x) for x in rest if x.isdigit()), 0)  # serve --mg-prefill-ahead
@@ -245,14 +247,19 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
                      + ["--mg-lag-chain", "on" if "chain" in rest else "off"]  # (explicit: its default changed)
                      + (["--mg-controller-in", "scheduler" if host else "process"] if place == "scheduler" else [])
                      + (["--mg-verify-ahead", "on"] if "vahead" in rest else []))
+            gil = next((x[3:] for x in rest if x.startswith("gil") and x[3:].isdigit()), "")
+            os.environ.pop("MG_GIL_SWITCH_US", None)
+            if gil:  # gilN: the scheduler process's GIL switch interval, N µs (env.gil_switch_s)
+                os.environ["MG_GIL_SWITCH_US"] = gil
             srv = E.start(mdir, name, "always" if always else "margin", out,
                           [*flags, *seam, "--mg-commit", commit, *mem], args.device)
-            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/host" if host else "") + ("/chain" if "chain" in rest else "") + ("/vahead" if "vahead" in rest else "")
+            os.environ.pop("MG_GIL_SWITCH_US", None)
+            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/host" if host else "") + ("/chain" if "chain" in rest else "") + ("/vahead" if "vahead" in rest else "") + (f"/gil{gil}us" if gil else "")
             try:
                 singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
                 cfg = {"target": rate, "tau": tau, "commit": commit, "prefill_ahead": ahead, "early_verify": early,
                        "ipc_spin_us": spin, "verifier_in": place, "controller_in": "scheduler" if host else "process",
-                       "lag_chain": "chain" in rest, "verify_ahead": "vahead" in rest,
+                       "lag_chain": "chain" in rest, "verify_ahead": "vahead" in rest, "gil_switch_us": int(gil) if gil else None,
                        "expected_trigger": expected,
                        "det_requests": "single" if singles else "batch",
                        "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles,

@@ -50,6 +50,15 @@ def trace_calls() -> int:
     return int(v) if v.isdigit() else 0
 
 
+def gil_switch_s() -> float | None:
+    """Experiment knob: MG_GIL_SWITCH_US sets the GIL switch interval of SGLang's scheduler
+    process with the verifier in it (VerifierConfig.switch_interval_s, default 200 µs): how long
+    a thread that wants the GIL (the verify-ahead thread) waits before the holder (the scheduler
+    thread) must let it go. None: the default."""
+    v = os.environ.get("MG_GIL_SWITCH_US", "")
+    return int(v) * 1e-6 if v.isdigit() and int(v) > 0 else None
+
+
 def fault_missed_flip() -> int:
     """Tests only: MG_FAULT_MISSED_FLIP=k makes the seam fast-commit the runner-up as the k-th
     answer token of every deterministic request (a missed flip on demand); -1 = off."""

@@ -184,6 +184,7 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
         memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=max(16384, 2 * context_len),
         ipc_spin_s=cfg.ipc_spin_s, trace_calls=env.trace_calls(),
+        switch_interval_s=env.gil_switch_s() or VerifierConfig.switch_interval_s,
         # why more slots ahead: each protected row's result is kept one forward for its Step, and
         # an answer whose slot may be reused before the seam copies it is verified again
         n_slots=AHEAD_SLOTS if cfg.verify_ahead else VerifierConfig.n_slots,
