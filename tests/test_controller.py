@@ -669,3 +669,24 @@ def test_a_step_verified_ahead_is_answered_without_a_verify_call(make_ctl):
     tokens.append(d.token)
     ctl._finish(P.Finish(rid="a", output=tokens[len(prompt):]))
     assert ctl._verdict("a").state == "mismatch" and ctl.m.verify_ahead._value.get() >= 2
+
+
+def test_an_answer_verified_ahead_without_its_column_serves_only_where_no_repair_needs_it(make_ctl):
+    """Ahead rows that are not MUST rows ask for no K/V column (VerifyItem.column): the answer
+    serves a behind row's correction (its repair is deferred and may be skipped) and a row the
+    verifier agrees with; a row whose repair would need the column is verified again."""
+    ctl = make_ctl("margin", 0.5, chain=False)
+    prompt = [5, 6, 7]
+    for rid in ("b", "h"):
+        ctl._step([P.StepRow(rid=rid, pos=2, prompt=prompt, margin=3.0, fast_token=ref_next(prompt))])
+    tokens = prompt + [ref_next(prompt)]
+    ctl.handle(P.VerifyAhead(rows=[P.AheadRow(rid="b", pos=3), P.AheadRow(rid="h", pos=3, must=False)]))
+    assert [it.column for it in ctl.vclient.items] == [False, False]
+    ctl.vclient.items.clear()
+    ctl.chained["b"].slot = ctl.chained["b"].gen = ctl.chained["h"].slot = ctl.chained["h"].gen = -1  # (no column)
+    wrong = (ref_next(tokens) + 1) % 50
+    (db, dh) = ctl._step([P.StepRow(rid="b", pos=3, margin=0.1, fast_token=wrong, behind=True),
+                          P.StepRow(rid="h", pos=3, margin=0.1, fast_token=wrong)])
+    assert db.verified and db.repair and db.token == ref_next(tokens) and db.slot == -1  # the kept answer
+    assert dh.verified and dh.repair and dh.slot >= 0  # verified again, with its column
+    assert [(it.rid, it.rewind, it.column) for it in ctl.vclient.items] == [("h", True, True)]

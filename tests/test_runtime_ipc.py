@@ -410,3 +410,18 @@ def test_a_thread_verifier_takes_the_launchers_digest_and_must_match_its_kernel_
         for ctl in ctls:
             ctl.close()
         worker.stop()
+
+
+def test_an_answer_without_its_column_takes_no_slot_and_is_the_same_answer(worker):
+    """VerifyItem.column False (answers verified ahead: controller/ahead.py): slot and gen -1,
+    no slot written (the ring's next result gets the slot this one would have had), and the
+    same token, margin and audit as the answer with its column."""
+    _, c, _ = worker
+    pos = len(PROMPT) - 1
+    ref = c.verify("n0", pos, PROMPT)
+    (bare,) = c.verify_many([P.VerifyItem(rid="n1", pos=pos, tokens=PROMPT, column=False)])
+    assert (bare.slot, bare.gen) == (-1, -1) and c.last_gen == ref.gen
+    assert (bare.token, bare.margin, bare.first_mismatch) == (ref.token, ref.margin, ref.first_mismatch)
+    after = c.verify("n1", pos + 1, [bare.token])  # the worker holds position pos all the same
+    assert after.gen == ref.gen + 1 and after.slot == (ref.slot + 1) % 5 and after.first_mismatch == -1
+    assert c.release(["n0", "n1"]) == 2

@@ -107,6 +107,10 @@ class VerifyItem(msgspec.Struct, kw_only=True, omit_defaults=True):
     # (VerifyResult.next): the caller's next step was computed from the wrong token and needs
     # exactly that (StepRow.must). Why in the same call: that step's forward holds SGLang's stream.
     chain: int = -1
+    # False: answer without the K/V column (VerifyResult.slot and gen -1): an answer verified ahead
+    # (--mg-verify-ahead) that no repair is expected to need. Why: copying every result's column
+    # to a slot took half of that thread's GIL time on an H100 (controller/ahead.py).
+    column: bool = True
 
 
 class Verify(Message):
@@ -120,8 +124,8 @@ class VerifyResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     pos: int
     token: int  # the verifier's token t_{pos+1} under the item's rule (argmax, ties -> lower id)
     margin: float  # top1 - top2 logit at pos, fp32 (sampling: T * (top1 - top2) of the scores)
-    slot: int  # slot of the shared buffer holding the K/V column of position pos
-    gen: int  # generation stamped on that slot; the reader checks it after copying
+    slot: int  # slot of the shared buffer holding the K/V column of position pos (-1: not asked for)
+    gen: int  # generation stamped on that slot; the reader checks it after copying (-1: no column)
     audit_tokens: list[int] = []  # verifier argmax at positions start .. pos-1 (predicts start+1..pos);
     #                               sampling: of the scores, except at positions < prompt_len - 1 (greedy)
     audit_margins: list[float] = []  # their margins
@@ -233,6 +237,7 @@ class Step(Message):
 class AheadRow(msgspec.Struct, kw_only=True):
     rid: str
     pos: int  # the position of the input token t_pos of the request's coming step (t_pos is decided)
+    must: bool = False  # its step is a MUST row (StepRow.must): its K/V column will be written to SGLang's
 
 
 class VerifyAhead(Message):

@@ -107,7 +107,7 @@ class LagCommit:
             for _, k, pos in f.musts:
                 res = self.link.client.ahead_answer(k, pos)
                 req = next(r for _, r, kk in f.rows if kk == k)
-                if res is None or req.req_pool_idx is None or int(gens[res.slot]) != res.gen:
+                if res is None or req.req_pool_idx is None or res.slot < 0 or int(gens[res.slot]) != res.gen:
                     return False  # (no answer kept, a released row, a reused slot: the drain decides)
                 answers[k] = (res, req)
             tokens, repairs = [0] * len(f.rows), []
@@ -143,8 +143,8 @@ class LagCommit:
     def take_deferred(self, key: str) -> list[tuple[int, int, int]]:
         """Pop the request's deferred repairs (pos, slot, gen), without those whose verifier slot
         was reused meanwhile (skipped: module doc)."""
-        gens = self.link.slots.gens
-        return [(p, slot, gen) for p, slot, gen in self.fixups.pop(key, []) if int(gens[slot]) == gen]
+        gens = self.link.slots.gens  # (slot -1: an answer verified ahead without its column)
+        return [(p, slot, gen) for p, slot, gen in self.fixups.pop(key, []) if slot >= 0 and int(gens[slot]) == gen]
 
     def with_deferred(self, repair, live):
         """hook._control's repair callback for MUST rows: the row's own column, then the

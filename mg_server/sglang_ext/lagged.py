@@ -196,8 +196,8 @@ class LaggedControl(LagCommit):
         modes = [self.mode(req, key) for _, req, key in rows]
         ahead = None
         if self.ahead is not None:  # first: the verifier's forward then runs beside this one
-            todo = [P.AheadRow(rid=key, pos=e) for (_, _, key), e, k, m in zip(rows, expected, known, modes)
-                    if e >= 0 and k and m != LAZY]
+            todo = [P.AheadRow(rid=key, pos=e, must=m == MUST)
+                    for (_, _, key), e, k, m in zip(rows, expected, known, modes) if e >= 0 and k and m != LAZY]
             ahead = self.ahead(todo) if todo else None
         mh = self._meta_np
         mh[:n], mh[n:2 * n], mh[2 * n:3 * n] = [i for i, _, _ in rows], expected, modes

@@ -40,6 +40,7 @@ class AheadMixin:
             if known is not None and known.pos == row.pos:  # a chained answer for this step exists
                 continue
             ask.append((row.rid, st, row.pos))
+        musts = {row.rid: row.must for row in rows}
         if not ask or self.cfg.mode == "off" or not self.verifier_up():
             return  # (the Step verifies or fails these rows itself)
         items = []
@@ -50,7 +51,8 @@ class AheadMixin:
             elif err := self._catch_up(rid, st, pos):
                 st.error = err
                 continue
-            items.append((rid, st, pos, self._item(rid, st, pos, rewind=rewind)))
+            # only a MUST row's column is sure to be written to SGLang's pool (VerifyItem.column)
+            items.append((rid, st, pos, self._item(rid, st, pos, rewind=rewind, column=musts.get(rid, False))))
         if not items:
             return
         results = self._call_verifier([it for *_, it in items])

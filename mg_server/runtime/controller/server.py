@@ -268,7 +268,11 @@ class Controller(AheadMixin, AuditMixin, WorkerMixin):
         for k, (i, row, st, res) in enumerate(ready):
             if res is None:
                 continue
-            if newest - res.gen < n_slots // 2:
+            if res.slot < 0:  # an answer without its column (VerifyItem.column): kept unless a repair needs
+                # it; a behind row's repair is deferred and may be skipped (sglang_ext/lagcommit.py)
+                if row.behind or not (row.must or res.token != row.fast_token):
+                    continue
+            elif newest - res.gen < n_slots // 2:
                 if row.must:
                     self.m.chained.inc()
                 continue
@@ -324,13 +328,15 @@ class Controller(AheadMixin, AuditMixin, WorkerMixin):
             if st.mismatches:
                 self.stops[rid] = None
 
-    def _item(self, rid: str, st: ReqState, pos: int, chain: int = -1, rewind: bool = False) -> P.VerifyItem:
+    def _item(self, rid: str, st: ReqState, pos: int, chain: int = -1, rewind: bool = False,
+              column: bool = True) -> P.VerifyItem:
         """Verify position pos after teaching the verifier every token it has not seen yet
-        (`chain`: VerifyItem.chain; `rewind`: VerifyItem.rewind)."""
+        (`chain`: VerifyItem.chain; `rewind`: VerifyItem.rewind; `column`: VerifyItem.column)."""
         return P.VerifyItem(rid=rid, pos=pos, tokens=st.tokens[st.verifier_len:pos + 1], rewind=rewind,
                             prompt_len=st.prompt_len if st.verifier_len == 0 else 0,
                             temperature=st.temperature, seed=st.seed,
-                            deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9), chain=chain)
+                            deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9), chain=chain,
+                            column=column)
 
     # ---- loop -----------------------------------------------------------------------------
     def serve_forever(self, idle_exit_s: float = 0.0) -> None:

@@ -49,7 +49,7 @@ class StepOutput:
     pos: int
     token: int
     margin: float
-    kv_column: Tensor  # [L, 2, Hkv, D] model dtype, device: K/V of position pos (0 = K, 1 = V)
+    kv_column: Tensor | None  # [L, 2, Hkv, D] model dtype, device: K/V of position pos (0 = K, 1 = V); None: not asked
     logits: Tensor  # [V] fp32, device: the logits row of position pos (a view: valid until the next forward)
     audit_tokens: list[int]
     audit_margins: list[float]
@@ -277,7 +277,7 @@ class VerifierEngine:
             st.last_pred = preds[last]
             results.append(StepOutput(
                 rid=it.rid, pos=it.pos, token=preds[last], margin=margins[last],
-                kv_column=self.pool.column(st.slots[it.pos]), logits=logits[last],
+                kv_column=self.pool.column(st.slots[it.pos]) if it.column else None, logits=logits[last],
                 audit_tokens=audit_t, audit_margins=audit_m, first_mismatch=first_mm,
                 batch_rows=len(tokens), batch_requests=len(items), forward_ms=ms,
                 digest=_digest(logits[last]) if it.want_digest else b""))

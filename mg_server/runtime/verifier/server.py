@@ -243,13 +243,16 @@ class VerifierServer:
         self._allocs = after
 
     def _result(self, res, writes: list[tuple], digest: bool) -> P.VerifyResult:
-        """The wire form of an engine result (and of its chained `next`), each with a slot of its own."""
-        slot = self.next_slot
-        self.next_slot = (slot + 1) % self.cfg.n_slots
-        self.gen += 1
-        writes.append((slot, res.kv_column, self.gen))
+        """The wire form of an engine result (and of its chained `next`), each with a slot of its own
+        (none for a result without its column: VerifyItem.column)."""
+        slot = gen = -1
+        if res.kv_column is not None:
+            slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.cfg.n_slots
+            self.gen += 1
+            gen = self.gen
+            writes.append((slot, res.kv_column, gen))
         return P.VerifyResult(
-            rid=res.rid, pos=res.pos, token=res.token, margin=res.margin, slot=slot, gen=self.gen,
+            rid=res.rid, pos=res.pos, token=res.token, margin=res.margin, slot=slot, gen=gen,
             audit_tokens=res.audit_tokens, audit_margins=res.audit_margins,
             first_mismatch=res.first_mismatch, digest=res.digest if digest else b"",
             batch_rows=res.batch_rows, batch_requests=res.batch_requests, forward_ms=res.forward_ms,
