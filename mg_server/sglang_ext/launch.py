@@ -58,6 +58,11 @@ ENGINE_ARGS = {"cpu": CPU_ENGINE_ARGS, "cuda-bare": BARE_CUDA_ENGINE_ARGS, "cuda
 # SGLang's idle sleeper blocks in a socket poll instead, GIL released, until a request comes.
 IN_SCHEDULER_ARGS = ("--sleep-on-idle",)
 AHEAD_SLOTS = 256  # the verifier's K/V-column slots with --mg-verify-ahead (default 64)
+# The scheduler process's GIL switch interval with --mg-verify-ahead (CPython's default; else 200 µs).
+# why: the ahead thread then takes the GIL mostly where SGLang's scheduler thread waits, instead of
+# every 200 µs of its critical path: bs-8 lag +9 against +11 % and +12 against +19 % over plain
+# SGLang in two A/B sweeps on H100s (benchmarks/results/gpu/HISTORY.md, "Verified ahead")
+AHEAD_SWITCH_S = 5e-3
 OWNED_FLAGS = ("--forward-hooks", "--enable-custom-logit-processor")
 
 
@@ -184,7 +189,8 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
         memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=max(16384, 2 * context_len),
         ipc_spin_s=cfg.ipc_spin_s, trace_calls=env.trace_calls(),
-        switch_interval_s=env.gil_switch_s() or VerifierConfig.switch_interval_s,
+        switch_interval_s=env.gil_switch_s() or (AHEAD_SWITCH_S if cfg.verify_ahead
+                                                 else VerifierConfig.switch_interval_s),
         # why more slots ahead: each protected row's result is kept one forward for its Step, and
         # an answer whose slot may be reused before the seam copies it is verified again
         n_slots=AHEAD_SLOTS if cfg.verify_ahead else VerifierConfig.n_slots,
