@@ -27,7 +27,9 @@ from mg_server.runtime import protocol as P
 
 
 class AheadMixin:
-    """Mixed into Controller (which provides reqs, chained, policy, m and the verify helpers)."""
+    """Mixed into Controller (which provides reqs, chained, policy, m and the verify helpers):
+    answers kept for a coming step, verified ahead here or chained (VerifyItem.chain), and when
+    a Step may use one (`_drop_stale_chained`)."""
 
     def _verify_ahead(self, rows: list[P.AheadRow]) -> None:
         ask = []  # (rid, state, pos)
@@ -65,3 +67,29 @@ class AheadMixin:
             self._audit(rid, st, res)  # (the Step does not audit a chained answer again)
             st.verifier_len = pos + 1
             self.chained[rid] = res
+
+    def _drop_stale_chained(self, ready: list) -> set[str]:
+        """Use a chained answer only while its K/V slot surely outlives this call's reply: the
+        slots are a ring, and every result since (catch-ups, checks, audits) took one. Else the
+        row's step is verified again (a rewind to pos: the verifier has seen t_{pos} already).
+        Returns the rids to rewind."""
+        rewind: set[str] = set()
+        if all(res is None for *_, res in ready):
+            return rewind
+        n_slots = self.vinfo.shm.n_slots if self.vinfo is not None and self.vinfo.shm is not None else 0
+        newest = self.vclient.last_gen + 2 * len(ready)  # (this call adds <= 2 results per row)
+        for k, (i, row, st, res) in enumerate(ready):
+            if res is None:
+                continue
+            if res.slot < 0:  # an answer without its column (VerifyItem.column): kept unless a repair needs
+                # it; a behind row's repair is deferred and may be skipped (sglang_ext/lagcommit.py)
+                if row.behind or not (row.must or res.token != row.fast_token):
+                    continue
+            elif newest - res.gen < n_slots // 2:
+                if row.must:
+                    self.m.chained.inc()
+                continue
+            ready[k] = (i, row, st, None)
+            st.verifier_len = row.pos
+            rewind.add(row.rid)
+        return rewind

@@ -255,32 +255,6 @@ class Controller(AheadMixin, AuditMixin, WorkerMixin):
                 st.verifier_len = row.pos + 2
                 self.chained[row.rid] = res.next
 
-    def _drop_stale_chained(self, ready: list) -> set[str]:
-        """Use a chained answer only while its K/V slot surely outlives this call's reply: the
-        slots are a ring, and every result since (catch-ups, checks, audits) took one. Else the
-        row's step is verified again (a rewind to pos: the verifier has seen t_{pos} already).
-        Returns the rids to rewind."""
-        rewind: set[str] = set()
-        if all(res is None for *_, res in ready):
-            return rewind
-        n_slots = self.vinfo.shm.n_slots if self.vinfo is not None and self.vinfo.shm is not None else 0
-        newest = self.vclient.last_gen + 2 * len(ready)  # (this call adds <= 2 results per row)
-        for k, (i, row, st, res) in enumerate(ready):
-            if res is None:
-                continue
-            if res.slot < 0:  # an answer without its column (VerifyItem.column): kept unless a repair needs
-                # it; a behind row's repair is deferred and may be skipped (sglang_ext/lagcommit.py)
-                if row.behind or not (row.must or res.token != row.fast_token):
-                    continue
-            elif newest - res.gen < n_slots // 2:
-                if row.must:
-                    self.m.chained.inc()
-                continue
-            ready[k] = (i, row, st, None)
-            st.verifier_len = row.pos
-            rewind.add(row.rid)
-        return rewind
-
     def _call_verifier(self, items: list[P.VerifyItem], t0: float | None = None) -> list[P.VerifyResult | P.ErrorReply]:
         """One verify call (its items share one batched forward), timed from t0 (default: now);
         errors become replies."""
