@@ -10,8 +10,10 @@ reference, with the verdict `verified`: single requests, a batch body and a stre
 
 The server runs its verifier as a thread of SGLang's scheduler process (`--mg-verifier-in
 scheduler`, which needs lag), so the same answers also check that placement: one server start
-instead of two (CI time). Of the two servers, the one without the chain also hosts the controller
-in that process (`--mg-controller-in scheduler`: the seam calls it directly). Lag with the
+instead of two (CI time). Of the three servers, the two without the chain also host the
+controller in that process (`--mg-controller-in scheduler`: the seam calls it directly), the last
+with `--mg-verify-ahead on` (on this CPU gate a MUST forward is answered at its own launch, so
+`answer_ahead` is covered by tests/test_lagged.py and, on a GPU, tests/test_gpu_serving.py). Lag with the
 verifier in its own process is covered by tests/test_lagged.py and, on a GPU,
 tests/test_gpu_serving.py.
 """
