@@ -237,7 +237,7 @@ class Step(Message):
 class AheadRow(msgspec.Struct, kw_only=True):
     rid: str
     pos: int  # the position of the input token t_pos of the request's coming step (t_pos is decided)
-    must: bool = False  # its step is a MUST row (StepRow.must): its K/V column will be written to SGLang's
+    must: bool = False  # a MUST row (StepRow.must): its K/V column will be written to SGLang's pool
 
 
 class VerifyAhead(Message):

@@ -104,9 +104,8 @@ class LagCommit:
             if f is None or f.answered is not None or f.ahead is None or not f.ahead.wait(self.gate_timeout_s):
                 return False
             gens, numel, answers = self.link.slots.gens, self.gate.slot_numel, {}
-            for _, k, pos in f.musts:
-                res = self.link.client.ahead_answer(k, pos)
-                req = next(r for _, r, kk in f.rows if kk == k)
+            for row, k, pos in f.musts:
+                res, req = self.link.client.ahead_answer(k, pos), f.rows[row][1]
                 if res is None or req.req_pool_idx is None or res.slot < 0 or int(gens[res.slot]) != res.gen:
                     return False  # (no answer kept, a released row, a reused slot: the drain decides)
                 answers[k] = (res, req)

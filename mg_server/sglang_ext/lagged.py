@@ -192,7 +192,8 @@ class LaggedControl(LagCommit):
             self.inject_fault(logits, positions, rows)
         with link.lock:
             expected = [self.expected(req, key) for _, req, key in rows]
-            known = [key in link.tracked for _, _, key in rows]  # (else its first step: the controller has no state)
+            # (an untracked key is its request's first step: the controller has no state for it yet)
+            known = [key in link.tracked for _, _, key in rows] if self.ahead is not None else []
         modes = [self.mode(req, key) for _, req, key in rows]
         ahead = None
         if self.ahead is not None:  # first: the verifier's forward then runs beside this one

@@ -32,7 +32,7 @@ class AheadMixin:
     a Step may use one (`_drop_stale_chained`)."""
 
     def _verify_ahead(self, rows: list[P.AheadRow]) -> None:
-        ask = []  # (rid, state, pos)
+        ask = []  # (rid, state, pos, must)
         for row in rows:
             st = self.reqs.get(row.rid)
             if (st is None or st.error or st.finished_at or st.resumable or st.mismatches
@@ -41,12 +41,11 @@ class AheadMixin:
             known = self.chained.get(row.rid)
             if known is not None and known.pos == row.pos:  # a chained answer for this step exists
                 continue
-            ask.append((row.rid, st, row.pos))
-        musts = {row.rid: row.must for row in rows}
+            ask.append((row.rid, st, row.pos, row.must))
         if not ask or self.cfg.mode == "off" or not self.verifier_up():
             return  # (the Step verifies or fails these rows itself)
         items = []
-        for rid, st, pos in ask:
+        for rid, st, pos, must in ask:
             rewind = st.verifier_len > pos  # it has seen t_pos already (a dropped chained answer)
             if rewind:
                 st.verifier_len = pos
@@ -54,7 +53,7 @@ class AheadMixin:
                 st.error = err
                 continue
             # only a MUST row's column is sure to be written to SGLang's pool (VerifyItem.column)
-            items.append((rid, st, pos, self._item(rid, st, pos, rewind=rewind, column=musts.get(rid, False))))
+            items.append((rid, st, pos, self._item(rid, st, pos, rewind=rewind, column=must)))
         if not items:
             return
         results = self._call_verifier([it for *_, it in items])

@@ -52,9 +52,8 @@ class VerifierThread:
             self.server.load()
         # why: the serving thread wakes on a message while the host's threads run Python; CPython
         # hands it the GIL only after the holder's switch interval (5 ms by default).
-        # (MG_GIL_SWITCH_US, an experiment, may also raise it: env.gil_switch_s)
-        sys.setswitchinterval(self.cfg.switch_interval_s if self.cfg.switch_interval_s > 2e-4 else
-                              min(sys.getswitchinterval(), self.cfg.switch_interval_s))
+        # (the config's value as it is: 5 ms with --mg-verify-ahead, or MG_GIL_SWITCH_US's)
+        sys.setswitchinterval(self.cfg.switch_interval_s)
         if serve_socket:
             self.thread.start()
         if self.cfg.trace_calls:
