@@ -314,6 +314,9 @@ def _variant(c: dict) -> str:
             + (", verifier in the scheduler" if c.get("verifier_in") == "scheduler" else "")
             + (", controller there too" if c.get("controller_in") == "scheduler" else "")
             + ((", chain" if c.get("lag_chain") else ", no chain") if c.get("commit") == "lag" else "")
+            + (", verify ahead" if c.get("verify_ahead") else "")
+            + (f", GIL switch {c['gil_switch_us']} µs" if c.get("gil_switch_us") else "")
+            + (f", stream priority {c['stream_priority']}" if c.get("stream_priority", "same") != "same" else "")
             + (", gc frozen" if c.get("gc_freeze") else "")  # (an experiment of 2026-11-26, its flag removed)
             + (f", tau from bf16 margins (reference share {100 * c['expected_trigger']:.1f} %)"
                if c.get("expected_trigger") is not None else ""))
