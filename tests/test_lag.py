@@ -12,7 +12,8 @@ The server runs its verifier as a thread of SGLang's scheduler process (`--mg-ve
 scheduler`, which needs lag), so the same answers also check that placement: one server start
 instead of two (CI time). Of the three servers, the two without the chain also host the
 controller in that process (`--mg-controller-in scheduler`: the seam calls it directly), the last
-with `--mg-verify-ahead on` (on this CPU gate a MUST forward is answered at its own launch, so
+with `--mg-verify-ahead on` and the fault's margin far above tau (a step the margin gate lets
+through, corrected because the verifier answered it ahead; on this CPU gate a MUST forward is answered at its own launch, so
 `answer_ahead` is covered by tests/test_lagged.py and, on a GPU, tests/test_gpu_serving.py). Lag with the
 verifier in its own process is covered by tests/test_lagged.py and, on a GPU,
 tests/test_gpu_serving.py.
@@ -30,6 +31,7 @@ pytestmark = pytest.mark.server
 
 FLIP_AT = 3
 MAX_NEW = 20
+AHEAD_FLIP_MARGIN = "4"  # logits; the shipped tau of SmolLM2 is far below it
 
 
 @pytest.fixture(scope="module", params=["chain-on", "chain-off-hosted", "ahead-hosted"])
@@ -37,8 +39,10 @@ def setup(request, prepared_model, tmp_path_factory):
     """--mg-lag-chain on and off (the default): the same answers; only on chains the must step.
     The other servers host the controller in SGLang's scheduler process, the last one with
     --mg-verify-ahead on (every step verified at its launch: runtime/controller/ahead.py)."""
-    env = {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0", "MG_LAGGED_ON_CPU": "1"}
     chain, hosted, ahead = request.param == "chain-on", request.param.endswith("hosted"), request.param == "ahead-hosted"
+    # ahead: the fault's margin far above tau, a flip only the verifier's answer kept ahead can catch
+    env = {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": AHEAD_FLIP_MARGIN if ahead else "0",
+           "MG_LAGGED_ON_CPU": "1"}
     for srv, *rest in faulted_server(prepared_model, tmp_path_factory.mktemp("lag") / "server.log",
                                      ["--mg-mode", "margin", "--mg-commit", "lag", "--mg-verifier-in", "scheduler",
                                       *(["--mg-lag-chain", "on"] if chain else []),
@@ -52,7 +56,7 @@ def setup(request, prepared_model, tmp_path_factory):
 def test_a_corrected_token_is_swapped_before_it_is_emitted(setup):
     srv, _, prompts, refs = setup
     fixed, chained = _counter(srv.url, "mg_lag_corrections_total"), _counter(srv.url, "mg_chained_total")
-    ahead = _counter(srv.url, "mg_verify_ahead_total")
+    ahead, above = _counter(srv.url, "mg_verify_ahead_total"), _counter(srv.url, "mg_flips_above_tau_total")
     body = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
     r = requests.post(srv.url + "/generate", json=body, headers={"X-Deterministic": "1"}, timeout=600)
     assert r.status_code == 200, r.text
@@ -69,6 +73,9 @@ def test_a_corrected_token_is_swapped_before_it_is_emitted(setup):
     else:
         assert _counter(srv.url, "mg_chained_total") == chained == 0
     assert _counter(srv.url, "mg_verify_ahead_total") - ahead >= (MAX_NEW // 2 if srv.ahead else 0)
+    # ahead, the fault's step was above tau: corrected from the answer kept ahead, not missed
+    above = _counter(srv.url, "mg_flips_above_tau_total") - above
+    assert above >= 1 if srv.ahead else above == 0
     assert ("verify ahead on" in srv.log_path.read_text()) == srv.ahead
     log = srv.log_path.read_text()
     assert "lagged commit on" in log and "lag True" in log

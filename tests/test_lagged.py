@@ -485,6 +485,39 @@ def test_lag_ahead_answers_the_must_forward_at_the_swap_without_waiting_for_it(h
     assert req.output_ids == [21, 33] and lag.corrections == {} and req.to_finish is None
 
 
+def test_lag_ahead_a_fast_row_that_differs_from_its_answer_is_corrected_behind(hook_mod, runner, tmp_path,
+                                                                              monkeypatch):
+    """--mg-verify-ahead: a lag row above tau (no gate, no verify call) whose step the verifier
+    answered ahead with another token is sent to the Step as a behind row (LagCommit.promote_ahead),
+    so its correction swaps the token before SGLang appends it and its next step is a MUST row."""
+    kept = {2: (21, -1, -1), 3: (3, 5, 9)}  # position -> the verifier's token and K/V column (slot, gen)
+
+    def verify(row):
+        token, slot, gen = kept[row.pos]
+        return P.StepDecision(rid=row.rid, token=token, verified=True, repair=True, slot=slot, gen=gen)
+
+    def answer(rid, pos):  # the controller's kept answers (position 2: the fast path says 7)
+        token, slot, gen = kept[pos]
+        return P.VerifyResult(rid=rid, pos=pos, token=token, margin=1.0, slot=slot, gen=gen)
+
+    seam = lagged_seam(hook_mod, runner, verify, tmp_path, monkeypatch, Policy("margin", 0.5), lag=True,
+                       ahead=answer)
+    gates, client, lag = seam.gates, seam.link.client, seam.lagged
+    req = FakeReq("p", [4, 5])
+    seam(None, sampler_args([(req, True)], logits_with(20, 9.0), [1]))  # its first step: no answer ahead
+    seam(None, sampler_args([(req, True)], logits_with(7, 9.0), [2]))
+    req.output_ids.append(20)
+    assert client.rows == [] and client.ahead_rows == [[("p", 2)]]
+    seam(None, sampler_args([(req, True)], logits_with(30, 9.0), [3]))  # processes position 2: 7 differs
+    assert [(r.pos, r.behind, r.must) for r in client.rows] == [(2, True, False)]
+    assert client.ahead_rows[-1] == [("p", 3)] and gates.gates[-1] == (1, 3)  # a MUST row: it holds
+    req.output_ids.append(7)  # the swap; the MUST forward is answered from its answer kept ahead
+    assert req.output_ids == [20, 21] and gates.releases == [3] and lag.chosen[:1].tolist() == [3]
+    lag.drain(wait=True)
+    assert [(r.pos, r.behind, r.must) for r in client.rows] == [(2, True, False), (3, False, True)]
+    assert seam.link.tracked["p"].tokens == [4, 5, 20, 21, 3] and lag.fixups == {} and req.to_finish is None
+
+
 def test_lag_agreement_costs_nothing_and_an_early_append_drains_its_forward(hook_mod, runner, tmp_path,
                                                                             monkeypatch):
     def agree(row):

@@ -70,6 +70,19 @@ class LagCommit:
         self.corrections[(key, pos - len(req.origin_input_ids) + 1)] = d.token
         self.fixups.setdefault(key, []).append((pos, d.slot, d.gen))
 
+    def promote_ahead(self, f, steps, need: dict[int, int]) -> None:
+        """--mg-verify-ahead: a fast row (need 0) of a BEHIND request whose step the verifier
+        answered ahead with another token becomes a behind row (need 2), as if its margin had
+        been below tau: its token went through the gate either way and is not emitted yet, so
+        the Step verifies it from the kept answer and the swap corrects it (module doc), where it
+        would otherwise be a missed flip (controller's AheadMixin._differs_ahead)."""
+        lag_keys = {key for key, _ in f.outs}
+        for i, _, pos, _, tok, key in steps:
+            if need[i] == 0 and key in lag_keys:
+                res = self.link.client.ahead_answer(key, pos)
+                if res is not None and res.token != tok:
+                    need[i] = 2
+
     def output_token(self, key: str, index: int, token: int) -> int:
         """SGLang appends `token` as output `index` of the request: if that step is verified
         behind, wait for its verdict (normally known already) and return the verifier's token.

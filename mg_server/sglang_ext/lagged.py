@@ -313,10 +313,12 @@ class LaggedControl(LagCommit):
         values = gate.values(len(f.rows))
         steps = [(i, req, int(p), m, int(tok), key) for (i, req, key), (m, tok, p, _) in zip(f.rows, values)]
         need = {i: int(n) for (i, _, _), (*_, n) in zip(f.rows, values)}  # 0, 1 (decided now), 2 (behind)
+        if f.ahead is not None and (any(need.values()) or f.outs):  # the verdicts asked for were started at launch
+            f.ahead.wait(HOST_WAIT_S)  # (if not done by then, the Step verifies them itself)
+            if f.outs:
+                self.promote_ahead(f, steps, need)
         need_of = {key: need[i] for i, _, key in f.rows}
         gated = 1 in need.values()
-        if f.ahead is not None and any(need.values()):  # the verdicts asked for were started at launch
-            f.ahead.wait(HOST_WAIT_S)  # (if not done by then, the Step verifies them itself)
         tokens = [int(tok) for _, tok, _, _ in values]  # what the gate lets through unless replaced
         slot_of = {i: k for k, (i, _, _) in enumerate(f.rows)}
         key_of = {id(req): key for _, req, key in f.rows}

@@ -173,7 +173,7 @@ class Controller(AheadMixin, AuditMixin, WorkerMixin):
                     self.checks.setdefault(row.rid, []).append(row.pos)
                 d.token = row.fast_token
                 st.tokens.append(d.token)
-            elif row.must or self.policy.should_verify(row.margin):
+            elif row.must or self.policy.should_verify(row.margin) or self._differs_ahead(row):
                 to_verify.append((len(decisions) - 1, row, st))
             else:
                 # a chained answer for this step goes unused: its token is the verifier's
