@@ -226,7 +226,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             path.write_text(json.dumps(res, indent=2))
         for rate, commit, *rest in args.configs:
             always = rate == "always"
-            if bad := [x for x in rest if not (x.isdigit() or x in ("early", "sched", "host", "chain", "nochain", "vahead", "psglang", "pverifier")
+            if bad := [x for x in rest if not (x.isdigit() or x in ("early", "sched", "host", "chain", "nochain", "vahead")
                                               or (x.startswith("gil") and x[3:].isdigit())
                                               or (x.startswith("spin") and x[4:].isdigit()))]:
                 raise SystemExit(f"unknown config marker(s) {bad} in {rate}:{commit}:{':'.join(rest)}")
@@ -235,7 +235,6 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             spin = next((int(x[4:]) for x in rest if x.startswith("spin") and x[4:].isdigit()), 0)  # --mg-ipc-spin-us
             place = "scheduler" if "sched" in rest or "host" in rest else "process"  # serve --mg-verifier-in
             host = "host" in rest  # serve --mg-controller-in scheduler (the verifier there too)
-            prio = next((x[1:] for x in rest if x in ("psglang", "pverifier")), "same")  # --mg-stream-priority
             expected = None  # the reference steps' share below tau, when the margins are bf16 steps
             if always:
                 tau = None
@@ -247,8 +246,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
                      + ["--mg-early-verify", early, "--mg-ipc-spin-us", str(spin), "--mg-verifier-in", place]
                      + ["--mg-lag-chain", "on" if "chain" in rest else "off"]  # (explicit: its default changed)
                      + (["--mg-controller-in", "scheduler" if host else "process"] if place == "scheduler" else [])
-                     + (["--mg-verify-ahead", "on"] if "vahead" in rest else [])
-                     + (["--mg-stream-priority", prio] if prio != "same" else []))
+                     + (["--mg-verify-ahead", "on"] if "vahead" in rest else []))
             gil = next((x[3:] for x in rest if x.startswith("gil") and x[3:].isdigit()), "")
             os.environ.pop("MG_GIL_SWITCH_US", None)
             if gil:  # gilN: the scheduler process's GIL switch interval, N µs (env.gil_switch_s)
@@ -256,13 +254,12 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             srv = E.start(mdir, name, "always" if always else "margin", out,
                           [*flags, *seam, "--mg-commit", commit, *mem], args.device)
             os.environ.pop("MG_GIL_SWITCH_US", None)
-            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/host" if host else "") + ("/chain" if "chain" in rest else "") + ("/vahead" if "vahead" in rest else "") + (f"/gil{gil}us" if gil else "") + (f"/p{prio}" if prio != "same" else "")
+            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/host" if host else "") + ("/chain" if "chain" in rest else "") + ("/vahead" if "vahead" in rest else "") + (f"/gil{gil}us" if gil else "")
             try:
                 singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
                 cfg = {"target": rate, "tau": tau, "commit": commit, "prefill_ahead": ahead, "early_verify": early,
                        "ipc_spin_us": spin, "verifier_in": place, "controller_in": "scheduler" if host else "process",
                        "lag_chain": "chain" in rest, "verify_ahead": "vahead" in rest, "gil_switch_us": int(gil) if gil else None,
-                       "stream_priority": prio,
                        "expected_trigger": expected,
                        "det_requests": "single" if singles else "batch",
                        "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles,
@@ -432,8 +429,7 @@ def main() -> int:
                          "--commit pair (e.g. 0.1:hold,0.1:lag:sched; N: serve --mg-prefill-ahead N; early: "
                          "--mg-early-verify on; spinU: --mg-ipc-spin-us U; sched: --mg-verifier-in scheduler with "
                          "--mg-controller-in process; host: the verifier and the controller in the scheduler; chain: --mg-lag-chain on; lag runs without it: off; "
-                         "vahead: --mg-verify-ahead on, with host; gilN: the GIL switch interval N µs; "
-                         "psglang / pverifier: --mg-stream-priority sglang / verifier, with sched or host)")
+                         "vahead: --mg-verify-ahead on, with host)")
     ap.add_argument("--tau-margins", choices=["fp32", "bf16"], default="fp32",
                     help="which reference margins tau comes from: the verifier's fp32 ones (default), or those "
                          "of its logits rounded to bf16, as SGLang's bf16 lm_head shows them to the seam (the "

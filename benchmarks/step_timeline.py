@@ -49,8 +49,6 @@ CONFIGS = {  # name -> (mg mode, serve flags); tau 0.245557 gave 9.8 % triggers 
     "lag": ("margin", ["--mg-tau", "0.245557", *LAG]),
     "lag-host": ("margin", ["--mg-tau", "0.245557", *LAG[:-1], "scheduler"]),
     "lag-ahead": ("margin", ["--mg-tau", "0.245557", *LAG[:-1], "scheduler", "--mg-verify-ahead", "on"]),
-    "lag-ahead-psglang": ("margin", ["--mg-tau", "0.245557", *LAG[:-1], "scheduler", "--mg-verify-ahead", "on",
-                                     "--mg-stream-priority", "sglang"]),
 }
 # the verifier's kernels (mg_server.kernels; the seam's decide/gate kernels run on SGLang's stream)
 MG_KERNELS = ("_matmul_tma_kernel", "_matmul_kernel", "_rms_kernel", "_rope_store_kernel", "_silu_mul_kernel",

@@ -100,10 +100,6 @@ def _parser() -> argparse.ArgumentParser:
                         "deterministic row's coming step to the verifier when its forward is launched, so the "
                         "verdict is ready when the host asks for it; the verifier then computes every protected "
                         "step, not only the low-margin ones (default off; README, 'Where performance stands')")
-    s.add_argument("--mg-stream-priority", choices=["same", "sglang", "verifier"], default="same",
-                   help="experimental, with --mg-verifier-in scheduler: which CUDA stream's kernels the GPU "
-                        "dispatches first where SGLang's forward and the verifier's run side by side: 'sglang' "
-                        "(its forward stream), 'verifier' (the verifier thread's), or 'same' (default: equal)")
     s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
                    help="longest wait of a response for its verdict (the final audit; default 120)")
 
@@ -231,9 +227,6 @@ def main(argv: list[str] | None = None) -> int:
         # the controller's socket they would queue ahead of the Steps they are meant to shorten
         _parser().error("--mg-verify-ahead on needs the controller in SGLang's scheduler process "
                         "(--mg-verifier-in scheduler) and the lagged seam")
-    if args.mg_stream_priority != "same" and args.mg_verifier_in != "scheduler":
-        # why: a verifier process's kernels take turns with SGLang's (no CUDA MPS), never beside them
-        _parser().error("--mg-stream-priority needs --mg-verifier-in scheduler")
     if args.mg_verifier_memory_gb is not None and not args.mg_verifier_memory_gb > 0:
         _parser().error("--mg-verifier-memory-gb must be > 0")
     try:
@@ -271,7 +264,6 @@ def main(argv: list[str] | None = None) -> int:
         verifier_in=args.mg_verifier_in,
         controller_in=args.mg_controller_in,
         verify_ahead=args.mg_verify_ahead == "on",
-        stream_priority=args.mg_stream_priority,
         verifier_memory_gb=args.mg_verifier_memory_gb,
     )
     from mg_server.sglang_ext.launch import serve

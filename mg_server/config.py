@@ -55,9 +55,6 @@ class HookConfig:
     # lagged path with the controller hosted here, experimental (--mg-verify-ahead): each protected
     # row's coming step goes to the verifier at its forward's launch (runtime/controller/ahead.py)
     verify_ahead: bool = False
-    # --mg-stream-priority sglang: SGLang's forward stream becomes a high-priority CUDA stream at
-    # start-up (sglang_ext/streams.py), so its kernels dispatch ahead of the verifier thread's
-    favour_forward_stream: bool = False
     # experimental (--mg-verifier-in scheduler): the VerifierConfig (as a dict) of a verifier worker
     # this process runs as a thread (runtime/verifier/server.py, "Placement"); None: its own process
     verifier: dict | None = None
@@ -118,7 +115,6 @@ class ServeConfig:
     verifier_in: str = "process"  # "process" | "scheduler": where the verifier worker runs (--mg-verifier-in)
     controller_in: str = "process"  # "process" | "scheduler": where the controller runs (--mg-controller-in)
     verify_ahead: bool = False  # the verifier answers each protected step at its launch (--mg-verify-ahead)
-    stream_priority: str = "same"  # "same" | "sglang" | "verifier": whose CUDA stream goes first (--mg-stream-priority)
 
     @property
     def cpu(self) -> bool:

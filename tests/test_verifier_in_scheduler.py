@@ -69,25 +69,6 @@ def test_verify_ahead_needs_the_hosted_controller(monkeypatch, prepared_model, c
         assert rc == 2 and "--mg-verify-ahead on needs the controller" in capsys.readouterr().err, flags
 
 
-def test_stream_priority_needs_the_scheduler_placement(monkeypatch, prepared_model, capsys):
-    """`--mg-stream-priority` (sglang_ext/streams.py) orders two streams of one process: the
-    flag reaches the serve config with the verifier in the scheduler and is refused without it."""
-    from mg_server import cli
-    from mg_server.sglang_ext import launch
-
-    seen = []
-    monkeypatch.setattr(launch, "serve", seen.append)
-    base = ["serve", "--model", str(prepared_model), "--device", "cpu", "--mg-commit", "lag"]
-    assert cli.main([*base, "--mg-verifier-in", "scheduler", "--mg-stream-priority", "sglang"]) == 0
-    assert cli.main(base) == 0
-    assert [c.stream_priority for c in seen] == ["sglang", "same"]
-    try:
-        rc = cli.main([*base, "--mg-stream-priority", "verifier"])
-    except SystemExit as e:
-        rc = e.code
-    assert rc == 2 and "--mg-stream-priority needs --mg-verifier-in scheduler" in capsys.readouterr().err
-
-
 def test_a_direct_verifier_client_answers_as_the_socket_would(tmp_path):
     """DirectVerifierClient (the hosted controller's verifier client) against the socket client of
     the same worker: equal results, field by field, for the same items (CPU, the tiny random model)."""

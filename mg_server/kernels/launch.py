@@ -84,11 +84,4 @@ def current_stream(device: torch.device) -> int:
                                                else torch.cuda.current_device())
 
 
-def highest_stream_priority() -> int:
-    """The CUDA device's highest stream priority: the most negative number (0, the default
-    stream priority, is also the lowest). The GPU dispatches a higher-priority stream's pending
-    blocks first; a kernel's results do not depend on it."""
-    return min(torch.cuda.Stream.priority_range())
-
-
-__all__ = ["Launcher", "spec_key", "current_stream", "highest_stream_priority"]
+__all__ = ["Launcher", "spec_key", "current_stream"]

@@ -376,16 +376,11 @@ def make_hook(config: dict):
     """Factory named in SGLang's --forward-hooks spec: attaches the seam, registers no module hook."""
     runner = find_model_runner()
     check_runner(runner)
-    config = HookConfig.from_json_dict(config)
-    if config.favour_forward_stream:
-        from mg_server.sglang_ext.streams import favour_forward_stream
-
-        favour_forward_stream(runner)
-    seam = StepSeam(config, runner)
+    seam = StepSeam(HookConfig.from_json_dict(config), runner)
     if seam.link is not None and seam.link.info.shm is not None:
         check_dtype(runner, seam.link.info.shm.dtype)
     runner.sampler.register_forward_pre_hook(seam)
     runner.sampler.register_forward_hook(seam.restore, always_call=True)
     log.info("mg: step seam attached to %s.sampler (controller: %s); no module hook is needed",
-             type(runner).__name__, config.controller_ipc or "none")
+             type(runner).__name__, config.get("controller_ipc") or "none")
     return None

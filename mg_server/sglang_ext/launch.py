@@ -194,7 +194,6 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         # why more slots ahead: each protected row's result is kept one forward for its Step, and
         # an answer whose slot may be reused before the seam copies it is verified again
         n_slots=AHEAD_SLOTS if cfg.verify_ahead else VerifierConfig.n_slots,
-        high_priority=cfg.stream_priority == "verifier",
     )
     in_scheduler = cfg.verifier_in == "scheduler"
     expect_kernels = ""
@@ -353,7 +352,6 @@ def serve(cfg: ServeConfig) -> None:
                       fault_missed_flip=env.fault_missed_flip(), fault_flip_margin=env.fault_flip_margin(),
                       lagged_commit=cfg.lagged_commit, early_verify=cfg.early_verify,
                       lag_commit=cfg.commit == "lag", verify_ahead=cfg.verify_ahead,
-                      favour_forward_stream=cfg.stream_priority == "sglang",
                       lagged_on_cpu=env.lagged_on_cpu(), verifier=hook_verifier,
                       controller=hook_controller)
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))

@@ -55,7 +55,6 @@ class VerifierConfig:
     ipc_spin_s: float = 0.0  # experimental: spin this long for the next message after each one (channel.wait_readable)
     parent_pid: int = 0  # the process that started the worker: it exits once that one is gone (0: no watch)
     switch_interval_s: float = 2e-4  # thread placement: the host process's GIL switch interval (at most)
-    high_priority: bool = False  # thread placement: its CUDA stream at the device's highest priority (else the lowest)
     weights_digest: str = ""  # the launcher's digest of model_path (scheduler placement: read once); "": here
     trace_calls: int = 0  # diagnostics (env.trace_calls): 1 log each call's phases and GC pauses, 2 + CUDA allocations
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from mg_server.kernels.launch import highest_stream_priority
 from mg_server.runtime import protocol as P
 from mg_server.runtime.verifier.client import VerifierError, newest_gen
 from mg_server.runtime.verifier.server import VerifierConfig, VerifierServer
@@ -38,9 +37,7 @@ class VerifierThread:
         self.cfg = replace(cfg, parent_pid=0)  # it lives and dies with its host process
         self.server = VerifierServer(self.cfg)
         # its CUDA stream (None on CPU): made here so that the warm-up allocates on it (see _warm_up)
-        # (priority 0 is the default and lowest; --mg-stream-priority verifier: the highest)
-        self.stream = (torch.cuda.Stream(cfg.device, priority=highest_stream_priority() if cfg.high_priority else 0)
-                       if cfg.device.startswith("cuda") else None)
+        self.stream = torch.cuda.Stream(cfg.device) if cfg.device.startswith("cuda") else None
         self.lifeline = Lifeline(beat_path(cfg.ipc_path), 0, name="mg-verifier-life")
         self.thread = threading.Thread(target=self._serve, name="mg-verifier", daemon=True)
         self.stopped = threading.Event()
