@@ -71,7 +71,7 @@ def metrics(url: str) -> dict:
             "csum": "mg_control_seconds_sum", "ccount": "mg_control_seconds_count",
             "arows": "mg_prefill_ahead_rows_total", "lagfix": "mg_lag_corrections_total",
             "chained": "mg_chained_total", "vahead": "mg_verify_ahead_total",
-            "mahead": "mg_musts_answered_ahead_total"}
+            "mahead": "mg_musts_answered_ahead_total", "above": "mg_flips_above_tau_total"}
     c = scrape(url, (*MG_COUNTERS, *sums.values()))
     return {"fast": c["steps_fast"], "verify": c["steps_verify"], "repair": c["mg_repair_total"],
             "resumes": c["mg_corrections_total"], "stops": c["mg_resume_stops_total"],
@@ -93,7 +93,8 @@ def rates(before: dict, after: dict) -> dict:
             # the seam's time per forward whose rows were all fast-committed (mg_control_seconds)
             "fast_control_ms": 1e3 * d["csum"] / d["ccount"] if d["ccount"] else None, "verify_calls": d["vcount"],
             "prefill_ahead_rows": d["arows"], "verified_ahead": d["vahead"],
-            "musts_answered_ahead": d["mahead"]}
+            "musts_answered_ahead": d["mahead"],
+            "flips_above_tau": d["above"]}  # verify ahead: corrected lag steps above tau (counted in trigger)
 
 
 def front_batch(url: str, rows: list[list[int]], max_new: int, n_det: int, singles: bool = False) -> dict:
