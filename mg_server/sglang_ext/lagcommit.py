@@ -17,6 +17,9 @@ agrees and nothing else happens. When it disagrees at output index i (position p
   to the verifier's token, and its K/V column (position pos + 1, computed from the wrong token)
   and the deferred repair of pos are overwritten with the verifier's columns.
 So the answer is the verifier's, as in hold mode; only a disagreement costs a held verify call.
+With `--mg-verify-ahead on` every step's answer is known when its forward is processed, so a row
+above tau whose fast token differs from it is corrected the same way (`promote_ahead`), where
+without it the step would be a missed flip.
 The MUST row is honoured on either seam path (the synchronous one, taken when a seeded row or a
 user's logit processor joins the batch, verifies and repairs it the same way: hook._control).
 A deferred repair whose verifier slot was reused meanwhile is skipped: it only replaces the fast
