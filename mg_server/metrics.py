@@ -82,8 +82,8 @@ class ControllerMetrics:
                                "own: from the correcting call's chained result (VerifyItem.chain) or ahead")
         self.verify_ahead = Counter("mg_verify_ahead", "Steps the verifier answered while the fast path computed "
                                     "them (--mg-verify-ahead), kept for the step's verdict")
-        self.flips_above_tau = Counter("mg_flips_above_tau", "Lag steps above tau whose fast token differed from "
-                                       "the verifier's answer kept ahead (--mg-verify-ahead): corrected, not missed")
+        self.flips_above_tau = Counter("mg_flips_above_tau", "Verified steps above tau whose fast token the verifier "
+                                       "changed (lag rows --mg-verify-ahead caught): flips the margin gate would miss")
         self.lookahead = Counter("mg_lookahead_steps", "Steps decided after a request's last token (the overlap "
                                  "scheduler's look-ahead forward); SGLang drops their tokens")
         # The fast path's margin where the verifier disagreed: tau must stay above these (calibration).

@@ -673,7 +673,7 @@ def test_a_step_verified_ahead_is_answered_without_a_verify_call(make_ctl):
 
 def test_a_lag_row_above_tau_that_differs_from_its_answer_ahead_is_corrected_not_missed(make_ctl):
     """A behind row (its token not yet emitted) above tau whose kept answer differs: verified
-    from that answer, no call (AheadMixin._differs_ahead), so the seam can swap it; the same row
+    from that answer, no call (every behind row is verified), so the seam can swap it; the same row
     committed fast (not behind) stays a missed flip."""
     ctl = make_ctl("margin", 0.5, chain=False)
     prompt = [5, 6, 7]
@@ -687,11 +687,17 @@ def test_a_lag_row_above_tau_that_differs_from_its_answer_ahead_is_corrected_not
     assert db.verified and db.repair and db.token == ref_next(tokens) and len(ctl.vclient.items) == calls
     assert not ctl.reqs["b"].mismatches and ctl.m.flips_above_tau._value.get() == 1
     assert not df.verified and df.token == wrong and ctl.reqs["f"].mismatches == [3]
-    # behind, agreeing with its answer: committed fast as any row above tau
+    # behind and agreeing with its answer: verified, no repair, no flip counted
     ctl.handle(P.VerifyAhead(rows=[P.AheadRow(rid="b", pos=4)]))
     tokens.append(db.token)
     (db,) = ctl._step([P.StepRow(rid="b", pos=4, margin=3.0, fast_token=ref_next(tokens), behind=True)])
-    assert not db.verified and ctl.m.flips_above_tau._value.get() == 1
+    assert db.verified and not db.repair and ctl.m.flips_above_tau._value.get() == 1
+    # behind with no answer kept: verified by a call of its own, never committed unchecked
+    tokens.append(db.token)
+    calls = len(ctl.vclient.items)
+    (db,) = ctl._step([P.StepRow(rid="b", pos=5, margin=3.0, fast_token=(ref_next(tokens) + 1) % 50, behind=True)])
+    assert db.verified and db.token == ref_next(tokens) and len(ctl.vclient.items) == calls + 1
+    assert ctl.m.flips_above_tau._value.get() == 2
 
 
 def test_an_answer_verified_ahead_without_its_column_serves_only_where_no_repair_needs_it(make_ctl):

@@ -224,8 +224,10 @@ class StepRow(msgspec.Struct, kw_only=True, omit_defaults=True):
     # token was corrected after the fast one had been fed back): verify it whatever its margin,
     # and write the verifier's K/V column of pos (the fast one holds the wrong token's).
     must: bool = False
-    # Verified one forward late (`--mg-commit lag`): the fast token went through. On a disagreement
-    # the controller has the verifier answer the request's next (must) step in the same call.
+    # Verified one forward late (`--mg-commit lag`), whatever its margin: the fast token went through
+    # and is not emitted yet (with --mg-verify-ahead also a row above tau whose answer differs:
+    # LagCommit.promote_ahead). On a disagreement the controller has the verifier answer the
+    # request's next (must) step in the same call.
     behind: bool = False
 
 

@@ -78,7 +78,7 @@ class LagCommit:
         answered ahead with another token becomes a behind row (need 2), as if its margin had
         been below tau: its token went through the gate either way and is not emitted yet, so
         the Step verifies it from the kept answer and the swap corrects it (module doc), where it
-        would otherwise be a missed flip (controller's AheadMixin._differs_ahead)."""
+        would otherwise be a missed flip (the controller verifies every behind row: StepRow.behind)."""
         lag_keys = {key for key, _ in f.outs}
         for i, _, pos, _, tok, key in steps:
             if need[i] == 0 and key in lag_keys:

@@ -14,8 +14,8 @@ verdict is there: `_verify` takes it from `chained` (the slot ring's rule, `_dro
 applies as to a chained answer), and a fast-committed row's token is compared with it at once
 (`_step`: a difference is a missed flip, as with a chained answer). On lag's rows no flip is
 missed: the seam compares each fast row's token with its answer before the Step
-(LagCommit.promote_ahead) and sends a differing row as a behind row, which `_differs_ahead`
-verifies from the answer, so it is corrected as a low-margin row would be.
+(LagCommit.promote_ahead) and sends a differing row as a behind row, which `_step` verifies
+(from the answer) as it does every behind row, so it is corrected as a low-margin row would be.
 
 The cost: the verifier runs every protected step, not only the low-margin ones (its GPU work
 shares the device with SGLang's forward), and its host work takes the GIL beside SGLang's.
@@ -69,18 +69,6 @@ class AheadMixin:
             self._audit(rid, st, res)  # (the Step does not audit a chained answer again)
             st.verifier_len = pos + 1
             self.chained[rid] = res
-
-    def _differs_ahead(self, row: P.StepRow) -> bool:
-        """A lag row above tau (its fast token let through, not yet emitted: StepRow.behind) whose
-        step was verified ahead with another token: verified like a low-margin row (from the
-        kept answer, no call), so the seam swaps the token and repairs the request (lagcommit.py)
-        instead of the step being a missed flip. The seam sends such a row as behind only when
-        it found the difference itself (LagCommit.promote_ahead)."""
-        res = self.chained.get(row.rid)
-        if not (row.behind and res is not None and res.pos == row.pos and res.token != row.fast_token):
-            return False
-        self.m.flips_above_tau.inc()
-        return True
 
     def _drop_stale_chained(self, ready: list) -> set[str]:
         """Use a chained answer only while its K/V slot surely outlives this call's reply: the

@@ -173,7 +173,7 @@ class Controller(AheadMixin, AuditMixin, WorkerMixin):
                     self.checks.setdefault(row.rid, []).append(row.pos)
                 d.token = row.fast_token
                 st.tokens.append(d.token)
-            elif row.must or self.policy.should_verify(row.margin) or self._differs_ahead(row):
+            elif row.must or row.behind or self.policy.should_verify(row.margin):
                 to_verify.append((len(decisions) - 1, row, st))
             else:
                 # a chained answer for this step goes unused: its token is the verifier's
@@ -249,6 +249,8 @@ class Controller(AheadMixin, AuditMixin, WorkerMixin):
                 self.m.repair.inc()
             if res.token != row.fast_token and not row.must:  # (a must row's margin is not a flip's)
                 self.m.flip_margin.observe(row.margin)
+                if not self.policy.should_verify(row.margin):  # a behind row verify ahead caught
+                    self.m.flips_above_tau.inc()
             st.tokens.append(d.token)
             if res.next is not None:  # the verifier has also seen t_{pos+1}: it answered pos + 1
                 self._audit(row.rid, st, res.next)
