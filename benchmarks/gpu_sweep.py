@@ -81,7 +81,10 @@ def metrics(url: str) -> dict:
 def rates(before: dict, after: dict) -> dict:
     d = {k: after[k] - before[k] for k in after}
     steps = max(1.0, d["fast"] + d["verify"])
-    return {"trigger": d["verify"] / steps, "repair": d["repair"] / steps, "steps": d["fast"] + d["verify"],
+    # trigger: the margin gate's share; the lag steps above tau that verify ahead corrected are
+    # verified steps too, not triggered ones (flips_above_tau; runs before 2026-11-27 counted them)
+    return {"trigger": (d["verify"] - d["above"]) / steps, "repair": d["repair"] / steps,
+            "steps": d["fast"] + d["verify"],
             "resumes": d["resumes"], "stops": d["stops"], "lag_fixes": d["lagfix"],
             "chained": d["chained"],  # must steps answered by the correcting call (VerifyItem.chain)
             # the verify call's profile: the verifier's forward inside it, its rows (verified +
@@ -94,7 +97,7 @@ def rates(before: dict, after: dict) -> dict:
             "fast_control_ms": 1e3 * d["csum"] / d["ccount"] if d["ccount"] else None, "verify_calls": d["vcount"],
             "prefill_ahead_rows": d["arows"], "verified_ahead": d["vahead"],
             "musts_answered_ahead": d["mahead"],
-            "flips_above_tau": d["above"]}  # verify ahead: corrected lag steps above tau (counted in trigger)
+            "flips_above_tau": d["above"]}  # verify ahead: corrected lag steps above tau
 
 
 def front_batch(url: str, rows: list[list[int]], max_new: int, n_det: int, singles: bool = False) -> dict:
