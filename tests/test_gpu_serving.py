@@ -8,8 +8,11 @@ import os
 import sys
 from pathlib import Path
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
+from seeded_util import T, sample, seeds
 from server_util import ServerProcess
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
@@ -34,7 +37,7 @@ def model(tmp_path_factory):
                                               ("lagged", "margin", "lag"), ("lagged", "always", "lag"),
                                               ("lagged", "margin", "lag-sched"), ("lagged", "always", "lag-sched"),
                                               ("lagged", "margin", "lag-hosted"), ("lagged", "always", "lag-hosted"),
-                                              ("lagged", "margin", "lag-ahead")])
+                                              ("lagged", "margin", "lag-ahead"), ("lagged", "always", "lag-ahead")])
 def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, seam, mode, commit):
     """mode margin (tau 0.05, ~15 % of steps verified on these random weights) also checks the
     fast-committed tokens: the device's fast token of every row (a strided one was another row's).
@@ -45,7 +48,9 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
     "-sched": the verifier is a thread of SGLang's scheduler process (--mg-verifier-in scheduler),
     its kernels on a stream of its own beside SGLang's (a held gate must not wait for it);
     "-hosted": the controller there too (--mg-controller-in scheduler: direct calls, no sockets);
-    "-ahead": hosted, with every step verified at its launch (--mg-verify-ahead on)."""
+    "-ahead": hosted, with every step verified at its launch (--mg-verify-ahead on); there seeded
+    requests (temperature 0.8, which take the synchronous seam's path) also run beside the greedy
+    ones and must equal their verifier-alone samples."""
     from mg_server.evaluation.determinism import DeterminismConfig, noop_processor, run
     from mg_server.runtime.verifier.reference import greedy_reference, load_engine
 
@@ -53,6 +58,9 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
     det, other = prompts["det"][:6], prompts["other"][:4]
     engine = load_engine(str(model), device="cuda", max_seq_len=1024, pool_tokens=8192)
     refs = [r.tokens for r in greedy_reference(engine, det, 32)]
+    if commit == "lag-ahead":
+        seeded = [r.tokens for r in greedy_reference(engine, det[:4], 24, rid_prefix="seeded", temperature=T,
+                                                     seeds=seeds(4))]
     del engine
     commit, _, place = commit.partition("-")
     srv = ServerProcess(["--model", str(model), "--device", "cuda", "--mg-mode", mode, "--mg-seam", seam,
@@ -67,8 +75,17 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
         assert "disable_cuda_graph=False" in log and "disable_overlap_schedule=False" in log
         assert ("mg: lagged commit on" in log) == (seam == "lagged") and ("lag True" in log) == (commit == "lag")
         assert ("verifier inside SGLang's scheduler" in log) == bool(place)
+        # there SGLang's static share of the card was lowered to leave the verifier its memory
+        assert ("for the verifier in its scheduler process" in log) == bool(place)
         assert ("controller inside SGLang's scheduler" in log) == (place in ("hosted", "ahead"))
         assert ("verify ahead on" in log) == (place == "ahead")
+        if place == "ahead":  # seeded rows beside greedy ones, twice: the same samples each time
+            with ThreadPoolExecutor(8) as pool:
+                greedy = [pool.submit(sample, srv.url, p, None, max_new=32, temperature=0) for p in det[4:]]
+                for _ in range(2):
+                    got = list(pool.map(lambda a: sample(srv.url, a[0], a[1], max_new=24), zip(det[:4], seeds(4))))
+                    assert got == [(r, "verified") for r in seeded]
+                assert [f.result() for f in greedy] == [(r, "verified") for r in refs[4:]]
         rep = run(DeterminismConfig(url=srv.url, max_new=32, phases=("alone", "mixed")), det, refs, other,
                   noop_processor())
     finally:
