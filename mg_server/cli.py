@@ -87,8 +87,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(experimental, README) is a thread of SGLang's scheduler process, "
                         "whose CUDA stream runs beside "
                         "SGLang's (two processes' kernels take turns on a GPU without CUDA MPS); pair it with "
-                        "--mg-commit lag. It loads after SGLang sized its K/V cache: leave it room with "
-                        "--mem-fraction-static (README, 'On a GPU')")
+                        "--mg-commit lag. It loads after SGLang took its static share of the card, so mg "
+                        "lowers SGLang's default --mem-fraction-static by the verifier's weights, K/V pool and "
+                        "workspace (a --mem-fraction-static you pass is kept; README, 'On a GPU')")
     s.add_argument("--mg-controller-in", choices=["auto", "process", "scheduler"], default="auto",
                    help="where the controller runs: 'process' is its own process; 'scheduler' (with "
                         "--mg-verifier-in scheduler) is a thread of SGLang's scheduler process, which the seam "

@@ -136,6 +136,34 @@ def test_argv_scheduler_placement_sleeps_when_idle():
     assert "--sleep-on-idle" not in sglang_argv(replace(sched, mg_mode="off"))
 
 
+LLAMA3_8B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0,
+             "max_position_embeddings": 8192, "tie_word_embeddings": False}
+
+
+def test_the_scheduler_placement_leaves_the_verifier_its_memory(tmp_path):
+    # the in-process verifier loads after SGLang took --mem-fraction-static of the card: unless the
+    # user chose that share, mg lowers SGLang's default by the verifier's weights + pool + workspace
+    import json
+    from dataclasses import replace
+
+    from mg_server.runtime.verifier.reference import WORKSPACE_BYTES
+    from mg_server.sglang_ext.launch import verifier_room
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
+    sched = replace(_cfg(profile="cuda"), model_path=str(tmp_path), verifier_in="scheduler")
+    card = 80 << 30
+    # Llama-3-8B has 8,030,261,248 parameters (bf16); pool: 2 x 8192 tokens of 32 layers x K,V x 8 x 128 bf16
+    need = 8_030_261_248 * 2 + 16384 * (32 * 2 * 8 * 128 * 2) + WORKSPACE_BYTES
+    assert verifier_room(sched, None, 0.874, 8192, card) == ("--mem-fraction-static", f"{0.874 - need / card:.3f}")
+    assert verifier_room(sched, 0.6, 0.874, 8192, card) == ()  # the user's share is kept
+    for other in (replace(sched, verifier_in="process"), replace(sched, mg_mode="off"),
+                  replace(sched, profile="cpu")):
+        assert verifier_room(other, None, 0.874, 8192, card) == ()
+    with pytest.raises(ValueError, match="--mg-verifier-in process"):  # a 24 GB card cannot hold both
+        verifier_room(sched, None, 0.6, 8192, 24 << 30)
+
+
 @pytest.mark.parametrize("flag", ["--forward-hooks", "--enable-custom-logit-processor"])
 def test_argv_refuses_owned_flags(flag):
     from mg_server.sglang_ext.launch import sglang_argv

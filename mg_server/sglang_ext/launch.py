@@ -160,6 +160,34 @@ def served_context(server_args, model_path: str) -> int:
     return int(conf.get("max_position_embeddings") or 4096)
 
 
+def verifier_pool_tokens(context_len: int) -> int:
+    """The verifier's K/V pool (tokens) when no memory budget sizes it: two longest sequences."""
+    return max(16384, 2 * context_len)
+
+
+def verifier_room(cfg: ServeConfig, user_fraction: float | None, default_fraction: float, context_len: int,
+                  card_bytes: int) -> tuple[str, ...]:
+    """SGLang flags that leave an in-process verifier its memory (`--mg-verifier-in scheduler` on
+    CUDA): that thread loads after SGLang took its static share of the card (weights + K/V pool,
+    `--mem-fraction-static`), so, unless the user set that share, SGLang's default is lowered by
+    what the verifier takes (its weights, K/V pool and workspace). A card too small for both is
+    refused here, not by an out-of-memory error inside SGLang's scheduler later."""
+    if cfg.mg_mode == "off" or cfg.verifier_in != "scheduler" or cfg.cpu or user_fraction is not None:
+        return ()
+    from mg_server.runtime.verifier.reference import cuda_bytes_needed
+
+    need = cuda_bytes_needed(cfg.model_path, verifier_pool_tokens(context_len))
+    fraction = round(default_fraction - need / card_bytes, 3)
+    gb = need / (1 << 30)
+    if fraction < 0.1:
+        raise ValueError(f"the verifier in SGLang's scheduler process needs {gb:.1f} GB of this card's "
+                         f"{card_bytes / (1 << 30):.0f} GB, leaving SGLang too little: serve with --mg-verifier-in "
+                         "process, or choose the split yourself with --mem-fraction-static (and --context-length)")
+    log.info("mg: --mem-fraction-static %.3f (SGLang's default %.3f, less %.1f GB for the verifier in its scheduler "
+             "process; pass --mem-fraction-static to choose)", fraction, default_fraction, gb)
+    return ("--mem-fraction-static", f"{fraction:.3f}")
+
+
 def start_runtime(cfg: ServeConfig, context_len: int = 4096):
     """Start the controller (which starts the verifier) and wait until both report ready. The
     verifier accepts sequences as long as SGLang's (`context_len`), its pool holds two of them.
@@ -187,7 +215,7 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         model_path=cfg.model_path, ipc_path=str(Path(cfg.run_dir) / "verifier.sock"),
         shm_name=shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),
         device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
-        memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=max(16384, 2 * context_len),
+        memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=verifier_pool_tokens(context_len),
         ipc_spin_s=cfg.ipc_spin_s, trace_calls=env.trace_calls(),
         switch_interval_s=env.gil_switch_s() or (AHEAD_SWITCH_S if cfg.verify_ahead
                                                  else VerifierConfig.switch_interval_s),
@@ -330,14 +358,26 @@ def serve(cfg: ServeConfig) -> None:
     parser = argparse.ArgumentParser(prog="mg-server serve (SGLang flags)")
     ServerArgs.add_cli_args(parser)
     # Parsed once before mg's processes start, to refuse what mg cannot serve (hook: no controller yet).
-    parsed = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg)))
+    ns = parser.parse_args(sglang_argv(cfg))
+    user_fraction = ns.mem_fraction_static  # (None unless passed: SGLang fills in its default below)
+    parsed = ServerArgs.from_cli_args(ns)
     refuse_on_host(parsed, cfg.profile)
     refuse_unsupported(parsed, cfg.mg_mode)
     refuse_dtype_mismatch(parsed, cfg.mg_mode)
+    context_len = served_context(parsed, cfg.model_path)
+    if cfg.verifier_in == "scheduler" and not cfg.cpu:
+        from sglang.srt.utils import get_device_memory_capacity
+
+        card_mb = get_device_memory_capacity(parsed.device)  # (SGLang's own reading: nvidia-smi, MB)
+        if card_mb:
+            room = verifier_room(cfg, user_fraction, parsed.mem_fraction_static, context_len, int(card_mb * (1 << 20)))
+            cfg = replace(cfg, sglang_args=(*cfg.sglang_args, *room))
+        elif user_fraction is None:
+            log.warning("mg: the card's memory is unknown, so SGLang's --mem-fraction-static %.3f leaves the "
+                        "verifier no room of its own; pass a lower one if it fails to load", parsed.mem_fraction_static)
     from mg_server.sglang_ext import shutdown
 
     shutdown.install(cleanup, cfg.drain_timeout_s)
-    context_len = served_context(parsed, cfg.model_path)
     controller_ipc, info, hook_verifier, hook_controller = start_runtime(cfg, context_len)
 
     from mg_server.front.middleware import DeterministicMiddleware

@@ -100,11 +100,15 @@ def check() -> str:
     server_fields = {f.name for f in dataclasses.fields(ServerArgs)}
     for name in ("forward_hooks", "enable_custom_logit_processor", "speculative_algorithm", "tp_size", "pp_size",
                  "dp_size", "enable_dp_attention", "kv_cache_dtype", "dtype", "enable_hierarchical_cache",
-                 "grammar_backend"):
+                 "grammar_backend", "mem_fraction_static", "device"):
         if name not in server_fields:
             problems.append(f"ServerArgs has no field {name!r}")
     if not callable(getattr(CustomLogitProcessor, "to_str", None)):
         problems.append("CustomLogitProcessor.to_str is missing")
+    from sglang.srt import utils as sglang_utils
+
+    if not callable(getattr(sglang_utils, "get_device_memory_capacity", None)):  # launch.verifier_room's card size
+        problems.append("sglang.srt.utils.get_device_memory_capacity is missing")
     if not hasattr(http_server, "app"):
         problems.append("sglang.srt.entrypoints.http_server.app is missing")
     if problems:

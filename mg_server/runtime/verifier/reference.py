@@ -62,6 +62,23 @@ def greedy_reference(engine, prompts: list[list[int]], max_new: int, stop_ids: t
 WORKSPACE_BYTES = 3 << 30
 
 
+def cuda_bytes_needed(model_path: str, pool_tokens: int, dtype_bytes: int = 2) -> int:
+    """The CUDA memory a verifier of this checkpoint takes with a `pool_tokens` K/V pool: its
+    weights (counted from config.json's dimensions, in the verifier's dtype), the pool and the
+    workspace. Read before anything loads (the launcher leaves room for an in-process verifier)."""
+    import json
+    from pathlib import Path
+
+    from mg_server.runtime.verifier.model import ModelSpec
+
+    s = ModelSpec.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
+    q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    layer = s.hidden * (q + 2 * kv) + q * s.hidden + 3 * s.hidden * s.intermediate + 2 * s.hidden
+    params = s.n_layers * layer + s.vocab * s.hidden * (1 if s.tie_embeddings else 2) + s.hidden
+    per_token = 2 * s.n_layers * kv * dtype_bytes
+    return params * dtype_bytes + pool_tokens * per_token + WORKSPACE_BYTES
+
+
 def pool_tokens_for_budget(model, memory_gb: float, max_seq_len: int, cap: int = 1 << 18) -> int:
     """K/V pool tokens that fit a CUDA memory budget next to the loaded weights and a workspace."""
     import torch
