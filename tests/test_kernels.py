@@ -223,6 +223,41 @@ def test_matmul_tiles_bit_equal_gpu(key):
         assert torch.equal(K.matmul(x, w, out_dtype=out), ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,tile", [(6144, 4096, "64x128w4s6k"), (4096, 4096, "128x128w4s4k"),
+                                      (28672, 4096, "128x256w8s3k"), (1000, 1000, "64x64w4s6k")])
+def test_stream_k_tiles_bit_equal_gpu(n, k, tile):
+    """A stream-K tile (config "matmul_tiles", suffix k) hands a tile's fp32 accumulator from one
+    program to the next mid-K: the bits must be the whole-tile kernel's at every row count (the
+    cuts fall elsewhere for each), with a bias and an fp32 output, call after call (the hand-over
+    flags must return to 0) and replayed from a CUDA graph. K = 1000 ends in a partial chunk."""
+    from mg_server.kernels.config import parse_tile
+    from mg_server.kernels.matmul_triton import matmul_with_tile, num_sms
+
+    base, t = K.KERNEL_CONFIG["matmul"]["bfloat16"], parse_tile(tile)
+    w = rand(n, k, dtype=torch.bfloat16, device="cuda", seed=1, scale=0.02)
+    b = rand(n, dtype=torch.bfloat16, device="cuda", seed=2)
+    streamed = 0
+    for m in (129, 300, 384, 511, 777, 1024):
+        x = rand(m, k, dtype=torch.bfloat16, device="cuda", seed=m)
+        streamed += -(-m // t["BLOCK_M"]) * -(-n // t["BLOCK_N"]) >= num_sms(0)  # (else the whole-tile kernel)
+        # (an fp32 output tile of 128x256 does not fit shared memory, stream-K or not)
+        for bias, out in ((None, None), (b, None), (b, torch.float32))[:2 if t["BLOCK_N"] == 256 else 3]:
+            ref = matmul_with_tile(x, w, base, bias, out)
+            for _ in range(3):
+                assert torch.equal(matmul_with_tile(x, w, t, bias, out), ref), (m, bias is not None, out)
+    assert streamed >= 2
+    x = rand(1024, k, dtype=torch.bfloat16, device="cuda", seed=5)
+    ref = matmul_with_tile(x, w, base)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = matmul_with_tile(x, w, t)
+    for _ in range(3):
+        y.zero_()
+        g.replay()
+        assert torch.equal(y, ref)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("h", [576, 4096])

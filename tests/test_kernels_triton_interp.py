@@ -125,6 +125,25 @@ SCRIPT = textwrap.dedent("""
         DC._force_kernel[(n,)](f1, f1.stride(0), f1.shape[1], got[4], chosen, CHUNK=1024)
         DC.force(f2, got[4], chosen)  # (CPU: the torch ops)
         assert torch.equal(f1, f2)
+    # stream-K with an in-order hand-over (called directly: the TMA path is CUDA-only; the last
+    # shape's 30 tiles on 4 programs also take the data-parallel waves first): bitwise
+    # the whole-tile kernel's, here too (the interpreter computes the same chunk sums), over
+    # cuts that fall at other chunks for each shape, a partial last chunk, and the hand-over
+    # flags back at 0 after every call (fp32 inputs: this interpreter misreads bf16 through a TMA
+    # descriptor, in the whole-tile kernel too)
+    from triton.tools.tensor_descriptor import TensorDescriptor as TD
+    for (m, n, kd, progs) in ((37, 80, 200, 4), (64, 64, 128, 5), (33, 48, 104, 3), (16, 128, 64, 7), (80, 96, 72, 4)):
+        xb, wb, bb = torch.randn(m, kd), torch.randn(n, kd) * 0.1, torch.randn(n)
+        ys = [torch.empty(m, n), torch.empty(m, n)]
+        descs = [(TD.from_tensor(xb, [16, 16]), TD.from_tensor(wb, [16, 16]), TD.from_tensor(y_, [16, 16]), bb)
+                 for y_ in ys]
+        flags = torch.zeros(progs, dtype=torch.int32)
+        consts = dict(HAS_BIAS=True, PREC="ieee", BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)
+        T._matmul_sk_tma_kernel[(progs,)](*descs[0], torch.empty(progs, 128 * 256), flags, m, n, kd,
+                                          NUM_PROGS=progs, **consts)
+        T._matmul_tma_kernel[(progs,)](*descs[1], m, n, kd, NUM_SMS=progs, **consts)
+        assert torch.equal(ys[0], ys[1]) and not flags.any(), (m, n, kd, flags)
+        close(ys[0], xb.double() @ wb.double().T + bb.double(), 1e-4)
     print("OK")
 """)
 

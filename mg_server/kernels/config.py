@@ -46,13 +46,19 @@ KERNEL_CONFIG: dict = {
     },
     # 16-bit matmul tile shapes by weight shape ("NxK", ":f32" for an fp32 output) and row count:
     # entry b of a list serves M <= rows[b] (the last one every larger M). Name: BLOCK_M x BLOCK_N,
-    # w num_warps, s num_stages (g GROUP_M if not 8, p without TMA); BLOCK_K is the dtype entry's.
+    # w num_warps, s num_stages (g GROUP_M if not 8, p without TMA, k stream-K: a call of at least
+    # as many tiles as SMs cuts its (tile, K chunk) work into one equal range per SM, and a tile cut
+    # between two programs is continued from the first one's fp32 accumulator, handed over through
+    # memory: the same sum in the same order, so the same bits; matmul_triton._matmul_sk_tma_kernel);
+    # BLOCK_K is the dtype entry's.
     # why this may follow M: a tile's shape changes which program computes an output element and
     # how many share a load, never the element's sum: K ascending in BLOCK_K steps into one fp32
     # accumulator, whatever the tile (every tile here is bit-equal to the dtype entry's on the
     # H100: tests/test_kernels.py test_matmul_tiles_bit_equal_gpu, and bench_tiles' bit_equal).
     # Chosen as the fastest tile per (shape, rows) measured by `python -m mg_server.kernels.bench_tiles`
-    # on an H100 (benchmarks/results/gpu/matmul_tiles*_h100.json, CUDA-graph timing vs cuBLAS).
+    # on an H100 (benchmarks/results/gpu/matmul_tiles*_h100.json, CUDA-graph timing vs cuBLAS; 8b.qkv
+    # at 384 rows and 8b.gate_up at 384-512 from matmul_tiles_streamk*_h100.json: stream-K paid only
+    # where the tiles fill just over one wave, 8b.qkv at 384 rows, 0.55-0.58x -> 0.72-0.74x cuBLAS).
     "matmul_tiles": {
         "rows": [1, 8, 16, 32, 64, 128, 192, 256, 384, 512, 1024],
         # any other shape: the best geometric mean over all shapes measured (no fp32-out misfits)
@@ -82,7 +88,7 @@ KERNEL_CONFIG: dict = {
         # 8b.qkv
         "6144x4096": [
             "64x128w4s6", "64x128w4s6", "64x128w4s6", "64x128w4s6", "64x64w4s8", "64x128w4s6", "64x256w4s4",
-            "128x128w4s4", "64x128w4s6", "128x256w8s3", "128x128w4s4"],
+            "128x128w4s4", "128x128w4s4k", "128x256w8s3", "128x128w4s4"],
         # 8b.o
         "4096x4096": [
             "64x128w4s6", "64x128w4s6", "64x64w4s6", "64x64w4s8", "64x64w4s8", "64x64w4s8", "64x128w4s6",
@@ -90,7 +96,7 @@ KERNEL_CONFIG: dict = {
         # 8b.gate_up
         "28672x4096": [
             "64x256w4s3", "64x128w4s5", "64x128w4s5", "64x128w4s5g1", "64x128w4s5", "128x128w4s4",
-            "64x256w4s4", "128x256w8s3", "128x128w8s4", "64x256w4s4", "128x256w8s3"],
+            "64x256w4s4", "128x256w8s3", "128x256w8s3", "128x128w4s4", "128x256w8s3"],
         # 8b.down
         "4096x14336": [
             "64x128w4s6", "64x128w4s6", "64x64w4s8", "64x64w4s8", "64x32w4s8", "64x64w4s8", "64x128w4s6",
@@ -154,22 +160,28 @@ KERNEL_CONFIG: dict = {
 }
 
 
-_TILE = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?(p?)")
+_TILE = re.compile(r"(\d+)x(\d+)w(\d+)s(\d+)(?:g(\d+))?(p?)(k?)")
 
 
 def parse_tile(name: str, block_k: int = 64) -> dict:
     """'64x128w4s5' -> a matmul tile config (KERNEL_CONFIG["matmul_tiles"] names; see there)."""
     m = _TILE.fullmatch(name)
     if not m:
-        raise ValueError(f"not a tile name: {name!r} (e.g. 64x128w4s5, 128x64w8s4g1, 64x64w4s6p)")
+        raise ValueError(f"not a tile name: {name!r} (e.g. 64x128w4s5, 128x64w8s4g1, 64x64w4s6p, 64x128w4s6k)")
     bm, bn, warps, stages = (int(v) for v in m.groups()[:4])
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k, "GROUP_M": int(m.group(5) or 8),
-            "num_warps": warps, "num_stages": stages, "tma": not m.group(6)}
+    if bm * bn > 128 * 256:
+        raise ValueError(f"tile {name!r}: at most 128x256 elements (the stream-K workspace slot)")
+    t = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": block_k, "GROUP_M": int(m.group(5) or 8),
+         "num_warps": warps, "num_stages": stages, "tma": not m.group(6)}
+    if m.group(7):
+        t["stream_k"] = True
+    return t
 
 
 def tile_name(t: dict) -> str:
     return (f"{t['BLOCK_M']}x{t['BLOCK_N']}w{t['num_warps']}s{t['num_stages']}"
-            + (f"g{t['GROUP_M']}" if t["GROUP_M"] != 8 else "") + ("" if t.get("tma") else "p"))
+            + (f"g{t['GROUP_M']}" if t["GROUP_M"] != 8 else "") + ("" if t.get("tma") else "p")
+            + ("k" if t.get("stream_k") else ""))
 
 
 @functools.lru_cache(maxsize=256)

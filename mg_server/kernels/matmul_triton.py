@@ -7,9 +7,11 @@ Invariance rules (the row-wise ops in triton_ops.py follow the same):
   whichever tile computes it (config "matmul_tiles" says why; a GPU test checks every tile).
 * The row count M is `do_not_specialize`: Triton would otherwise compile separate variants for
   M == 1 / M % 16 == 0, which could change code generation.
-* A row's reduction is done entirely by one program, over its full length, in a fixed order:
-  no split-K (unless its table entry turns it on: then the split size is a function of K only
-  and the partials merge in a fixed order), no atomics. Rows beyond M are masked, never mixed in.
+* A row's reduction is one fp32 accumulator over its full length, in a fixed order: no split-K
+  (unless its table entry turns it on: then the split size is a function of K only and the
+  partials merge in a fixed order). A stream-K tile ("k" in the table) may hand that accumulator
+  from one program to the next mid-K, through memory and a flag, which changes no bits; no atomics
+  touch values. Rows beyond M are masked, never mixed in.
 * Persistent (grid = min(#SMs, #tiles)); which program computes a tile does not matter because
   every tile runs the identical K loop.
 """
@@ -118,6 +120,103 @@ def _matmul_tma_kernel(x_desc, w_desc, y_desc, b_ptr, M, N, K,
             rn = off_n + tl.arange(0, BLOCK_N)
             acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+
+
+@triton.jit
+def _tma_chunks(x_desc, w_desc, acc, off_m, off_n, k_lo, k_hi, PREC: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc += x[off_m tile, chunks k_lo..k_hi) @ w[off_n tile, same].T, one BLOCK_K chunk at a time."""
+    for kk in range(k_lo, k_hi):  # why: K ascending in BLOCK_K chunks, as in every matmul kernel
+        a = x_desc.load([off_m, kk * BLOCK_K])
+        b = w_desc.load([off_n, kk * BLOCK_K])
+        acc = tl.dot(a, b.T, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _tma_finish(y_desc, b_ptr, acc, off_m, off_n, N, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr):
+    if HAS_BIAS:
+        rn = off_n + tl.arange(0, BLOCK_N)
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    y_desc.store([off_m, off_n], acc.to(y_desc.dtype))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_sk_tma_kernel(x_desc, w_desc, y_desc, b_ptr, ws_ptr, flag_ptr, M, N, K,
+                          HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr):
+    """Stream-K with an in-order hand-over, for calls of at least NUM_PROGS tiles.
+
+    Whole waves but the last are walked data-parallel as in _matmul_tma_kernel (neighbouring
+    tiles at once: L2 reuse; contiguous ranges over many tiles measured 2x slower on 8B gate_up).
+    The (tile, K chunk) iterations of the other 1-2 waves' tiles are cut into NUM_PROGS equal
+    contiguous ranges, one per program, so the partly filled last wave is spread over every SM. A tile cut between
+    programs p and p+1 is not summed from two partials: p computes its first chunks FIRST and
+    hands its fp32 accumulator over (workspace slot p+1, then flag p+1); p+1 continues from that
+    accumulator LAST, after its whole tiles, and writes the tile.
+    why bit-equal to _matmul_tma_kernel: each element is still one fp32 accumulator walked over K
+    in ascending BLOCK_K chunks (stored to and loaded from memory exactly between the two parts).
+    why no deadlock and (almost) no wait: every range is >= one tile (>= NUM_PROGS tiles), so it
+    holds at most the tail of one tile and the head of another; p's head is done within its first
+    tile's time, p+1's tail starts after its own head and whole tiles, which take >= as long.
+    The grid is at most the SM count, so every program becomes resident."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    chunks = tl.cdiv(K, BLOCK_K)
+    num_tiles = num_pid_m * num_pid_n
+    dp_tiles = (num_tiles // NUM_PROGS - 1) * NUM_PROGS  # whole tiles of all waves but the last two
+    first = dp_tiles * chunks  # the stream-K part: iterations [first, num_tiles * chunks)
+    start = first + (pid * (num_tiles * chunks - first)) // NUM_PROGS
+    end = first + ((pid + 1) * (num_tiles * chunks - first)) // NUM_PROGS
+    slot = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]  # [BM, BN] in a ws slot
+    if end % chunks != 0:  # 1. the head of the tile the range ends in, handed to program pid + 1
+        pid_m, pid_n = _tile_coords(end // chunks, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _tma_chunks(x_desc, w_desc, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, end % chunks, PREC, BLOCK_K)
+        tl.store(ws_ptr + (pid + 1) * BLOCK_M * BLOCK_N + slot, acc)
+        tl.debug_barrier()  # every thread's part stored before the flag (the release is cumulative)
+        tl.atomic_xchg(flag_ptr + pid + 1, 1, sem="release", scope="gpu")
+    for tile in range(pid, dp_tiles, NUM_PROGS):  # 2. the data-parallel waves' tiles
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _tma_chunks(x_desc, w_desc, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, chunks, PREC, BLOCK_K)
+        _tma_finish(y_desc, b_ptr, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, N, HAS_BIAS, BLOCK_N)
+    for tile in range(tl.cdiv(start, chunks), end // chunks):  # 3. whole tiles of the range
+        pid_m, pid_n = _tile_coords(tile, num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc = _tma_chunks(x_desc, w_desc, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, 0, chunks, PREC, BLOCK_K)
+        _tma_finish(y_desc, b_ptr, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, N, HAS_BIAS, BLOCK_N)
+    if start % chunks != 0:  # 4. the tail of the tile the range starts in, from program pid - 1's head
+        pid_m, pid_n = _tile_coords(start // chunks, num_pid_m, num_pid_n, GROUP_M)
+        while tl.atomic_add(flag_ptr + pid, 0, sem="acquire", scope="gpu") == 0:
+            pass
+        acc = tl.load(ws_ptr + pid * BLOCK_M * BLOCK_N + slot, cache_modifier=".cg")
+        tl.debug_barrier()  # every thread has its part before the flag is cleared for the next call
+        tl.atomic_xchg(flag_ptr + pid, 0, sem="relaxed", scope="gpu")
+        acc = _tma_chunks(x_desc, w_desc, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, start % chunks, chunks,
+                          PREC, BLOCK_K)
+        _tma_finish(y_desc, b_ptr, acc, pid_m * BLOCK_M, pid_n * BLOCK_N, N, HAS_BIAS, BLOCK_N)
+
+
+_SK_BUFFERS: dict = {}  # device index -> (ws [progs, 128*256] fp32, flags [progs] int32, zeroed)
+
+
+def _sk_buffers(x: Tensor, progs: int):
+    """The stream-K hand-over workspace and flags of x's device. The flags return to 0 at the end
+    of every call, so one pair serves every later call; one pair per device, so stream-K calls
+    must not run on two streams of a device at once (mg's verifier runs its matmuls on one
+    stream). None while a CUDA graph is being captured and none exists yet: the caller then runs
+    the whole-tile kernel, whose bits are the same."""
+    key = _dev_index(x)
+    bufs = _SK_BUFFERS.get(key)
+    if bufs is None or bufs[1].numel() < progs:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        bufs = (torch.empty((progs, 128 * 256), device=x.device, dtype=torch.float32),
+                torch.zeros(progs, device=x.device, dtype=torch.int32))
+        _SK_BUFFERS[key] = bufs
+    return bufs
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -240,6 +339,16 @@ def matmul_with_tile(x: Tensor, w: Tensor, tile: dict | None, bias: Tensor | Non
         wc = w.contiguous()
         if wc.data_ptr() % 16:  # never for a freshly allocated weight
             wc = wc.clone()
+        assert bm * bn <= 128 * 256, cfg  # (the stream-K workspace slot)
+        bufs = _sk_buffers(x2, sms) if cfg.get("stream_k") and tiles >= sms else None
+        if bufs is not None:  # stream-K: same bits, the last wave spread over every SM
+            _matmul_sk_tma_kernel[(sms,)](
+                TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(wc, [bn, bk]),
+                TensorDescriptor.from_tensor(y, [bm, bn]), bias if bias is not None else y, bufs[0], bufs[1],
+                M, N, K, HAS_BIAS=bias is not None, PREC=prec, BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], NUM_PROGS=sms,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            return y.view(*lead, N)
         _matmul_tma_kernel[grid](
             TensorDescriptor.from_tensor(x2, [bm, bk]), TensorDescriptor.from_tensor(wc, [bn, bk]),
             TensorDescriptor.from_tensor(y, [bm, bn]), bias if bias is not None else y,
