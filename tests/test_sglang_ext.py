@@ -162,6 +162,10 @@ def test_the_scheduler_placement_leaves_the_verifier_its_memory(tmp_path):
         assert verifier_room(other, None, 0.874, 8192, card) == ()
     with pytest.raises(ValueError, match="--mg-verifier-in process"):  # a 24 GB card cannot hold both
         verifier_room(sched, None, 0.6, 8192, 24 << 30)
+    # 128k tokens of context: the verifier's pool of two such requests (32 GB) fits beside its
+    # weights, but then SGLang's share (19 GB) no longer holds its own weights plus one request
+    with pytest.raises(ValueError, match="131072-token request"):
+        verifier_room(sched, None, 0.874, 131072, card)
 
 
 @pytest.mark.parametrize("flag", ["--forward-hooks", "--enable-custom-logit-processor"])

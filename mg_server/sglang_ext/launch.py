@@ -170,19 +170,22 @@ def verifier_room(cfg: ServeConfig, user_fraction: float | None, default_fractio
     """SGLang flags that leave an in-process verifier its memory (`--mg-verifier-in scheduler` on
     CUDA): that thread loads after SGLang took its static share of the card (weights + K/V pool,
     `--mem-fraction-static`), so, unless the user set that share, SGLang's default is lowered by
-    what the verifier takes (its weights, K/V pool and workspace). A card too small for both is
+    what the verifier takes (its weights, K/V pool and workspace). A card too small for both (the
+    share left to SGLang must still hold its copy of the weights and one longest request's K/V) is
     refused here, not by an out-of-memory error inside SGLang's scheduler later."""
     if cfg.mg_mode == "off" or cfg.verifier_in != "scheduler" or cfg.cpu or user_fraction is not None:
         return ()
-    from mg_server.runtime.verifier.reference import cuda_bytes_needed
+    from mg_server.runtime.verifier.reference import WORKSPACE_BYTES, checkpoint_bytes
 
-    need = cuda_bytes_needed(cfg.model_path, verifier_pool_tokens(context_len))
+    weights, per_token = checkpoint_bytes(cfg.model_path)  # (bf16, the verifier's and SGLang's dtype)
+    need = weights + verifier_pool_tokens(context_len) * per_token + WORKSPACE_BYTES
     fraction = round(default_fraction - need / card_bytes, 3)
     gb = need / (1 << 30)
-    if fraction < 0.1:
+    if fraction * card_bytes < weights + context_len * per_token:
         raise ValueError(f"the verifier in SGLang's scheduler process needs {gb:.1f} GB of this card's "
-                         f"{card_bytes / (1 << 30):.0f} GB, leaving SGLang too little: serve with --mg-verifier-in "
-                         "process, or choose the split yourself with --mem-fraction-static (and --context-length)")
+                         f"{card_bytes / (1 << 30):.0f} GB, leaving SGLang too little for its weights and one "
+                         f"{context_len}-token request: serve with --mg-verifier-in process, or choose the split "
+                         "yourself with --mem-fraction-static (and --context-length)")
     log.info("mg: --mem-fraction-static %.3f (SGLang's default %.3f, less %.1f GB for the verifier in its scheduler "
              "process; pass --mem-fraction-static to choose)", fraction, default_fraction, gb)
     return ("--mem-fraction-static", f"{fraction:.3f}")

@@ -62,10 +62,10 @@ def greedy_reference(engine, prompts: list[list[int]], max_new: int, stop_ids: t
 WORKSPACE_BYTES = 3 << 30
 
 
-def cuda_bytes_needed(model_path: str, pool_tokens: int, dtype_bytes: int = 2) -> int:
-    """The CUDA memory a verifier of this checkpoint takes with a `pool_tokens` K/V pool: its
-    weights (counted from config.json's dimensions, in the verifier's dtype), the pool and the
-    workspace. Read before anything loads (the launcher leaves room for an in-process verifier)."""
+def checkpoint_bytes(model_path: str, dtype_bytes: int = 2) -> tuple[int, int]:
+    """(weight bytes, K/V bytes per token) of a checkpoint in a `dtype_bytes` dtype, counted from
+    config.json's dimensions (before anything loads: the launcher leaves room for an in-process
+    verifier, and checks SGLang's own copy still fits)."""
     import json
     from pathlib import Path
 
@@ -75,8 +75,7 @@ def cuda_bytes_needed(model_path: str, pool_tokens: int, dtype_bytes: int = 2) -
     q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
     layer = s.hidden * (q + 2 * kv) + q * s.hidden + 3 * s.hidden * s.intermediate + 2 * s.hidden
     params = s.n_layers * layer + s.vocab * s.hidden * (1 if s.tie_embeddings else 2) + s.hidden
-    per_token = 2 * s.n_layers * kv * dtype_bytes
-    return params * dtype_bytes + pool_tokens * per_token + WORKSPACE_BYTES
+    return params * dtype_bytes, 2 * s.n_layers * kv * dtype_bytes
 
 
 def pool_tokens_for_budget(model, memory_gb: float, max_seq_len: int, cap: int = 1 << 18) -> int:
