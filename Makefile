@@ -20,14 +20,18 @@ venv: $(STAMP)
 # (pipefail above keeps pip's exit status.)
 QUIET := 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 
-# torch first and pinned (a bare `torch` requirement would pull GBs of CUDA wheels); SGLang and
-# friends with --no-deps (requirements/nodeps.txt says why); then the rest, constrained by the lock.
+# torch first and pinned (a bare `torch` requirement would pull GBs of CUDA wheels); then the rest,
+# constrained by the lock; SGLang and friends last, with --no-deps (requirements/nodeps.txt says
+# why). Their declared pins (torch 2.14.1, CUDA kernels) are deliberately unmet on a CPU host, so
+# pip's "requires X, which is not installed" report is switched off (--no-warn-conflicts).
+PIP := $(BIN)/pip install -q --disable-pip-version-check --no-warn-conflicts
+LOCK ?= requirements/lock.txt
 $(STAMP): pyproject.toml requirements/cpu.txt requirements/nodeps.txt requirements/lock.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check -c requirements/lock.txt torch==2.13.0 $(QUIET)
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps -r requirements/nodeps.txt $(QUIET)
-	$(BIN)/pip install -q --disable-pip-version-check -c requirements/lock.txt -r requirements/cpu.txt $(QUIET)
-	$(BIN)/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . $(QUIET)
+	$(PIP) -c $(LOCK) torch==2.13.0 $(QUIET)
+	$(PIP) -c $(LOCK) -r requirements/cpu.txt $(QUIET)
+	$(PIP) -c $(LOCK) --no-deps -r requirements/nodeps.txt $(QUIET)
+	$(PIP) --no-deps --no-build-isolation -e . $(QUIET)
 	touch $@
 
 prepare-model: $(STAMP)
@@ -49,7 +53,7 @@ test-fast: $(STAMP)
 # Regenerate requirements/lock.txt from a fresh environment built without it.
 lock:
 	rm -rf /tmp/mg-lock-venv && $(PYTHON) -m venv /tmp/mg-lock-venv
-	$(MAKE) VENV=/tmp/mg-lock-venv /tmp/mg-lock-venv/.mg-installed
+	$(MAKE) VENV=/tmp/mg-lock-venv LOCK=/dev/null /tmp/mg-lock-venv/.mg-installed
 	/tmp/mg-lock-venv/bin/pip freeze --exclude-editable | grep -v '^mg-server' > requirements/lock.txt
 
 bench-serve: $(STAMP)
@@ -71,7 +75,7 @@ docker-lint:
 
 # 60 s headless Locust mix (6 users) against a running `make serve` -> loadtest/report/
 loadtest: $(STAMP)
-	$(BIN)/pip install -q --disable-pip-version-check -r requirements/loadtest.txt $(QUIET)
+	$(PIP) -r requirements/loadtest.txt $(QUIET)
 	LOCUST=$(BIN)/locust HOST=http://$(HOST):$(PORT) loadtest/run.sh $(LOCUST_ARGS)
 
 clean:

@@ -2,7 +2,7 @@
 # One call on the GPU device machine ($OUT set): install the carried SGLang wheels (.whl), run the
 # GPU serving tests, then the deterministic-traffic sweep; logs, JSON and PNG into $OUT.
 #   TESTS="-k resume" SWEEP="--models smol --rates 0.1 --reps 1" bash benchmarks/device_serving.sh
-# TESTS=skip / SWEEP=skip leave a part out. Needs .whl/ (../shared/docs/gpu-wheels.txt) and
+# TESTS=skip / SWEEP=skip leave a part out. Needs .whl/ (benchmarks/pack_device.sh) and
 # .cache/gpu-tokenizer/ (the embedded model's tokenizer files) in the carried tree.
 set -o pipefail
 source "$(dirname "$0")/device_env.sh"

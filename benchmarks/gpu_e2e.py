@@ -5,7 +5,7 @@ on), check determinism, time decode, and leave JSON plus a summary in --out.
     python benchmarks/gpu_e2e.py --out DIR [--wheels DIR] [--tokenizer DIR] [--models smol,llama8b]
 
 Needs no network. --wheels: a folder of wheels to install when SGLang is not importable (the
-list in ../shared/docs/gpu-wheels.txt runs SGLang without sgl_kernel/flashinfer); --tokenizer: a
+packages of requirements/gpu-device.txt run SGLang without sgl_kernel/flashinfer); --tokenizer: a
 folder with the SmolLM2 tokenizer files (default: `mg-server prepare-model`'s output).
 
 Per model (random weights written as safetensors with a fixed seed, so SGLang and the verifier

@@ -103,6 +103,9 @@ def _parser() -> argparse.ArgumentParser:
                         "step, not only the low-margin ones (default off; README, 'Where performance stands')")
     s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
                    help="longest wait of a response for its verdict (the final audit; default 120)")
+    s.add_argument("--mg-allow-sglang", default="", metavar="VERSION",
+                   help="start on this SGLang version although mg was not tested on it (the internals mg "
+                        "uses are still checked; the log and /metrics say so). Default: only tested versions")
 
     c = sub.add_parser(
         "calibrate",
@@ -266,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         controller_in=args.mg_controller_in,
         verify_ahead=args.mg_verify_ahead == "on",
         verifier_memory_gb=args.mg_verifier_memory_gb,
+        allow_sglang=args.mg_allow_sglang,
     )
     from mg_server.sglang_ext.launch import serve
 

@@ -115,6 +115,7 @@ class ServeConfig:
     verifier_in: str = "process"  # "process" | "scheduler": where the verifier worker runs (--mg-verifier-in)
     controller_in: str = "process"  # "process" | "scheduler": where the controller runs (--mg-controller-in)
     verify_ahead: bool = False  # the verifier answers each protected step at its launch (--mg-verify-ahead)
+    allow_sglang: str = ""  # an untested SGLang version the user accepts (--mg-allow-sglang; seams.check)
 
     @property
     def cpu(self) -> bool:

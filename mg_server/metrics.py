@@ -60,6 +60,13 @@ def resume_stops() -> Counter:
                    "checked step diverged from the verifier (the front resumes the answer from there)")
 
 
+def sglang_version(version: str, tested: bool) -> None:
+    """Record the SGLang version served (main process, at start-up)."""
+    Gauge("mg_sglang", "The SGLang version mg runs on; tested=\"false\" when --mg-allow-sglang let an untested "
+          "version start", ["version", "tested"], multiprocess_mode="max").labels(
+              version=version, tested=str(tested).lower()).set(1)
+
+
 def render(metrics_dir: str) -> bytes:
     """Prometheus text exposition of every process's mg metrics."""
     registry = CollectorRegistry()

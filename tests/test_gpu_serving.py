@@ -72,7 +72,8 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
     try:
         srv.wait_ready(timeout=600)
         log = srv.log_path.read_text()
-        assert "disable_cuda_graph=False" in log and "disable_overlap_schedule=False" in log
+        assert "'disable_cuda_graph': False" in log and "'disable_overlap_schedule': False" in log
+        assert "Capture target decode CUDA graph end" in log
         assert ("mg: lagged commit on" in log) == (seam == "lagged") and ("lag True" in log) == (commit == "lag")
         assert ("verifier inside SGLang's scheduler" in log) == bool(place)
         # there SGLang's static share of the card was lowered to leave the verifier its memory

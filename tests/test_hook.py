@@ -3,6 +3,7 @@ classification by position (prefill chunks, overlap look-ahead, missed steps), t
 K/V column repair, failures."""
 
 import threading
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -38,13 +39,16 @@ def runner():
 
 
 class FakeReq:
+    """The attributes of SGLang's Req that the seam reads (its output list an int64 array)."""
+
     def __init__(self, rid, prompt, pool_idx=0, **sampling):
-        self.rid, self.origin_input_ids, self.req_pool_idx = rid, list(prompt), pool_idx
-        self.output_ids, self.to_finish, self.finished_reason = [], None, None
+        self.rid, self.origin_input_ids, self.kv = rid, list(prompt), SimpleNamespace(req_pool_idx=pool_idx)
+        self.output_ids, self.to_finish, self.finished_reason = array("q"), None, None
         self.grammar, self.return_logprob, self.lora_id = None, False, None
         self.sampling_params = SimpleNamespace(**{**dict(frequency_penalty=0.0, presence_penalty=0.0,
                                                          repetition_penalty=1.0, min_new_tokens=0,
-                                                         logit_bias=None, custom_params=None), **sampling})
+                                                         logit_bias=None, custom_params=None, watermark=None,
+                                                         beam_width=None), **sampling})
 
     def finished(self):
         return False
@@ -82,6 +86,11 @@ def make_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy=Policy("al
     return seam
 
 
+def entry(processor):
+    """A SamplingBatchInfo.custom_logit_processor value (SGLang's ProcessorEntry)."""
+    return SimpleNamespace(processor=processor, rows=[], indices=None)
+
+
 def sampler_args(reqs_flags, logits, positions):
     """The Sampler.forward positional args the seam reads: (logits_output, sampling_info, ..., positions)."""
     from mg_server.sglang_ext.processor import MgFlagProcessor
@@ -89,7 +98,7 @@ def sampler_args(reqs_flags, logits, positions):
     params = [({DETERMINISTIC_PARAM: flag, "__req__": req} if flag is not None else None) for req, flag in reqs_flags]
     flagged = any(p is not None for p in params)
     info = SimpleNamespace(has_custom_logit_processor=flagged, custom_params=params,
-                           custom_logit_processor={1: (MgFlagProcessor(), None)} if flagged else None)
+                           custom_logit_processor={1: entry(MgFlagProcessor())} if flagged else None)
     return (SimpleNamespace(next_token_logits=logits), info, False, [], [], torch.tensor(positions))
 
 
@@ -284,8 +293,8 @@ def test_top2_margin(hook_mod):
     assert arg[0] == 1 and margin.tolist() == [0.5, 0.0]
 
 
-def test_factory_refuses_to_attach_outside_model_runner_initialize(hook_mod):
-    with pytest.raises(RuntimeError, match="ModelRunner.initialize"):
+def test_factory_refuses_to_attach_without_sglangs_model_runner_in_reach(hook_mod):
+    with pytest.raises(RuntimeError, match="model runner in reach"):
         hook_mod.make_hook({"metrics_dir": "/tmp/x"})
 
 
@@ -309,7 +318,7 @@ def test_a_diverged_resumable_request_ends_as_if_at_its_length_limit(hook_mod, t
     link = object.__new__(hook_mod.ControllerLink)  # no controller: only the bookkeeping is used
     link.lock, link.stopped = threading.Lock(), hook_mod.metrics.resume_stops()
     lazy = FakeReq("a", [1], custom_params={RESUME_PARAM: True}, stop_strs=None)
-    lazy.output_ids = [4, 5, 6]
+    lazy.output_ids = array("q", [4, 5, 6])
     held, failed = FakeReq("b", [1]), FakeReq("c", [1], custom_params={RESUME_PARAM: True}, stop_strs=None)
     link.tracked = {"a": hook_mod.StepSeam.new_tracked(lazy), "b": hook_mod.StepSeam.new_tracked(held),
                     "c": hook_mod.StepSeam.new_tracked(failed)}

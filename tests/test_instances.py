@@ -17,6 +17,7 @@ from mg_server.config import DETERMINISTIC_PARAM, INSTANCE_PARAM, FrontConfig, H
 from mg_server.front.middleware import DeterministicMiddleware
 from mg_server.runtime import protocol as P
 from mg_server.runtime.policy import Policy
+from test_hook import FakeReq
 
 DET = {"X-Deterministic": "1"}
 
@@ -87,17 +88,6 @@ def hook_mod():
     return hook
 
 
-class Req:
-    def __init__(self, rid):
-        self.rid, self.origin_input_ids, self.req_pool_idx = rid, [1, 2, 3], 0
-        self.output_ids, self.to_finish, self.finished_reason = [], None, None
-        self.grammar, self.return_logprob, self.lora_id = None, False, None
-        self.sampling_params = SimpleNamespace(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0,
-                                               min_new_tokens=0, logit_bias=None, custom_params=None)
-
-    def finished(self):
-        return False
-
 
 def test_the_seam_keeps_two_instances_of_one_rid_apart(hook_mod, tmp_path, monkeypatch):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
@@ -107,7 +97,7 @@ def test_the_seam_keeps_two_instances_of_one_rid_apart(hook_mod, tmp_path, monke
                              report=rows.extend)
     seam.link = SimpleNamespace(client=client, tracked={}, lock=threading.Lock(), rpc_lock=threading.Lock(),
                                 policy=Policy("margin", 0.0))
-    first, second = Req("x"), Req("x")  # the first's entry is still held (its Finish not yet sent)
+    first, second = FakeReq("x", [1, 2, 3]), FakeReq("x", [1, 2, 3])  # the first is still held (no Finish yet)
     seam(None, (SimpleNamespace(next_token_logits=torch.randn(1, 20)),
                 SimpleNamespace(has_custom_logit_processor=True,
                                 custom_params=[{DETERMINISTIC_PARAM: True, INSTANCE_PARAM: "i1", "__req__": first}]),

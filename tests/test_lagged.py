@@ -15,7 +15,7 @@ import torch
 from mg_server.runtime import protocol as P
 from mg_server.sglang_ext import link as link_mod
 from mg_server.runtime.policy import Policy
-from test_hook import LAYERS, VOCAB, FakeReq, fast, hook_mod, make_seam, runner, sampler_args  # noqa: F401 - fixtures
+from test_hook import LAYERS, VOCAB, FakeReq, entry, fast, hook_mod, make_seam, runner, sampler_args  # noqa: F401 - fixtures
 
 
 class Slots:
@@ -183,23 +183,21 @@ def test_a_finished_requests_last_forward_is_processed_while_mg_still_tracks_it(
     assert [r.pos for r in seam.link.client.reported] == [1, 2]  # both steps of z, none refused
 
 
-def test_mg_processor_is_skipped_for_the_forward_and_a_foreign_one_keeps_the_synchronous_path(
+def test_mg_processor_alone_takes_the_lagged_path_and_a_foreign_one_keeps_the_synchronous_path(
         hook_mod, runner, tmp_path, monkeypatch):
     seam = lagged_seam(hook_mod, runner, fast, tmp_path, monkeypatch, Policy("margin", 0.5))
     gates = seam.gates
     req = FakeReq("p", [1, 2])
     args = sampler_args([(req, True)], logits_with(4, 3.0), [1])
     seam(None, args)
-    assert args[1].has_custom_logit_processor is False and len(seam.lagged.pending) == 1  # lagged
-    seam.restore(None, args, None)
-    assert args[1].has_custom_logit_processor is True
+    assert len(seam.lagged.pending) == 1  # lagged
     seam.lagged.drain(wait=True)
-    # a user's processor in the batch: SGLang's processor path waits for the device, so no gate
+    # a user's processor in the batch (it may read the logits on the host), so no gate
     other = FakeReq("q", [1, 2])
     args = sampler_args([(other, True)], logits_with(4, 3.0), [1])
-    args[1].custom_logit_processor[2] = (object(), None)
+    args[1].custom_logit_processor[2] = entry(object())
     seam(None, args)
-    assert args[1].has_custom_logit_processor is True and not seam.lagged.pending
+    assert not seam.lagged.pending
     assert [r.rid for r in seam.link.client.reported] == ["p", "q"] and len(gates.gates) == 1
 
 
@@ -257,7 +255,7 @@ def test_a_released_requests_lookahead_step_is_not_repaired(hook_mod, runner, tm
     seam = lagged_seam(hook_mod, runner, _verify, tmp_path, monkeypatch, Policy("margin", 0.5))
     req = FakeReq("e", [4, 5])
     seam(None, sampler_args([(req, True)], logits_with(20, 0.1), [1]))
-    req.req_pool_idx = None
+    req.kv.req_pool_idx = None
     seam.lagged.drain(wait=True)
     assert req.to_finish is None and seam.gates.releases == [1] and seam.lagged.chosen[:1].tolist() == [21]
     assert not runner.token_to_kv_pool.k_buffer[0][11].any()
@@ -432,11 +430,11 @@ def test_lag_lets_the_fast_token_through_and_corrects_it_before_sglang_emits_it(
     assert [(r.pos, r.must) for r in client.rows] == [(1, False)] and seam.link.tracked["g"].tokens == [4, 5, 21]
     assert gates.gates[-1] == (1, 2) and gates.releases == []  # a MUST row, whatever its margin: held
     req.output_ids.append(20)  # SGLang processes the first forward after launching the second
-    assert req.output_ids == [21] and type(req.output_ids).__name__ == "Outputs"
+    assert list(req.output_ids) == [21] and type(req.output_ids).__name__ == "Outputs"
     # the swap also answered the MUST forward: SGLang may release the request in this same call
     # (when 21 ends it), and its columns must be repaired while it still holds them
     assert gates.releases == [2] and not lag.pending
-    req.req_pool_idx = None  # (released: nothing is left to do with its slots)
+    req.kv.req_pool_idx = None  # (released: nothing is left to do with its slots)
     lag.drain(wait=True)
     # the verify-behind row says so (the controller chains its MUST step: StepRow.behind)
     assert [(r.pos, r.must, r.behind) for r in client.rows] == [(1, False, True), (2, True, False)]
@@ -445,8 +443,8 @@ def test_lag_lets_the_fast_token_through_and_corrects_it_before_sglang_emits_it(
     for pos in (1, 2):  # the deferred repair of position 1 and the MUST row's own (pool row 0: slot 10 + pos)
         for layer in range(LAYERS):
             assert torch.equal(pool.k_buffer[layer][10 + pos], seam.link.slots.data[5, layer, 0])
-    req.output_ids.append(33)
-    assert req.output_ids == [21, 33] and lag.fixups == {} and lag.corrections == {} and lag.unsettled == {}
+    req.output_ids.extend([33])  # (a decode step's tokens come as a list)
+    assert list(req.output_ids) == [21, 33] and lag.fixups == {} and lag.corrections == {} and lag.unsettled == {}
     assert req.to_finish is None
 
 
@@ -472,7 +470,7 @@ def test_lag_ahead_answers_the_must_forward_at_the_swap_without_waiting_for_it(h
     seam(None, sampler_args([(req, True)], logits_with(7, 9.0), [2]))  # drains the first: 21; a MUST row
     assert client.ahead_rows == [[("g", 2)]] and gates.gates[-1] == (1, 2) and gates.releases == []
     req.output_ids.append(20)  # the swap: answered from the kept answer, the forward still pending
-    assert req.output_ids == [21] and gates.releases == [2] and len(lag.pending) == 1 and lag.fixups == {}
+    assert list(req.output_ids) == [21] and gates.releases == [2] and len(lag.pending) == 1 and lag.fixups == {}
     assert lag.chosen[:1].tolist() == [33] and lag.answered_ahead._value.get() == 1
     pool = runner.token_to_kv_pool
     for pos in (1, 2):  # the deferred repair and the MUST row's own, written by that answer
@@ -482,7 +480,7 @@ def test_lag_ahead_answers_the_must_forward_at_the_swap_without_waiting_for_it(h
     assert [(r.pos, r.must) for r in client.rows] == [(1, False), (2, True)] and gates.releases == [2]
     assert seam.link.tracked["g"].tokens == [4, 5, 21, 33] and client.ahead_rows[-1] == [("g", 3)]
     req.output_ids.append(33)
-    assert req.output_ids == [21, 33] and lag.corrections == {} and req.to_finish is None
+    assert list(req.output_ids) == [21, 33] and lag.corrections == {} and req.to_finish is None
 
 
 def test_lag_ahead_a_fast_row_that_differs_from_its_answer_is_corrected_behind(hook_mod, runner, tmp_path,
@@ -511,8 +509,8 @@ def test_lag_ahead_a_fast_row_that_differs_from_its_answer_is_corrected_behind(h
     seam(None, sampler_args([(req, True)], logits_with(30, 9.0), [3]))  # processes position 2: 7 differs
     assert [(r.pos, r.behind, r.must) for r in client.rows] == [(2, True, False)]
     assert client.ahead_rows[-1] == [("p", 3)] and gates.gates[-1] == (1, 3)  # a MUST row: it holds
-    req.output_ids.append(7)  # the swap; the MUST forward is answered from its answer kept ahead
-    assert req.output_ids == [20, 21] and gates.releases == [3] and lag.chosen[:1].tolist() == [3]
+    req.output_ids.extend([7])  # the swap; the MUST forward is answered from its answer kept ahead
+    assert list(req.output_ids) == [20, 21] and gates.releases == [3] and lag.chosen[:1].tolist() == [3]
     lag.drain(wait=True)
     assert [(r.pos, r.behind, r.must) for r in client.rows] == [(2, True, False), (3, False, True)]
     assert seam.link.tracked["p"].tokens == [4, 5, 20, 21, 3] and lag.fixups == {} and req.to_finish is None
@@ -529,7 +527,7 @@ def test_lag_agreement_costs_nothing_and_an_early_append_drains_its_forward(hook
     seam(None, sampler_args([(req, True)], logits_with(20, 0.1), [1]))
     # SGLang appends before any later sampler call (e.g. two prefills in a row): the append drains
     req.output_ids.append(20)
-    assert [r.pos for r in client.rows] == [1] and req.output_ids == [20] and not lag.pending
+    assert [r.pos for r in client.rows] == [1] and list(req.output_ids) == [20] and not lag.pending
     seam(None, sampler_args([(req, True)], logits_with(9, 0.1), [2]))
     seam(None, sampler_args([(req, True)], logits_with(3, 9.0), [3]))
     assert gates.gates == [(0, 1), (0, 2), (0, 3)] and gates.releases == []  # never held
@@ -549,9 +547,8 @@ def test_lag_a_must_step_on_the_synchronous_path_is_verified_and_repaired(hook_m
     client, lag = seam.link.client, seam.lagged
     req = FakeReq("s", [4, 5])
     seam(None, sampler_args([(req, True)], logits_with(20, 0.1), [1]))
-    seam.restore(None, None, None)  # (SGLang's post-hook: the forward's processor bypass undone)
     args = sampler_args([(req, True)], logits_with(7, 9.0), [2])
-    args[1].custom_logit_processor[2] = (object(), None)  # not mg's: the synchronous path
+    args[1].custom_logit_processor[2] = entry(object())  # not mg's: the synchronous path
     seam(None, args)
     assert [(r.pos, r.must) for r in client.rows] == [(1, False), (2, True)] and len(seam.gates.gates) == 1
     assert int(args[0].next_token_logits[0].argmax()) == 33 and seam.link.tracked["s"].tokens == [4, 5, 21, 33]

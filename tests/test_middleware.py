@@ -188,6 +188,11 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ("/generate", {"text": ["a", "b"], "sampling_params": [{}, {"logit_bias": {"1": 5}}]},
      "sampling_params[1].logit_bias"),
     ("/generate", {"input_embeds": [[0.0]]}, "input_embeds"),
+    ("/v1/chat/completions", {"watermark": {"enabled": True}}, "watermark"),
+    ("/generate", {"watermark": {"enabled": True}}, "watermark"),
+    ("/generate", {"sampling_params": {"watermark": {"enabled": True}}}, "sampling_params.watermark"),
+    ("/generate", {"max_thinking_tokens": 64}, "max_thinking_tokens"),
+    ("/generate", {"sampling_params": {"beam_width": 4}}, "sampling_params.beam_width"),
 ])
 def test_parameters_the_verifier_does_not_model_are_400_naming_them(client, path, extra, param):
     base = {"/v1/chat/completions": CHAT, "/v1/completions": {"prompt": "x"}, "/generate": {"text": "x"}}[path]

@@ -44,6 +44,13 @@ def test_health_and_models(server):
     assert models["data"] and "SmolLM2" in models["data"][0]["id"]
 
 
+def test_metrics_name_the_sglang_version_served(server):
+    import sglang
+
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    assert f'mg_sglang{{tested="true",version="{sglang.__version__}"}} 1.0' in text, text[-2000:]
+
+
 def test_chat_paris_stops_at_im_end_with_header_echo(client):
     raw = client.chat.completions.with_raw_response.create(
         model="default", messages=PARIS, max_tokens=40, temperature=0, extra_headers=DET

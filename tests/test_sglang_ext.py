@@ -40,45 +40,73 @@ def test_without_fix_sglang_import_fails():
 
 
 def test_seams_match_installed_sglang():
+    from importlib.metadata import version
+    from pathlib import Path
+
+    from mg_server.sglang_ext import seams
+
     r = _run("from mg_server.sglang_ext import compat, seams\ncompat.install('cpu')\nprint(seams.check())")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().endswith("0.5.10.post1")
+    assert r.stdout.strip().splitlines()[-1] == version("sglang") and version("sglang") in seams.TESTED
+    # what `make` installs is the default the docs and the image name
+    nodeps = (Path(__file__).resolve().parent.parent / "requirements" / "nodeps.txt").read_text()
+    assert f"sglang=={seams.DEFAULT}\n" in nodeps and seams.DEFAULT in seams.TESTED
 
 
-def test_seams_refuse_other_version():
+def test_seams_refuse_an_untested_version_unless_it_is_named():
     r = _run(
         "from mg_server.sglang_ext import compat, seams\ncompat.install('cpu')\n"
         "import sglang; sglang.__version__ = '9.9.9'\n"
         "try:\n    seams.check()\nexcept seams.SeamMismatch as e:\n    print('MISMATCH', e)\n"
+        "try:\n    seams.check(allow='9.9.8')\nexcept seams.SeamMismatch as e:\n    print('OTHER', e)\n"
+        "print('ALLOWED', seams.check(allow='9.9.9'))\n"
     )
-    assert "MISMATCH" in r.stdout and "9.9.9" in r.stdout
+    assert r.returncode == 0, r.stderr[-3000:]
+    mismatch = r.stdout[r.stdout.index("MISMATCH"):r.stdout.index("OTHER")]
+    assert "SGLang 9.9.9 is installed" in mismatch and "0.5.22 to 0.5.23" in mismatch
+    assert "--mg-allow-sglang 9.9.9" in mismatch
+    assert "OTHER" in r.stdout and "ALLOWED 9.9.9" in r.stdout  # only the version named is let through
+
+
+def test_seams_name_each_changed_internal():
+    """A changed internal is refused with its name, whatever the version (here: the fact that the
+    scheduler adds a decode step's tokens with extend, which lag's swap relies on)."""
+    r = _run(
+        "from mg_server.sglang_ext import compat, seams\ncompat.install('cpu')\n"
+        "import inspect\nfrom sglang.srt.managers.scheduler_components import batch_result_processor as b\n"
+        "src = inspect.getsource(b).replace('req.output_ids.extend(next_token_id)', 'req.output_ids += next_token_id')\n"
+        "inspect.getsource = lambda obj, _real=inspect.getsource: src if obj is b else _real(obj)\n"
+        "try:\n    seams.check()\nexcept seams.SeamMismatch as e:\n    print('MISMATCH', e)\n"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "batch_result_processor no longer contains 'req.output_ids.extend(next_token_id)'" in r.stdout
 
 
 def test_bare_cuda_profile_patches_sglang_right_after_import():
-    # The cuda-bare profile's post-import patches, checked on this host (they are device-agnostic).
+    # The cuda-bare profile's fixes, checked on this host (they are device-agnostic).
     r = _run(
         "from mg_server.sglang_ext import compat\n"
         "compat.fix_torchvision()\n"
         "rep = compat.install('cuda-bare')\n"
         "import os, torch\n"
-        "from sglang.srt.layers.utils import multi_platform as mp\n"
+        "from sglang.kernels.fused_op import get_fused_op_backend\n"
         "from sglang.srt.layers.layernorm import RMSNorm\n"
-        "from sglang.srt.model_executor import forward_batch_info as fbi\n"
-        "from sglang.srt.managers import overlap_utils as ou\n"
         "from sglang.srt.mem_cache import memory_pool as mpool\n"
         "n = RMSNorm(8)\n"
-        "print('DISPATCH', n._forward_method.__func__ is RMSNorm.forward_native)\n"
-        "print('CLAMP', fbi.clamp_position is fbi._clamp_position_native)\n"
-        "print('FUTURE', ou._resolve_future_token_ids is ou._resolve_future_token_ids_native)\n"
-        "print('STORE', mpool.can_use_store_cache(64))\n"
-        "print('FAKE', hasattr(torch.ops.sgl_kernel, 'moe_fused_gate'))\n"
+        "print('NATIVE', torch.equal(n(torch.ones(2, 8)), n.forward_native(torch.ones(2, 8))),"
+        " get_fused_op_backend().value)\n"
+        "print('STORE', mpool.can_use_store_cache(64, 64))\n"
+        "from sglang.srt.layers.dual_gemm import DualGemm\n"
+        "print('DUAL', DualGemm._select_mode(None, None, 576))\n"
+        "from sglang.srt.layers.attention import triton_backend as tb\n"
+        "print('PDL', tb.is_arch_support_pdl())\n"
         "import flashinfer.sampling as fs; print('FI', getattr(fs, 'MG_STANDIN', False))\n"
-        "print('ENV', os.environ['SGLANG_IS_FLASHINFER_AVAILABLE'], os.environ['MG_COMPAT'])\n"
+        "print('ENV', os.environ['SGLANG_IS_FLASHINFER_AVAILABLE'], os.environ['MG_COMPAT'],"
+        " os.environ['SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND'])\n"
         "print(rep.summary())\n"
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    for line in ("DISPATCH True", "CLAMP True", "FUTURE True", "STORE False", "FAKE True", "FI True",
-                 "ENV false cuda-bare"):
+    for line in ("NATIVE True torch", "STORE False", "DUAL None", "PDL False", "FI True", "ENV false cuda-bare python"):
         assert line in r.stdout, r.stdout
 
 
@@ -91,7 +119,7 @@ def test_argv_user_flags_override_engine_defaults_and_hook_is_attached():
     from mg_server.sglang_ext.launch import sglang_argv
 
     argv = sglang_argv(_cfg("--max-total-tokens", "1024"))
-    assert argv.index("--max-total-tokens", argv.index("--disable-cuda-graph")) > 0
+    assert argv.index("--max-total-tokens", argv.index("--cuda-graph-backend-decode")) > 0
     assert argv[-3] == "--enable-custom-logit-processor"
     spec = json.loads(argv[-1])
     assert spec[0]["hook_factory"] == "mg_server.sglang_ext.hook:make_hook"
@@ -101,13 +129,30 @@ def test_argv_per_host_profile():
     from mg_server.sglang_ext.launch import sglang_argv
 
     bare = sglang_argv(_cfg(profile="cuda-bare"))
-    assert "triton" in bare and "--disable-piecewise-cuda-graph" in bare
+    assert "triton" in bare and "--disable-prefill-cuda-graph" in bare
     full = sglang_argv(_cfg(profile="cuda"))
     # a normal GPU install keeps every SGLang default: CUDA graphs and the overlap scheduler on
-    for flag in ("--disable-cuda-graph", "--disable-overlap-schedule"):
+    for flag in ("--disable-cuda-graph", "--cuda-graph-backend-decode", "--disable-overlap-schedule"):
         assert flag not in full and flag not in bare
     assert "--disable-overlap-schedule" not in sglang_argv(_cfg())  # the CPU runs the overlap scheduler too
     assert "--attention-backend" not in full and "--device" not in full
+
+
+@pytest.mark.parametrize("profile", ["cpu", "cuda-bare", "cuda"])
+def test_every_profiles_flags_are_the_installed_sglangs(profile):
+    """mg's engine flags for each host profile parse with the installed SGLang's own parser (a
+    flag SGLang renamed would otherwise stop a server on that host only)."""
+    r = _run(
+        "from mg_server.sglang_ext import compat\ncompat.install('cpu')\nimport argparse, json\n"
+        "from mg_server.config import ServeConfig\nfrom mg_server.sglang_ext.launch import sglang_argv\n"
+        "from sglang.srt.server_args import ServerArgs\n"
+        "p = argparse.ArgumentParser(exit_on_error=False)\nServerArgs.add_cli_args(p)\n"
+        f"cfg = ServeConfig(model_path='/m', host='h', port=1, profile={profile!r}, metrics_dir='/x', "
+        "verifier_in='scheduler')\n"
+        "ns, unknown = p.parse_known_args(sglang_argv(cfg))\nprint('UNKNOWN', json.dumps(unknown))\n"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "UNKNOWN []" in r.stdout, r.stdout
 
 
 def test_cpu_has_no_grammar_backend_and_refuses_xgrammar():
@@ -177,14 +222,17 @@ def test_argv_refuses_owned_flags(flag):
 
 
 def _args(**over):
-    base = dict(speculative_algorithm=None, tp_size=1, pp_size=1, dp_size=1, enable_dp_attention=False,
-                kv_cache_dtype="auto", dtype="auto", enable_hierarchical_cache=False)
+    base = dict(speculative_algorithm=None, tp_size=1, pp_size=1, dp_size=1, attn_dp_size=None, attn_cp_size=None,
+                dcp_size=None, enable_dp_attention=False, kv_cache_dtype="auto", dtype="auto",
+                enable_hierarchical_cache=False)
     return SimpleNamespace(**{**base, **over})
 
 
 @pytest.mark.parametrize("over,needle", [
     (dict(speculative_algorithm="EAGLE"), "speculative"),
     (dict(tp_size=2), "parallelism"),
+    (dict(attn_dp_size=2), "parallelism"),
+    (dict(dcp_size=2), "parallelism"),
     (dict(kv_cache_dtype="fp8_e4m3"), "kv-cache-dtype"),
     (dict(dtype="float16"), "--dtype"),
     (dict(enable_hierarchical_cache=True), "hierarchical"),

@@ -43,7 +43,7 @@ SUPPORTED = "POST /v1/chat/completions, POST /v1/completions, POST|PUT /generate
 NEUTRAL: dict[str, Any] = {
     "n": 1, "best_of": 1,
     "frequency_penalty": 0, "presence_penalty": 0, "repetition_penalty": 1,
-    "min_tokens": 0, "min_new_tokens": 0, "top_logprobs": 0,
+    "min_tokens": 0, "min_new_tokens": 0, "top_logprobs": 0, "beam_width": 1,
 }
 # Parameters refused whenever set (any value but None): they change the emitted tokens or need
 # the logits of steps whose logits mg forces.
@@ -52,13 +52,13 @@ UNMODELLED: dict[str, str] = {
     "json_schema": "grammar-constrained decoding", "structural_tag": "grammar-constrained decoding",
     "logit_bias": "a logit bias", "lora_path": "LoRA adapters", "lora_id": "LoRA adapters",
     "input_embeds": "input embeddings", "image_data": "non-text inputs", "video_data": "non-text inputs",
-    "audio_data": "non-text inputs",
+    "audio_data": "non-text inputs", "watermark": "watermarked sampling", "max_thinking_tokens": "a thinking budget",
 }
 WHY_NEUTRAL = {
     "n": "more than one completion per prompt", "best_of": "more than one completion per prompt",
     "frequency_penalty": "penalties", "presence_penalty": "penalties", "repetition_penalty": "penalties",
     "min_tokens": "a minimum length", "min_new_tokens": "a minimum length",
-    "top_logprobs": "logprobs",
+    "top_logprobs": "logprobs", "beam_width": "beam search",
 }
 
 
@@ -122,7 +122,8 @@ def _check_native_top_level(body: dict) -> None:
     value = body.get("return_logprob")
     if value and (not isinstance(value, list) or any(value)):
         raise _refused("return_logprob", value, "", "logprobs")
-    for name in ("lora_path", "lora_id", "input_embeds", "image_data", "video_data", "audio_data"):
+    for name in ("lora_path", "lora_id", "input_embeds", "image_data", "video_data", "audio_data", "watermark",
+                 "max_thinking_tokens"):
         if body.get(name) is not None:
             raise _refused(name, body[name], "", UNMODELLED[name])
 

@@ -1,4 +1,4 @@
-"""Make SGLang 0.5.10.post1 importable and runnable where its compiled packages are missing.
+"""Make SGLang importable and runnable where its compiled packages are missing.
 
 Host profiles (`detect_profile`):
 - `cuda`: a normal SGLang GPU install (sgl_kernel and flashinfer import): nothing to do.
@@ -23,12 +23,14 @@ Fixes (profile that needs each):
 3. (cpu) SGLang's other processes busy-poll, so a scheduler with more than one OpenMP thread
    competes with them for 2 cores (measured: 60 ms -> 1.5-3.4 s per decode step):
    `OMP_NUM_THREADS=1` in the children.
-4. (cuda-bare) `layers/moe/topk.py` calls `torch.library.register_fake("sgl_kernel::
-   moe_fused_gate")` at import, which needs the op's schema: defined here first.
-5. (cuda-bare) Right after SGLang imports them: `MultiPlatformOp.dispatch_forward` returns
-   `forward_native` (its CUDA methods call sgl_kernel); `clamp_position` and
-   `_resolve_future_token_ids` use SGLang's own torch versions instead of nvcc-JIT kernels; the
-   JIT K/V store is reported unusable (SGLang then writes the pool with torch indexing).
+4. (cuda-bare) SGLang's fused ops (norms, activations, RoPE, position clamps) would pick
+   sgl_kernel or nvcc-JIT kernels on CUDA: SGLang's own switch `SGLANG_FORCE_FUSED_OP_BACKEND=
+   torch` puts every one on its `forward_native`. Right after SGLang imports them, the JIT K/V
+   store is reported unusable (SGLang then writes the pool with torch indexing) and the fused
+   gate/up dual GEMM is never chosen (a Blackwell CuTe DSL kernel whose module imports
+   nvidia-cutlass-dsl even to say it does not apply), and the triton attention backend's
+   programmatic-dependent-launch query (an sgl_kernel function) answers no. The radix cache
+   runs on SGLang's Python tree (its compiled one is built for SGLang's own torch pin).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import importlib.machinery
 import importlib.util
 import logging
 import os
+import shutil
 import sys
 import types
 from dataclasses import dataclass, field
@@ -54,12 +57,6 @@ STANDIN_PACKAGES = ("sgl_kernel", "flashinfer")
 _TORCHVISION_SHIM_OPS = (
     "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
     "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-)
-# Schema of the op whose fake kernel SGLang registers at import (fix 4).
-_SGL_KERNEL_SCHEMAS = (
-    "moe_fused_gate(Tensor input_tensor, Tensor bias, int num_expert_group, int topk_group, int topk, "
-    "int num_fused_shared_experts=0, float routed_scaling_factor=0, "
-    "bool apply_routed_scaling_factor_on_output=False) -> (Tensor, Tensor)",
 )
 _libraries: list = []  # keeps torch.library.Library objects alive (they unregister when collected)
 
@@ -184,14 +181,14 @@ def fix_torchvision(report: CompatReport | None = None) -> None:
                 return
             except (OSError, RuntimeError):
                 break
-    _define_raising_ops("torchvision", _TORCHVISION_SHIM_OPS, "DEF")
+    _define_raising_ops("torchvision", _TORCHVISION_SHIM_OPS)
     report.applied.append("torchvision nms/qnms schemas")
 
 
-def _define_raising_ops(namespace: str, schemas: tuple[str, ...], kind: str) -> None:
+def _define_raising_ops(namespace: str, schemas: tuple[str, ...]) -> None:
     import torch
 
-    lib = torch.library.Library(namespace, kind)  # noqa: TOR901 - kept alive in _libraries
+    lib = torch.library.Library(namespace, "DEF")  # noqa: TOR901 - kept alive in _libraries
     for schema in schemas:
         lib.define(schema)
         op_name = schema.split("(", 1)[0]
@@ -203,41 +200,24 @@ def _define_raising_ops(namespace: str, schemas: tuple[str, ...], kind: str) -> 
     _libraries.append(lib)
 
 
-# ---- fix 4 and 5: bare CUDA hosts ------------------------------------------------------------
-def _define_sgl_kernel_schemas(report: CompatReport) -> None:
-    import torch
-
-    if hasattr(torch.ops.sgl_kernel, "moe_fused_gate"):
-        report.not_needed.append("sgl_kernel op schemas (already defined)")
-        return
-    _define_raising_ops("sgl_kernel", _SGL_KERNEL_SCHEMAS, "FRAGMENT")
-    report.applied.append("sgl_kernel::moe_fused_gate schema")
-
-
-def _patch_dispatch(module) -> None:
-    module.MultiPlatformOp.dispatch_forward = lambda self: self.forward_native
-
-
-def _patch_clamp_position(module) -> None:
-    module.clamp_position = module._clamp_position_native
-
-
-def _patch_resolve_future(module) -> None:
-    module._resolve_future_token_ids = module._resolve_future_token_ids_native
-
-
+# ---- fix 4: bare CUDA hosts -----------------------------------------------------------------
 def _patch_store_cache(module) -> None:
-    module.can_use_store_cache = lambda _row_bytes: False
+    module.can_use_store_cache = lambda *_args, **_kwargs: False
+
+
+def _patch_dual_gemm(module) -> None:
+    module.DualGemm._select_mode = lambda *_args, **_kwargs: None  # (None: the plain gate/up and down GEMMs)
+
+
+def _patch_pdl(module) -> None:
+    module.is_arch_support_pdl = lambda: False  # (sgl_kernel's query; triton kernels launch without PDL)
 
 
 # module -> (the attributes the patch relies on, the patch)
 _BARE_CUDA_PATCHES: dict[str, tuple[tuple[str, ...], Callable]] = {
-    "sglang.srt.layers.utils.multi_platform": (("MultiPlatformOp",), _patch_dispatch),
-    "sglang.srt.model_executor.forward_batch_info": (("clamp_position", "_clamp_position_native"),
-                                                     _patch_clamp_position),
-    "sglang.srt.managers.overlap_utils": (("_resolve_future_token_ids", "_resolve_future_token_ids_native"),
-                                          _patch_resolve_future),
     "sglang.srt.mem_cache.memory_pool": (("can_use_store_cache",), _patch_store_cache),
+    "sglang.srt.layers.dual_gemm": (("DualGemm",), _patch_dual_gemm),
+    "sglang.srt.layers.attention.triton_backend": ((), _patch_pdl),
 }
 
 
@@ -287,10 +267,15 @@ def _install_bare_cuda_patches(report: CompatReport) -> None:
         if name in sys.modules:  # already imported in this process: patch in place
             _apply_patch(name, sys.modules[name])
     sys.meta_path.insert(0, _AfterImport(tuple(_BARE_CUDA_PATCHES)))
-    # SGLang's start-up check of the sgl_kernel version and its flashinfer probe.
+    # SGLang's start-up check of the sgl_kernel version and its flashinfer probe; its fused ops'
+    # own switch to their torch reference.
     os.environ["SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK"] = "1"
     os.environ["SGLANG_IS_FLASHINFER_AVAILABLE"] = "false"
-    report.applied.append("torch-native dispatch, clamp_position, future-token resolve, torch K/V store")
+    os.environ["SGLANG_FORCE_FUSED_OP_BACKEND"] = "torch"
+    # why: SGLang's bundled Rust radix tree is built for its own torch pin; on the host's torch 2.11
+    # it misread an int64 tensor as Float and stopped the scheduler at the first request
+    os.environ["SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND"] = "python"
+    report.applied.append("torch fused ops, torch K/V store, no dual GEMM, no PDL, Python radix tree")
 
 
 # ---- entry points ---------------------------------------------------------------------------
@@ -299,7 +284,13 @@ def install(profile: str) -> CompatReport:
     if profile not in PROFILES:
         raise ValueError(f"unknown compat profile {profile!r}")
     report = CompatReport(profile=profile)
+    # SGLang's crash diagnostics (a child's SIGQUIT): a py-spy dump of the scheduler only where
+    # py-spy is installed, CUDA coredumps only on CUDA; each would otherwise delay the stop (5 s,
+    # then 60 s of waiting for a coredump that cannot come). A user's own setting wins.
+    if shutil.which("py-spy") is None:
+        os.environ.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "false")
     if profile == "cpu":
+        os.environ.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "false")
         if os.environ.get("OMP_NUM_THREADS") != "1":
             os.environ["OMP_NUM_THREADS"] = "1"
             report.applied.append("OMP_NUM_THREADS=1")
@@ -309,7 +300,6 @@ def install(profile: str) -> CompatReport:
         fix_torchvision(report)
     elif profile == "cuda-bare":
         _install_standins(report, STANDIN_PACKAGES)
-        _define_sgl_kernel_schemas(report)
         _install_bare_cuda_patches(report)
     os.environ[env.COMPAT_VAR] = profile
     return report

@@ -8,10 +8,11 @@ the pre-sampling logits, the batch's sampling info (`custom_params`: mg's flag a
 `Req`) and each row's position from the forward batch (decode: the input token's position;
 prefill: the last position of the row's chunk).
 
-How mg gets there: SGLang loads mg through `--forward-hooks`. The factory runs inside
-`ModelRunner.initialize` (scheduler process, after the K/V pool and the CUDA graphs exist), takes
-that model runner from its caller's frame (the one reference SGLang's hook API gives a factory)
-and registers the pre-hook on `runner.sampler`; it returns no module hook.
+How mg gets there: SGLang loads mg through `--forward-hooks`. The factory runs in
+`finalize_cuda_graph_capture(model_runner)` (scheduler process, after the K/V pool exists and the
+CUDA graphs are captured), takes that model runner from its caller's frame (the one reference
+SGLang's hook API gives a factory) and registers the pre-hook on `runner.sampler`; it returns no
+module hook.
 
 Positions come from the forward batch, never from `req.output_ids`: under the overlap scheduler
 the forward being sampled is one step ahead of the request's output list (the previous step's
@@ -34,6 +35,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+import weakref
 from http import HTTPStatus
 
 import torch
@@ -50,21 +52,34 @@ from mg_server.sglang_ext.reasons import public_reason, unmodelled
 log = logging.getLogger(__name__)
 
 
+def the_req(ref):
+    """SGLang's Req behind custom_params["__req__"]: the object itself, or (0.5.23) a weak proxy.
+    mg keeps the Req until it has reported the request's end (link.Tracked), after SGLang may
+    have dropped it, so it holds the object: a bound method's __self__ is the proxy's referent."""
+    return ref.finished.__self__ if isinstance(ref, weakref.ProxyTypes) else ref
+
+
 def protected_rows(sampling_info) -> list[tuple[int, object, str]]:
     """(row, Req, instance key) of the batch's requests that carry mg's flag (cheap: CPU lists
     only). The key (rid + the front's instance id) names the request in all of mg's bookkeeping."""
     if sampling_info is None or not sampling_info.has_custom_logit_processor:
         return []  # plain batches: mg's flag travels with a custom logit processor, so none here
     params = sampling_info.custom_params or ()
-    return [(i, p["__req__"], instance_key(p["__req__"].rid, p.get(INSTANCE_PARAM)))
-            for i, p in enumerate(params) if p and p.get(DETERMINISTIC_PARAM)]
+    return [(i, req, instance_key(req.rid, p.get(INSTANCE_PARAM)))
+            for i, p in enumerate(params) if p and p.get(DETERMINISTIC_PARAM) for req in [the_req(p["__req__"])]]
 
 
 def only_mg_processors(sampling_info) -> bool:
-    """True if every custom logit processor of the batch is mg's no-op flag carrier."""
-    procs = getattr(sampling_info, "custom_logit_processor", None) or {}
-    return bool(procs) and all(type(p).__name__ == "MgFlagProcessor" and type(p).__module__.startswith("mg_server")
-                               for p, _ in procs.values())
+    """True if every custom logit processor of the batch is mg's no-op flag carrier (SGLang
+    applies it with index kernels only: no host wait behind a held gate)."""
+    entries = getattr(sampling_info, "custom_logit_processor", None) or {}
+    return bool(entries) and all(type(e.processor).__name__ == "MgFlagProcessor"
+                                 and type(e.processor).__module__.startswith("mg_server") for e in entries.values())
+
+
+def pool_row(req) -> int | None:
+    """The request's row of SGLang's req_to_token table (None once its K/V is released)."""
+    return req.kv.req_pool_idx
 
 
 def top2(logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -116,18 +131,20 @@ def write_kv_column(token_to_kv_pool, req_to_token: Tensor, req_pool_idx: int, p
 
 
 def find_model_runner():
-    """The ModelRunner whose `initialize` is registering forward hooks right now (see module doc)."""
+    """The ModelRunner whose model SGLang is registering forward hooks on right now: a local of
+    register_forward_hooks' caller (see module doc)."""
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_name != "register_forward_hooks":
         frame = frame.f_back
     if frame is not None and frame.f_back is not None:
-        runner = frame.f_back.f_locals.get("self")
-        if isinstance(runner, ModelRunner) and runner.model is frame.f_locals.get("model"):
-            return runner
-    raise RuntimeError("mg: SGLang's hook factory was not called from ModelRunner.initialize; this "
-                       "SGLang attaches forward hooks differently from the supported version")
+        model = frame.f_locals.get("model")
+        for runner in frame.f_back.f_locals.values():
+            if isinstance(runner, ModelRunner) and runner.model is model:
+                return runner
+    raise RuntimeError("mg: SGLang's hook factory was not called with its model runner in reach; this "
+                       "SGLang attaches forward hooks differently from the supported versions")
 
 
 class StepSeam:
@@ -139,7 +156,6 @@ class StepSeam:
         self.steps, self.margin, self.control = metrics.hook_metrics(config.margin_buckets)
         self.link = ControllerLink(config) if config.controller_ipc else None
         self.lagged = None  # CUDA: the one-forward-late control path (lagged.py)
-        self._bypassed = None  # the SamplingBatchInfo whose no-op processor this forward skips
         if self.link is not None:
             from mg_server.sglang_ext.lagged import attach
 
@@ -153,16 +169,10 @@ class StepSeam:
         rows = protected_rows(args[1])
         if not rows:
             return None
-        if self.lagged is not None and only_mg_processors(args[1]):
-            # SGLang applies custom logit processors through a boolean row mask, which waits for
-            # the device (a gated forward would never get there); mg's is a no-op, so a lagged
-            # forward skips it. The post-hook (`restore`) sets the flag back: the next forward's
-            # seam reads custom_params. (On the synchronous path this skip measured no gain.)
-            args[1].has_custom_logit_processor = False
-            self._bypassed = args[1]
         # The lagged path needs a sampler that does not wait for the gated stream: only mg's
-        # processor (skipped above) may be in the batch; seeded rows take the synchronous path.
-        if self._bypassed is not None and self.lagged is not None and (
+        # processor may be in the batch (a user's could read the logits on the host); seeded rows
+        # take the synchronous path.
+        if self.lagged is not None and only_mg_processors(args[1]) and (
                 self.config.fault_missed_flip < 0 or self.lagged.inline) and not any(
                 sampling_rule(req)[0] > 0 for _, req, _ in rows) and self.lagged.fits(rows):
             t0 = time.perf_counter()
@@ -197,12 +207,6 @@ class StepSeam:
         if not self._control(logits, steps):
             self.control.observe(time.perf_counter() - t0)
         return None  # the logits were edited in place
-
-    def restore(self, module, args, output) -> None:
-        """Sampler post-hook (always called, also after an exception): undo the bypass above."""
-        if self._bypassed is not None:
-            self._bypassed.has_custom_logit_processor = True
-            self._bypassed = None
 
     def _inject_missed_flip(self, logits: Tensor, steps):
         """Test-only fault (HookConfig.fault_missed_flip = k): the k-th answer token of every
@@ -339,7 +343,7 @@ class StepSeam:
         """Write the verifier's K/V column of pos (slot d.slot) into SGLang's pool, on the current
         stream."""
         write_kv_column(self.runner.token_to_kv_pool, self.runner.req_to_token_pool.req_to_token,
-                        req.req_pool_idx, pos, self.link.slots.read(d.slot, d.gen))
+                        pool_row(req), pos, self.link.slots.read(d.slot, d.gen))
 
     @staticmethod
     def _fail(req, why: str) -> None:
@@ -362,6 +366,11 @@ def check_runner(runner) -> None:
     if not isinstance(pool, MHATokenToKVPool):
         raise RuntimeError(f"mg supports SGLang's MHATokenToKVPool K/V layout; this model uses "
                            f"{type(pool).__name__} (serve it with --mg-mode off)")
+    # why: mg's repairs address a position's K/V as one row [kv_heads, head_dim] of each layer
+    layout = getattr(pool, "kv_cache_layout", "nhd")
+    if layout != "nhd":
+        raise RuntimeError(f"mg repairs SGLang's token-major ('nhd') K/V layout; this pool is {layout!r} "
+                           "(serve it with --mg-mode off)")
 
 
 def check_dtype(runner, verifier_dtype: str) -> None:
@@ -380,7 +389,6 @@ def make_hook(config: dict):
     if seam.link is not None and seam.link.info.shm is not None:
         check_dtype(runner, seam.link.info.shm.dtype)
     runner.sampler.register_forward_pre_hook(seam)
-    runner.sampler.register_forward_hook(seam.restore, always_call=True)
     log.info("mg: step seam attached to %s.sampler (controller: %s); no module hook is needed",
              type(runner).__name__, config.get("controller_ipc") or "none")
     return None

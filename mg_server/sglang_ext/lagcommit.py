@@ -32,10 +32,12 @@ the verifier's process time-slices the GPU with SGLang's; under CUDA MPS it beat
 
 from __future__ import annotations
 
+from array import array
+
 from mg_server import metrics
 from mg_server.kernels.decide import BEHIND, HOLD, LAZY, MUST
 from mg_server.runtime import protocol as P
-from mg_server.sglang_ext.hook import resumable
+from mg_server.sglang_ext.hook import pool_row, resumable
 
 
 class LagCommit:
@@ -122,14 +124,14 @@ class LagCommit:
             gens, numel, answers = self.link.slots.gens, self.gate.slot_numel, {}
             for row, k, pos in f.musts:
                 res, req = self.link.client.ahead_answer(k, pos), f.rows[row][1]
-                if res is None or req.req_pool_idx is None or res.slot < 0 or int(gens[res.slot]) != res.gen:
+                if res is None or pool_row(req) is None or res.slot < 0 or int(gens[res.slot]) != res.gen:
                     return False  # (no answer kept, a released row, a reused slot: the drain decides)
                 answers[k] = (res, req)
             tokens, repairs = [0] * len(f.rows), []
             for row, k, pos in f.musts:
                 res, req = answers[k]
                 tokens[row] = res.token
-                rpi = int(req.req_pool_idx)
+                rpi = int(pool_row(req))
                 for p, slot, gen in [(pos, res.slot, res.gen), *self.take_deferred(k)]:
                     repairs.append((slot * numel, rpi, p))
                     f.answered_checks.append((req, k, slot, gen))
@@ -185,19 +187,23 @@ class LagCommit:
                 self.corrections.pop(k, None)
 
 
-class Outputs(list):
-    """A lag request's `req.output_ids`: SGLang's scheduler appends each emitted token with
-    `append` (seams.py checks that source fact), and a token verified behind is swapped for the
-    verifier's there, before anything reads it."""
+class Outputs(array):
+    """A lag request's `req.output_ids` (SGLang's is an int64 array): the scheduler adds each
+    emitted token with `append` (a prefill) or `extend` (a decode step; seams.py checks both
+    source facts), and a token verified behind is swapped for the verifier's there, before
+    anything reads it."""
 
-    __slots__ = ("_lag", "_key")
-
-    def __init__(self, items, lag: LagCommit, key: str):
-        super().__init__(items)
+    def __new__(cls, items, lag: LagCommit, key: str):
+        self = super().__new__(cls, "q", items)
         self._lag, self._key = lag, key
+        return self
 
     def append(self, token) -> None:
-        super().append(self._lag.output_token(self._key, len(self), token))
+        super().append(self._lag.output_token(self._key, len(self), int(token)))
+
+    def extend(self, tokens) -> None:
+        for token in tokens:
+            self.append(token)
 
 
 __all__ = ["LagCommit", "Outputs"]

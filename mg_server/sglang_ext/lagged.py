@@ -75,6 +75,7 @@ from mg_server import metrics
 from mg_server.kernels.decide import LAZY, MUST, decide, force
 from mg_server.kernels.gate import ReferenceStepGate, StepGate
 from mg_server.runtime import protocol as P
+from mg_server.sglang_ext.hook import pool_row
 from mg_server.sglang_ext.lagcommit import LagCommit
 
 log = logging.getLogger(__name__)
@@ -340,7 +341,7 @@ class LaggedControl(LagCommit):
             if need_of[key] == 2:  # verified behind: its fast token went through (lagcommit.py)
                 self.correct(req, key, pos, d)
                 return
-            if req.req_pool_idx is None:
+            if pool_row(req) is None:
                 # SGLang already released the request: this was the overlap scheduler's
                 # look-ahead step after its last token (dropped at Finish), whose column the
                 # request never reads. (Not None: the kernel reads req_to_token in stream
@@ -349,7 +350,7 @@ class LaggedControl(LagCommit):
             if int(link.slots.gens[d.slot]) != d.gen:
                 raise RuntimeError(f"verifier slot {d.slot} no longer holds generation {d.gen}")
             for p, slot, gen in [(pos, d.slot, d.gen), *(self.take_deferred(key) if key in must else [])]:
-                repairs.append((slot * gate.slot_numel, int(req.req_pool_idx), p))
+                repairs.append((slot * gate.slot_numel, int(pool_row(req)), p))
                 checks.append((req, key, slot, gen))
 
         for (_, _, _, _, _, _, key), d in zip(live, decisions):

@@ -36,17 +36,19 @@ CPU_ENGINE_ARGS = (
     "--attention-backend", "torch_native",
     "--sampling-backend", "pytorch",
     "--grammar-backend", "none",
-    "--disable-cuda-graph",
+    "--cuda-graph-backend-decode", "disabled",
+    "--cuda-graph-backend-prefill", "disabled",
     "--max-total-tokens", "65536",
 )
 # A CUDA host without sgl_kernel/flashinfer (compat profile "cuda-bare"): SGLang's triton
-# attention and pytorch sampling need neither; no grammar backend (xgrammar is not installed);
-# the piecewise CUDA graphs of prefill need torch.compile paths that call sgl_kernel.
+# attention and pytorch sampling need neither; no grammar backend (xgrammar's masks need its
+# CUDA kernels); no prefill CUDA graphs (their capture compiles paths that call sgl_kernel).
+# Decode keeps its CUDA graphs.
 BARE_CUDA_ENGINE_ARGS = (
     "--attention-backend", "triton",
     "--sampling-backend", "pytorch",
     "--grammar-backend", "none",
-    "--disable-piecewise-cuda-graph",
+    "--disable-prefill-cuda-graph",
 )
 ENGINE_ARGS = {"cpu": CPU_ENGINE_ARGS, "cuda-bare": BARE_CUDA_ENGINE_ARGS, "cuda": ()}
 # With the verifier a thread of SGLang's scheduler process (`--mg-verifier-in scheduler`).
@@ -64,6 +66,8 @@ AHEAD_SLOTS = 256  # the verifier's K/V-column slots with --mg-verify-ahead (def
 # SGLang in two A/B sweeps on H100s (benchmarks/results/gpu/HISTORY.md, "Verified ahead")
 AHEAD_SWITCH_S = 5e-3
 OWNED_FLAGS = ("--forward-hooks", "--enable-custom-logit-processor")
+# SGLang's parallel widths (each 1, or unset, for a single scheduler process)
+PARALLEL_SIZES = ("tp_size", "pp_size", "dp_size", "attn_dp_size", "attn_cp_size", "dcp_size")
 
 
 def hook_spec(config: HookConfig) -> list[dict]:
@@ -101,8 +105,8 @@ def refuse_unsupported(server_args, mode: str) -> None:
     if a.speculative_algorithm:
         problems.append(f"--speculative-algorithm {a.speculative_algorithm}: speculative decoding emits "
                         "tokens that mg's per-step seam does not decide")
-    if a.tp_size > 1 or a.pp_size > 1 or a.dp_size > 1 or a.enable_dp_attention:
-        problems.append("tensor/pipeline/data parallelism: mg's seam runs in a single scheduler process")
+    if a.enable_dp_attention or any((getattr(a, n) or 1) > 1 for n in PARALLEL_SIZES):
+        problems.append("tensor/pipeline/data/context parallelism: mg's seam runs in a single scheduler process")
     if a.kv_cache_dtype not in ("auto", "bfloat16"):
         problems.append(f"--kv-cache-dtype {a.kv_cache_dtype}: the verifier's K/V columns are bfloat16")
     if a.dtype not in ("auto", "bfloat16"):
@@ -132,6 +136,17 @@ def refuse_dtype_mismatch(server_args, mode: str, verifier_dtype: str = "bfloat1
         raise ValueError(f"SGLang would run this model in {served} (--dtype {server_args.dtype}, the model's config "
                          f"says {conf.get('dtype') or conf.get('torch_dtype')}); mg's verifier runs {verifier_dtype}: "
                          f"pass --dtype {verifier_dtype}, or serve with --mg-mode off")
+
+
+def default_fraction(ns: argparse.Namespace) -> float:
+    """SGLang's own --mem-fraction-static for these flags on this card: it is resolved with the
+    rest of its arguments (SGLang launches a fresh record from the same flags)."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+    from sglang.srt.server_args import ServerArgs
+
+    probe = ServerArgs.from_cli_args(ns)
+    probe.resolve_once()
+    return float(resolution_result(probe, "mem_fraction_static"))
 
 
 def refuse_on_host(server_args, profile: str) -> None:
@@ -354,7 +369,13 @@ def serve(cfg: ServeConfig) -> None:
 
     from mg_server.sglang_ext import seams
 
-    version = seams.check()
+    version = seams.check(cfg.allow_sglang)
+    if version not in seams.TESTED:
+        log.warning("mg: SGLang %s is not a tested version (%s); starting because --mg-allow-sglang names it",
+                    version, seams.RANGE)
+    from mg_server import metrics
+
+    metrics.sglang_version(version, version in seams.TESTED)
     from sglang.srt.entrypoints.http_server import app, launch_server
     from sglang.srt.server_args import ServerArgs
 
@@ -362,22 +383,22 @@ def serve(cfg: ServeConfig) -> None:
     ServerArgs.add_cli_args(parser)
     # Parsed once before mg's processes start, to refuse what mg cannot serve (hook: no controller yet).
     ns = parser.parse_args(sglang_argv(cfg))
-    user_fraction = ns.mem_fraction_static  # (None unless passed: SGLang fills in its default below)
-    parsed = ServerArgs.from_cli_args(ns)
+    user_fraction = ns.mem_fraction_static  # (None unless passed: SGLang resolves its default)
+    parsed = ServerArgs.from_cli_args(ns)  # the flags as given (unresolved)
     refuse_on_host(parsed, cfg.profile)
     refuse_unsupported(parsed, cfg.mg_mode)
     refuse_dtype_mismatch(parsed, cfg.mg_mode)
     context_len = served_context(parsed, cfg.model_path)
-    if cfg.verifier_in == "scheduler" and not cfg.cpu:
+    if cfg.verifier_in == "scheduler" and not cfg.cpu and cfg.mg_mode != "off" and user_fraction is None:
         from sglang.srt.utils import get_device_memory_capacity
 
         card_mb = get_device_memory_capacity(parsed.device)  # (SGLang's own reading: nvidia-smi, MB)
         if card_mb:
-            room = verifier_room(cfg, user_fraction, parsed.mem_fraction_static, context_len, int(card_mb * (1 << 20)))
+            room = verifier_room(cfg, user_fraction, default_fraction(ns), context_len, int(card_mb * (1 << 20)))
             cfg = replace(cfg, sglang_args=(*cfg.sglang_args, *room))
-        elif user_fraction is None:
-            log.warning("mg: the card's memory is unknown, so SGLang's --mem-fraction-static %.3f leaves the "
-                        "verifier no room of its own; pass a lower one if it fails to load", parsed.mem_fraction_static)
+        else:
+            log.warning("mg: the card's memory is unknown, so SGLang's default --mem-fraction-static leaves the "
+                        "verifier no room of its own; pass a lower one if it fails to load")
     from mg_server.sglang_ext import shutdown
 
     shutdown.install(cleanup, cfg.drain_timeout_s)

@@ -13,6 +13,8 @@ UNMODELLED_REASONS = {
     "penalties": "penalties, logit_bias and min_new_tokens are not verified (the verifier does not apply them)",
     "logprobs": "logprobs are not served (mg forces the logits of every deterministic step)",
     "lora": "LoRA adapters are not verified (the verifier runs the base model)",
+    "watermark": "watermarked sampling is not verified (the verifier does not apply the watermark)",
+    "beam": "beam search is not verified (the verifier decodes one sequence)",
 }
 PUBLIC_REASONS = frozenset(UNMODELLED_REASONS.values())
 # (prefix of an internal reason, what the client is told)
@@ -37,6 +39,10 @@ def unmodelled(req) -> str:
         return UNMODELLED_REASONS["logprobs"]
     if req.lora_id:
         return UNMODELLED_REASONS["lora"]
+    if sp.watermark is not None:
+        return UNMODELLED_REASONS["watermark"]
+    if (sp.beam_width or 1) > 1:
+        return UNMODELLED_REASONS["beam"]
     return ""
 
 

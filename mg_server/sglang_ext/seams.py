@@ -1,17 +1,29 @@
-"""The SGLang version and the internal signatures mg relies on, checked at start-up.
+"""The SGLang versions mg supports and the internals it relies on, checked at start-up.
 
 mg never edits SGLang; it attaches through `--forward-hooks` (whose factory puts mg's step seam
 on the model runner's Sampler, see hook.py), `custom_params` and the KV pool API. Those are
-internals, so the server refuses to start when the installed SGLang differs from the one these
-seams were written against, naming what changed.
+internals, so the server refuses to start unless the installed SGLang is one of the versions
+these seams were tested against (`TESTED`), naming the range, and unless every signature and
+source fact below holds. `--mg-allow-sglang VERSION` lets one named untested version start (the
+log and /metrics record it); the facts are still checked, against the newest tested version's.
+
+docs/sglang-internals.md lists each fact with the version that changed it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 
-SUPPORTED_SGLANG = "0.5.10.post1"
+# Versions the seams check and the test suite ran against (CPU; the GPU device too: README).
+TESTED = ("0.5.22", "0.5.23")
+DEFAULT = "0.5.23"  # what `make serve` installs and the Docker image is built on
+RANGE = f"{TESTED[0]} to {TESTED[-1]}"
+
+# Source facts whose text changed inside the tested range: {version: text}; a version without an
+# entry (an allowed untested one) may hold any of them (the seam handles each).
+REQ_PARAM = {"0.5.22": '"__req__": self', "0.5.23": '"__req__": weakref.proxy(self)'}
 
 
 class SeamMismatch(RuntimeError):
@@ -22,23 +34,43 @@ def _params(fn) -> list[str]:
     return list(inspect.signature(fn).parameters)
 
 
-def check() -> str:
-    """Raise SeamMismatch unless every seam is as expected; returns the SGLang version."""
+def _positional(fn) -> list[str]:
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [n for n, p in inspect.signature(fn).parameters.items() if p.kind in kinds]
+
+
+def _code(text: str) -> str:
+    """Source without comments and whitespace, so a fact survives reformatting."""
+    return re.sub(r"\s+", "", re.sub(r"#[^\n]*", "", text))
+
+
+def version_problem(version: str, allow: str = "") -> str:
+    """Why this SGLang version may not start ("" if it may)."""
+    if version in TESTED or (allow and version == allow):
+        return ""
+    return (f"SGLang {version} is installed; mg_server supports SGLang {RANGE} ({', '.join(TESTED)}). "
+            f"Install sglang=={DEFAULT}, or pass --mg-allow-sglang {version} to start on this version anyway "
+            "(its internals are still checked)")
+
+
+def check(allow: str = "") -> str:
+    """Raise SeamMismatch unless the version may start and every seam is as expected; returns
+    the SGLang version. `allow`: one untested version the user accepts (--mg-allow-sglang)."""
     import sglang
 
     version = getattr(sglang, "__version__", "?")
-    problems: list[str] = []
-    if version != SUPPORTED_SGLANG:
-        problems.append(f"SGLang {version} is installed; mg_server supports {SUPPORTED_SGLANG}")
+    problems = [p for p in [version_problem(version, allow)] if p]
 
+    from sglang.srt.arg_groups.arg_utils import record_fields
     from sglang.srt.entrypoints import http_server
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.layers.sampler import Sampler
-    from sglang.srt.managers.schedule_batch import Req
-    from sglang.srt.managers.scheduler_output_processor_mixin import SchedulerOutputProcessorMixin
+    from sglang.srt.managers.schedule_batch import Req, ReqKvInfo
+    from sglang.srt.managers.scheduler_components import batch_result_processor
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.model_executor import hook_manager
     from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.model_executor.model_runner_components import cuda_graph_setup
     from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -46,66 +78,88 @@ def check() -> str:
 
     expect = [
         # The seam is a forward pre-hook on the Sampler: it reads these positional args.
-        ("Sampler.forward args", _params(Sampler.forward),
+        ("Sampler.forward positional args", _positional(Sampler.forward),
          ["self", "logits_output", "sampling_info", "return_logprob", "top_logprobs_nums",
           "token_ids_logprobs", "positions"]),
         ("register_forward_hooks args", _params(hook_manager.register_forward_hooks), ["model", "hook_specs"]),
         ("launch_server first arg", _params(http_server.launch_server)[:1], ["server_args"]),
         ("MHATokenToKVPool.set_kv_buffer args", _params(MHATokenToKVPool.set_kv_buffer)[:5],
-         ["self", "layer", "loc", "cache_k", "cache_v"]),
+         ["self", "layer", "loc_info", "cache_k", "cache_v"]),
+        ("MHATokenToKVPool.set_kv_buffer layer_id_override",
+         "layer_id_override" in _params(MHATokenToKVPool.set_kv_buffer), True),
     ]
     for what, got, want in expect:
         if got != want:
             problems.append(f"{what}: expected {want}, found {got}")
-    # Source facts the seam relies on: the hook factory runs inside ModelRunner.initialize (its
-    # frame gives mg the runner), and the attributes it reads are set where expected.
+    req_param = (REQ_PARAM[version],) if version in REQ_PARAM else tuple(REQ_PARAM.values())
     sources = [
-        ("ModelRunner.initialize", ModelRunner.initialize,
-         ("register_forward_hooks(self.model", "self.sampler", "self.req_to_token_pool")),
-        ("ModelRunner", ModelRunner, ("self.token_to_kv_pool",)),
-        ("Req.__init__", Req.__init__, ("self.origin_input_ids", "self.output_ids", "self.req_pool_idx",
-                                        '"__req__": self', "self.sampling_params", "self.grammar",
-                                        "self.return_logprob", "self.lora_id", "self.eos_token_ids")),
-        # link.end_rules mirrors these end rules of a request (Req.check_finished's token rules)
+        # the sampler gets every forward's logits, sampling info and positions positionally
+        ("ModelRunner.sample", ModelRunner.sample,
+         ("self.sampler(logits_output,forward_batch.sampling_info,forward_batch.return_logprob,"
+          "forward_batch.top_logprobs_nums,forward_batch.token_ids_logprobs,",)),
+        # the hook factory runs after the graphs are captured, with the runner in its caller's
+        # frame (hook.find_model_runner), whose attributes the seam uses
+        ("finalize_cuda_graph_capture", cuda_graph_setup.finalize_cuda_graph_capture,
+         ("register_forward_hooks(model_runner.model,",)),
+        ("ModelRunner.initialize", ModelRunner.initialize, ("self.sampler=",)),
+        ("ModelRunner", ModelRunner, ("self.token_to_kv_pool=", "self.req_to_token_pool=")),
+        ("Req.__init__", Req.__init__, ("self.origin_input_ids=", "self.output_ids=array(", "self.kv=ReqKvInfo()",
+                                        req_param, "self.sampling_params=", "self.grammar:",
+                                        "self.return_logprob=", "self.lora_id=", "self.eos_token_ids=",
+                                        "self.to_finish:", "self.finished_reason:")),
+        # link.end_rules mirrors these end rules of a request (its token rules and length)
         ("Req._check_token_based_finish", Req._check_token_based_finish,
          ("self.sampling_params.ignore_eos", "self.sampling_params.stop_token_ids", "self.eos_token_ids",
           "self.tokenizer.eos_token_id", "self.tokenizer.additional_stop_token_ids")),
-        ("Req.check_finished", Req.check_finished,
-         ("len(self.output_ids) >= self.sampling_params.max_new_tokens", "self._check_str_based_finish()")),
-        # reasons.unmodelled reads these to refuse what the verifier does not compute
-        ("SamplingParams.__init__", SamplingParams.__init__,
-         ("self.frequency_penalty", "self.presence_penalty", "self.repetition_penalty", "self.min_new_tokens",
-          "self.logit_bias", "self.stop_strs", "self.stop_regex_strs")),
-        ("Sampler.forward", Sampler.forward, ("self._preprocess_logits(logits, sampling_info)",)),
-        # --mg-commit lag swaps a corrected token as the scheduler appends it (lagcommit.Outputs)
-        ("SchedulerOutputProcessorMixin", SchedulerOutputProcessorMixin,
-         ("req.output_ids.append(next_token_id)",)),
-        # the seam skips mg's no-op processor for a forward by clearing this flag (hook.py)
-        ("Sampler._preprocess_logits", Sampler._preprocess_logits,
-         ("if sampling_info.has_custom_logit_processor:", "apply_custom_logit_processor(logits, sampling_info)")),
+        ("Req.update_finish_state", Req.update_finish_state,
+         ("iflen(self.output_ids)>=self.sampling_params.max_new_tokens:", "self._check_token_based_finish(",
+          "self._check_str_based_finish(")),
+        # --mg-commit lag swaps a corrected token as the scheduler adds it (lagcommit.Outputs)
+        ("batch_result_processor", batch_result_processor,
+         ("req.output_ids.append(next_token_id)", "req.output_ids.extend(next_token_id)")),
     ]
     for what, obj, needles in sources:
         try:
-            text = inspect.getsource(obj)
+            text = _code(inspect.getsource(obj))
         except (OSError, TypeError):
             problems.append(f"{what}: source not available to check")
             continue
-        problems += [f"{what} no longer contains {n!r}" for n in needles if n not in text]
-    if "next_token_logits" not in {f.name for f in dataclasses.fields(LogitsProcessorOutput)}:
-        problems.append("LogitsProcessorOutput has no field 'next_token_logits'")
-    info_fields = {f.name for f in dataclasses.fields(SamplingBatchInfo)}
-    for name in ("custom_params", "has_custom_logit_processor"):
-        if name not in info_fields:
-            problems.append(f"SamplingBatchInfo has no field {name!r}")
-    server_fields = {f.name for f in dataclasses.fields(ServerArgs)}
-    for name in ("forward_hooks", "enable_custom_logit_processor", "speculative_algorithm", "tp_size", "pp_size",
-                 "dp_size", "enable_dp_attention", "kv_cache_dtype", "dtype", "enable_hierarchical_cache",
-                 "grammar_backend", "mem_fraction_static", "device"):
-        if name not in server_fields:
-            problems.append(f"ServerArgs has no field {name!r}")
+        for n in needles:  # (a tuple: any one of these texts)
+            alts = n if isinstance(n, tuple) else (n,)
+            if not any(_code(a) in text for a in alts):
+                problems.append(f"{what} no longer contains {' or '.join(map(repr, alts))}")
+    fields = [
+        ("LogitsProcessorOutput", {f.name for f in dataclasses.fields(LogitsProcessorOutput)}, ("next_token_logits",)),
+        ("SamplingBatchInfo", {f.name for f in dataclasses.fields(SamplingBatchInfo)},
+         ("custom_params", "has_custom_logit_processor", "custom_logit_processor")),
+        ("ReqKvInfo", {f.name for f in dataclasses.fields(ReqKvInfo)}, ("req_pool_idx",)),
+        # reasons.unmodelled and link.end_rules read these
+        ("SamplingParams", set(SamplingParams.__struct_fields__),
+         ("max_new_tokens", "stop_token_ids", "ignore_eos", "frequency_penalty", "presence_penalty",
+          "repetition_penalty", "min_new_tokens", "logit_bias", "stop_strs", "stop_regex_strs", "custom_params",
+          "watermark", "beam_width")),
+        ("ServerArgs", {f.name for f in record_fields(ServerArgs)},
+         ("forward_hooks", "enable_custom_logit_processor", "speculative_algorithm", "tp_size", "pp_size", "dp_size",
+          "attn_dp_size", "attn_cp_size", "dcp_size", "enable_dp_attention", "kv_cache_dtype", "dtype",
+          "enable_hierarchical_cache", "grammar_backend", "mem_fraction_static", "device", "context_length",
+          "api_key")),
+    ]
+    for what, have, names in fields:
+        problems += [f"{what} has no field {n!r}" for n in names if n not in have]
     if not callable(getattr(CustomLogitProcessor, "to_str", None)):
         problems.append("CustomLogitProcessor.to_str is missing")
+    if not callable(getattr(ServerArgs, "resolve_once", None)):  # launch.resolved reads SGLang's defaults
+        problems.append("ServerArgs.resolve_once is missing")
     from sglang.srt import utils as sglang_utils
+    from sglang.srt.managers.tokenizer_manager import SignalHandler
+    from sglang.srt.utils import common
+
+    # shutdown.install wraps these: SGLang's process-tree kill and its SIGTERM handler
+    if _params(common.kill_process_tree)[:2] != ["parent_pid", "include_parent"]:
+        problems.append(f"kill_process_tree args: expected ['parent_pid', 'include_parent', ...], found "
+                        f"{_params(common.kill_process_tree)}")
+    if not callable(getattr(SignalHandler, "sigterm_handler", None)):
+        problems.append("SignalHandler.sigterm_handler is missing")
 
     if not callable(getattr(sglang_utils, "get_device_memory_capacity", None)):  # launch.verifier_room's card size
         problems.append("sglang.srt.utils.get_device_memory_capacity is missing")

@@ -33,14 +33,14 @@ def install(cleanup: Callable[[], None], drain_timeout_s: float) -> None:
     original = common.kill_process_tree
     me = os.getpid()
 
-    def kill_process_tree(parent_pid, include_parent: bool = True, skip_pid: int | None = None):
+    def kill_process_tree(parent_pid, include_parent: bool = True, **kwargs):  # (skip_pid, wait_timeout, ...)
         if parent_pid is None or parent_pid == me:
-            original(me, include_parent=False, skip_pid=skip_pid)  # children first: nothing writes any more
+            original(me, include_parent=False, **kwargs)  # children first: nothing writes any more
             try:
                 cleanup()
             except Exception:  # noqa: BLE001 - never keep SGLang from stopping
                 log.exception("mg clean-up failed")
-        return original(parent_pid, include_parent, skip_pid)
+        return original(parent_pid, include_parent, **kwargs)
 
     for name in _HOLDERS:
         mod = importlib.import_module(name)
