@@ -272,12 +272,16 @@ def main(argv: list[str] | None = None) -> int:
         allow_sglang=args.mg_allow_sglang,
     )
     from mg_server.sglang_ext.launch import serve
+    from mg_server.sglang_ext.seams import SeamMismatch
 
     try:
         serve(cfg)
     except ValueError as e:  # bad pass-through flags, unsupported configuration, no tau for the model
         print(f"mg-server: {e}", file=sys.stderr)
         return 2
+    except SeamMismatch as e:  # an SGLang version or internals mg was not built for: what to do, no trace
+        print(f"mg-server: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # noqa: BLE001 - start-up failure (seams, verifier, controller): say so, exit
         logging.getLogger("mg").exception("mg-server could not start")
         print(f"mg-server: could not start: {e}", file=sys.stderr)

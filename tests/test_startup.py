@@ -103,3 +103,58 @@ def test_a_port_in_use_fails_the_start_at_once(tmp_path):
     assert rc == 2 and took < FAIL_WITHIN_S, log[-2000:]
     assert f"mg-server: cannot listen on 127.0.0.1:{port}: Address already in use" in log
     assert "mg::verifier" not in log and "SGLang compatibility" not in log  # nothing was started
+
+
+# Run by the server's Python before anything else (a sitecustomize on PYTHONPATH): SGLang reports
+# an untested version, its code staying the installed one.
+FAKE_VERSION = """
+import importlib.abc, importlib.util, sys
+
+
+class _Fake(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name != "sglang":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec("sglang")
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            module.__version__ = "0.5.99"
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+sys.meta_path.insert(0, _Fake())
+"""
+
+
+def test_an_untested_sglang_is_refused_unless_the_user_names_it(tmp_path, prepared_model, monkeypatch):
+    import requests
+
+    (tmp_path / "sitecustomize.py").write_text(FAKE_VERSION)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    t0 = time.monotonic()
+    srv = ServerProcess([], tmp_path / "refused.log")
+    try:
+        rc, took, log = _exit(srv, t0)
+    finally:
+        srv.stop()
+    assert rc == 1 and took < FAIL_WITHIN_S, log[-2000:]
+    assert "mg-server: SGLang seams do not match:" in log and "Traceback" not in log
+    assert "SGLang 0.5.99 is installed; mg_server supports SGLang 0.5.22 to 0.5.23" in log
+    assert "--mg-allow-sglang 0.5.99" in log and "mg::verifier" not in log  # refused before anything started
+
+    srv = ServerProcess(["--mg-allow-sglang", "0.5.99"], tmp_path / "allowed.log")
+    try:
+        srv.wait_ready()
+        r = requests.post(srv.url + "/generate", headers={"X-Deterministic": "1"}, timeout=120,
+                          json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}})
+        metrics = requests.get(srv.url + "/metrics", timeout=10).text
+    finally:
+        srv.stop()
+    assert r.status_code == 200 and r.headers["x-mg-verdict"] == "verified"
+    assert 'mg_sglang{tested="false",version="0.5.99"} 1.0' in metrics
+    assert "mg: SGLang 0.5.99 is not a tested version (0.5.22 to 0.5.23)" in srv.log_path.read_text()
+
