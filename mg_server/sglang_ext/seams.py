@@ -5,7 +5,8 @@ on the model runner's Sampler, see hook.py), `custom_params` and the KV pool API
 internals, so the server refuses to start unless the installed SGLang is one of the versions
 these seams were tested against (`TESTED`), naming the range, and unless every signature and
 source fact below holds. `--mg-allow-sglang VERSION` lets one named untested version start (the
-log and /metrics record it); the facts are still checked, against the newest tested version's.
+log and /metrics record it); its facts are still checked (where a fact's text differs between
+tested versions, any of those texts passes).
 
 docs/sglang-internals.md lists each fact with the version that changed it.
 """
