@@ -157,6 +157,20 @@ def test_rope_store(device, dtype):
 
 
 @pytest.mark.gpu
+def test_matmul_into_a_shared_buffer_gpu():
+    """matmul(..., out=) (the verifier's graphs write every bucket's fp32 logits into one buffer):
+    the same bits as a fresh output, for the row counts of the window graphs' tiles."""
+    from mg_server.kernels.matmul_triton import matmul
+
+    w = rand(4096, 512, dtype=torch.bfloat16, device="cuda", seed=1, scale=0.05)
+    buf = torch.full((640, 4096), float("nan"), device="cuda")  # [rows, N] fp32
+    for m in (1, 17, 136, 160, 520, 640):
+        x = rand(m, 512, dtype=torch.bfloat16, device="cuda", seed=m)
+        got = matmul(x, w, out=buf[:m])
+        assert got.data_ptr() == buf.data_ptr() and torch.equal(got, K.matmul(x, w, out_dtype=torch.float32))
+
+
+@pytest.mark.gpu
 def test_silu_mul_strided_gpu():
     """silu_mul reads the column halves of the gate/up output in place: same bits as copies."""
     gu = rand(100, 2 * 1536, dtype=torch.bfloat16, device="cuda", scale=3.0)
@@ -405,14 +419,61 @@ def test_attention_chunking_decode_paged(device, dtype, hq, hkv, d):
     assert torch.equal(torch.cat(pc), full)
     assert torch.equal(K.attention_paged(q[599:], kb, vb, slots[:600], 599), full[599:])
     # the row-wise kernel of the verifier's CUDA graphs: any rows, from a slot table, bit-equal
-    table = torch.zeros(2, 640, dtype=torch.int64, device=device)
+    table = torch.zeros(3, 640, dtype=torch.int64, device=device)
     table[1, :S] = slots
     rows = torch.tensor([0, 1, 255, 256, 257, 300, 511, 512, 599, 3], device=device)
     got = K.attention_rows(q[rows], kb, vb, table, torch.ones_like(rows), rows, 640)
     assert torch.equal(got, full[rows]), "row-wise attention differs from prefill"
+    # a window call (>= TILE_MIN_ROWS rows: on CUDA the kernel whose tiles share a request's K/V):
+    # rows of two requests (table rows 1 and 2 hold the same slots) interleaved inside tiles,
+    # crossing the split boundaries at 256 and 512
+    table[2, :S] = slots
+    win = torch.cat([torch.arange(200, 300), torch.arange(0, 17), torch.arange(500, 530), torch.arange(590, 600)])
+    trw = torch.tensor([1] * 50 + [2] * 50 + [2] * 17 + [1, 2] * 15 + [1] * 10)
+    assert len(win) >= K.KERNEL_CONFIG["attention"]["TILE_MIN_ROWS"]
+    win, trw = win.to(device), trw.to(device)
+    got = K.attention_rows(q[win], kb, vb, table, trw, win, 640)
+    assert torch.equal(got, full[win]), "window attention differs from prefill"
     if device == "cpu":
         with threads(1):
             assert torch.equal(K.attention(q, k, v, 0), full)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv", [(32, 8), (9, 3)])
+def test_attention_rows_windows_bit_equal_gpu(hq, hkv, monkeypatch):
+    """The verifier's window shapes: 8 requests (each its own keys and table) x 17 or 65 rows at
+    positions across the split boundaries, plus padding rows (the scratch table, position 0), in
+    one call: each row's bits equal its request's prefill row, equal the per-token kernel's
+    (calls below TILE_MIN_ROWS), and do not change when the fp32 partials go in row chunks."""
+    from mg_server.kernels import attention_triton as AT
+
+    d, S, n_req = 128, 700, 8
+    slots_all = torch.randperm(n_req * S + 1, generator=gen(3)).to("cuda")
+    kb = rand(n_req * S + 1, hkv, d, dtype=torch.bfloat16, device="cuda", seed=4)
+    vb = rand(n_req * S + 1, hkv, d, dtype=torch.bfloat16, device="cuda", seed=5)
+    q = rand(n_req, S, hq, d, dtype=torch.bfloat16, device="cuda", seed=6)
+    table = torch.full((n_req + 1, 768), int(slots_all[-1]), dtype=torch.int64, device="cuda")  # last: padding
+    full = []
+    for r in range(n_req):
+        table[r, :S] = slots_all[r * S:(r + 1) * S]
+        full.append(K.attention_paged(q[r], kb, vb, table[r, :S], 0))
+    for width in (17, 65):
+        starts = [240, 500, 10, 255, 0, 600, 511, 128][:n_req]
+        pos = torch.cat([torch.arange(a, a + width) for a in starts] + [torch.zeros(23, dtype=torch.int64)])
+        trow = torch.cat([torch.full((width,), r) for r in range(n_req)] + [torch.full((23,), n_req)])
+        pos, trow = pos.to("cuda"), trow.to("cuda")
+        qr = torch.cat([q[r, a:a + width] for r, a in enumerate(starts)] + [q[0, :23]])
+        got = K.attention_rows(qr, kb, vb, table, trow, pos, 768)
+        want = torch.cat([full[r][a:a + width] for r, a in enumerate(starts)])
+        assert torch.equal(got[:-23], want), f"8 x {width}: window rows differ from prefill"
+        small = K.KERNEL_CONFIG["attention"]["TILE_MIN_ROWS"] - 1  # the per-token kernel, in pieces
+        per_row = torch.cat([K.attention_rows(qr[i:i + small], kb, vb, table, trow[i:i + small], pos[i:i + small], 768)
+                             for i in range(0, len(pos), small)])
+        assert torch.equal(got, per_row), f"8 x {width}: window kernel != per-token kernel"
+        monkeypatch.setattr(AT, "_PARTIAL_BUDGET", 3 * hq * 3 * (d + 2) * 4 * 64)  # chunks of 192 rows
+        assert torch.equal(K.attention_rows(qr, kb, vb, table, trow, pos, 768), got), "partial chunks"
+        monkeypatch.undo()
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ from mg_server.runtime.verifier import ops
 from mg_server.runtime.verifier.engine import VerifierEngine
 from mg_server.runtime.verifier.model import VerifierModel
 
+SMALL_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # graphs of <= 128 rows: long forwards replay in chunks
 N_PROMPT, N_GEN = 21, 72  # total 93 positions: room for a 64-token catch-up after the prompt
 
 CASES = [
@@ -52,7 +53,7 @@ def setup(request, tmp_path_factory):
 
 
 def test_cuda_graphs_equal_the_eager_forward(setup):
-    """On CUDA the engine replays captured graphs for forwards of <= 128 rows (the reference run
+    """On CUDA the engine replays captured graphs for forwards of <= 640 rows (the reference run
     here); an engine without graphs runs every forward op by op: the bits must not differ."""
     _, engine, ref, seq, others = setup
     if engine.graphs is None:
@@ -66,11 +67,14 @@ def test_cuda_graphs_equal_the_eager_forward(setup):
 
 def test_a_forward_of_more_rows_than_the_largest_graph_replays_graph_chunks(setup):
     """A verify call carrying more rows than the largest graph (here 7 other prompts, then one
-    request's whole sequence: 218 rows) runs as successive graph replays of <= 128 rows, not op
-    by op (10x slower); the request straddles two replays and its bits equal the gap-1 run's."""
+    request's whole sequence: 218 rows) runs as successive graph replays of <= 128 rows (an
+    engine whose largest graph holds 128), not op by op (10x slower); the request straddles two
+    replays and its bits equal the gap-1 run's."""
     _, engine, ref, seq, others = setup
     if engine.graphs is None:
         pytest.skip("CUDA graphs exist on CUDA devices only")
+    engine = VerifierEngine(engine.model, max_requests=16, pool_tokens=4096, max_seq_len=256,
+                            graph_buckets=SMALL_BUCKETS)
     others = others[:7]
     first = sum(len(p) for _, p in others)  # rows before the request's: 126
     n = len(seq) - 1
@@ -146,6 +150,9 @@ def test_seeded_rows_straddling_graph_chunks_are_decided_per_replay(setup, repla
     if engine.graphs is None:
         engine = VerifierEngine(engine.model, max_requests=16, pool_tokens=4096, max_seq_len=256)
         engine.graphs = _ReplayedRows(engine, 16)
+    else:
+        engine = VerifierEngine(engine.model, max_requests=16, pool_tokens=4096, max_seq_len=256,
+                                graph_buckets=SMALL_BUCKETS)
     eager = VerifierEngine(engine.model, max_requests=16, pool_tokens=4096, max_seq_len=256, cuda_graphs=False)
     n = len(seq) - 1
     greedy = others[:7]  # 126 rows first: the seeded request starts 2 rows before a 128-row replay ends
@@ -184,6 +191,43 @@ def test_catch_up_gaps(setup, gap):
     got, _ = drive(engine, "g", seq, schedule(N_PROMPT, len(seq), gap))
     assert_same(ref, got)
     assert set(got.pred) == set(range(len(seq) - 1))
+
+
+@pytest.mark.parametrize("widths", [(17,) * 8, (65,) * 8, (1, 5, 17, 33, 65, 9, 2, 64)],
+                         ids=["8x17", "8x65", "mixed"])
+def test_windows_of_many_requests_equal_the_gap_one_run(setup, widths):
+    """Windows: every request's pending rows in one forward (8 prompts of 21 rows, then 8 x 17 =
+    136 rows, 8 x 65 = 520 rows or mixed widths, each request the same tokens in its own table):
+    every row's argmax and margin, every answer's logits and K/V, and each whole shadow cache
+    equal the gap-1 run's. On CUDA these take the 192..640-row graphs and attention's window
+    kernel (rows of several requests share a tile, one pass each), where the reference took
+    one-row graphs and the per-token kernel: neither the bucket nor the other rows change a bit."""
+    _, engine, ref, seq, _ = setup
+    rids = [f"w{k}" for k in range(len(widths))]
+    traces = {r: Trace() for r in rids}
+    held = dict.fromkeys(rids, 0)  # positions each request's shadow cache holds
+    rows = []
+    while True:
+        items = []
+        for r, w in zip(rids, widths):
+            a = held[r]
+            b = N_PROMPT if a == 0 else min(a + w, len(seq) - 1)  # teacher-force positions a .. b-1
+            if a < b:
+                items.append(VerifyItem(rid=r, pos=b - 1, tokens=seq[a:b], prompt_len=N_PROMPT))
+        if not items:
+            break
+        rows.append(sum(len(it.tokens) for it in items))
+        for it, res in zip(items, engine.step(items)):
+            assert not isinstance(res, ErrorReply), res
+            traces[it.rid].record(held[it.rid], res)
+            held[it.rid] = it.pos + 1
+    assert max(rows) == max(8 * N_PROMPT, sum(widths))
+    for r in rids:
+        idx = torch.tensor(engine.seqs[r].slots)
+        traces[r].cache = torch.stack([engine.pool.k[:, idx], engine.pool.v[:, idx]], 1).cpu().clone()
+        engine.release(r)
+        assert_same(ref, traces[r])
+        assert set(traces[r].pred) == set(range(len(seq) - 1))
 
 
 @pytest.mark.parametrize("n_others", [1, 8])

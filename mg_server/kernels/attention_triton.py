@@ -225,6 +225,51 @@ def _attn_rows_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, pos_ptr, sot, soh, NS,
                n_splits, D)
 
 
+@triton.jit(do_not_specialize=["R"])
+def _attn_tiles_split_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, trow_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
+                             R, sm_scale, sqt, sqh, sks, skh, svs, svh, stab,
+                             NS, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                             KV_SPLIT: tl.constexpr, PREC: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """attention_rows for windows: a tile holds BLOCK_M (token, q head) rows of consecutive tokens,
+    as `_attn_split_kernel`'s prefill tile does, and reads each split's K/V once per request in it
+    (a window's rows of one request share their keys) instead of once per token. The tile's rows
+    of one request (one table row) go through `_split_reduce` together, one request per pass, the
+    other rows masked out of that pass (position -1: they see no key, and are not stored).
+    why bit-equal to the per-row kernel: a row's splits, sub-blocks and merge are those of
+    `_attention` (the pass's split end is its last row's position + 1, like a prefill chunk's), so
+    the prefill tile's invariance holds: keys past a row's position get p == 0 exactly, and a row's
+    result does not depend on which tile row holds it or on the other rows of the tile."""
+    rb = tl.program_id(0)
+    kvh = tl.program_id(1)
+    j = tl.program_id(2)
+    r = rb * BLOCK_M + tl.arange(0, BLOCK_M)  # row = token * G + (q head within the group)
+    r_ok = r < R * G
+    tok = tl.where(r_ok, r // G, 0)
+    head = kvh * G + r % G
+    pos = tl.load(pos_ptr + tok, mask=r_ok, other=-1).to(tl.int64)  # [BLOCK_M] absolute positions
+    trow = tl.load(trow_ptr + tok, mask=r_ok, other=0).to(tl.int64)  # [BLOCK_M] kv_table rows
+    split0 = j * KV_SPLIT
+    left = r_ok & (pos >= split0)  # rows that see this split and have no partial for it yet
+    if tl.max(left.to(tl.int32), axis=0) > 0:
+        dd = tl.arange(0, D)
+        q = tl.load(q_ptr + tok[:, None].to(tl.int64) * sqt + head[:, None] * sqh + dd[None, :],
+                    mask=r_ok[:, None], other=0.0)
+        out_row = (tok.to(tl.int64) * HQ + head) * NS + j
+        while tl.max(left.to(tl.int32), axis=0) > 0:  # one pass per request with rows left
+            cur = tl.min(tl.where(left, trow, 1 << 62), axis=0)
+            mine = left & (trow == cur)
+            pos_m = tl.where(mine, pos, -1)  # the other rows see no key in this pass
+            last = tl.max(pos_m, axis=0)
+            m_i, l_i, acc = _split_reduce(q, k_ptr, v_ptr, tab_ptr + cur * stab, pos_m, kvh, split0,
+                                          tl.minimum(split0 + KV_SPLIT, last + 1), sm_scale * 1.4426950408889634,
+                                          sks, skh, svs, svh, D, True, PREC, BLOCK_M, BLOCK_N)
+            tl.store(m_ptr + out_row, m_i, mask=mine)
+            tl.store(l_ptr + out_row, l_i, mask=mine)
+            tl.store(o_ptr + out_row[:, None] * D + dd[None, :], acc, mask=mine[:, None])
+            left = left & (trow != cur)
+
+
 def attention_rows(q: Tensor,  # [R, Hq, D] bf16/fp32 cuda: one query token per row
                    k_buffer: Tensor,  # [slots, Hkv, D] q.dtype (one layer of the pool)
                    v_buffer: Tensor,  # [slots, Hkv, D] q.dtype
@@ -233,6 +278,9 @@ def attention_rows(q: Tensor,  # [R, Hq, D] bf16/fp32 cuda: one query token per 
                    positions: Tensor,  # [R] int: absolute position of each query row (< L)
                    max_len: int,  # upper bound of position + 1 (sizes the partial buffers)
                    scale: float | None = None) -> Tensor:  # [R, Hq, D] q.dtype
+    """Per row equal to attention_paged of its own prefix. R >= TILE_MIN_ROWS: the window kernel
+    (rows of one request share K/V tiles), else one program per token; the choice follows R only
+    (a graph's bucket) and changes no bits (both are the prefill tile's reduction)."""
     R, hq, d = q.shape
     hkv = k_buffer.shape[1]
     g = hq // hkv
@@ -244,17 +292,29 @@ def attention_rows(q: Tensor,  # [R, Hq, D] bf16/fp32 cuda: one query token per 
     ns = triton.cdiv(max_len, ksplit)  # why: a fixed grid; splits past a row's position exit at once
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out = torch.empty((R, hq, d), device=q.device, dtype=q.dtype)
-    m_buf = torch.empty((R, hq, ns), device=q.device, dtype=torch.float32)
-    l_buf = torch.empty_like(m_buf)
-    o_buf = torch.empty((R, hq, ns, d), device=q.device, dtype=torch.float32)
+    # Rows in chunks only to bound the fp32 partials (rows are independent: chunking changes no bits).
+    step = max(1, _PARTIAL_BUDGET // (hq * ns * (d + 2) * 4))
+    tiles = R >= cfg["TILE_MIN_ROWS"]
+    if tiles:
+        step = max(cfg["BLOCK_M"], step // cfg["BLOCK_M"] * cfg["BLOCK_M"])  # whole tiles per chunk
+    rc = min(R, step)
+    m_buf = torch.empty((rc, hq, ns), device=q.device, dtype=torch.float32)  # [rows, Hq, splits] running max
+    l_buf = torch.empty_like(m_buf)  # [rows, Hq, splits] fp32 softmax sums
+    o_buf = torch.empty((rc, hq, ns, d), device=q.device, dtype=torch.float32)  # [rows, Hq, splits, D] fp32
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    if R:
-        _attn_rows_split_kernel[(R, hkv, ns)](
-            q, k_buffer, v_buffer, kv_table, table_row, positions, m_buf, l_buf, o_buf, scale,
-            q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
-            v_buffer.stride(1), kv_table.stride(0), ns, HQ=hq, G=g, D=d, KV_SPLIT=ksplit, PREC=prec,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        _attn_rows_merge_kernel[(R, hq)](m_buf, l_buf, o_buf, out, positions, out.stride(0), out.stride(1),
-                                         ns, HQ=hq, D=d, KV_SPLIT=ksplit, num_warps=cfg["MERGE_num_warps"])
+    for t0 in range(0, R, step):
+        tc = min(step, R - t0)
+        qc, tr, ps, oc = q[t0:t0 + tc], table_row[t0:t0 + tc], positions[t0:t0 + tc], out[t0:t0 + tc]
+        common = dict(NS=ns, HQ=hq, G=g, D=d, KV_SPLIT=ksplit, PREC=prec, BLOCK_M=cfg["BLOCK_M"],
+                      BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        strides = (qc.stride(0), qc.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+                   v_buffer.stride(1), kv_table.stride(0))
+        if tiles:
+            _attn_tiles_split_kernel[(triton.cdiv(tc * g, cfg["BLOCK_M"]), hkv, ns)](
+                qc, k_buffer, v_buffer, kv_table, tr, ps, m_buf, l_buf, o_buf, tc, scale, *strides, **common)
+        else:
+            _attn_rows_split_kernel[(tc, hkv, ns)](
+                qc, k_buffer, v_buffer, kv_table, tr, ps, m_buf, l_buf, o_buf, scale, *strides, **common)
+        _attn_rows_merge_kernel[(tc, hq)](m_buf, l_buf, o_buf, oc, ps, oc.stride(0), oc.stride(1),
+                                          ns, HQ=hq, D=d, KV_SPLIT=ksplit, num_warps=cfg["MERGE_num_warps"])
     return out

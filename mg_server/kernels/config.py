@@ -59,60 +59,65 @@ KERNEL_CONFIG: dict = {
     # on an H100 (benchmarks/results/gpu/matmul_tiles*_h100.json, CUDA-graph timing vs cuBLAS; 8b.qkv
     # at 384 rows and 8b.gate_up at 384-512 from matmul_tiles_streamk*_h100.json: stream-K paid only
     # where the tiles fill just over one wave, 8b.qkv at 384 rows, 0.55-0.58x -> 0.72-0.74x cuBLAS).
+    # Rows 320, 448 and 640 (the verifier's window graphs, graphs.BUCKETS): the next larger
+    # column's tile, except where a sweep at those rows found one >= 8 % faster (8b qkv, gate_up,
+    # down, lm_head_f32; benchmarks/results/gpu/matmul_tiles_windows_h100.json) and the 8B window
+    # forward's profile agreed (8b.gate_up at 640 did not: 128x128w4s4 took 253 us a call in the
+    # 8 x 65 window's 576-row graph, the kept 128x256w8s3 226 us; results/gpu/window_forward_h100.md).
     "matmul_tiles": {
-        "rows": [1, 8, 16, 32, 64, 128, 192, 256, 384, 512, 1024],
+        "rows": [1, 8, 16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 1024],
         # any other shape: the best geometric mean over all shapes measured (no fp32-out misfits)
         "default": [
             "64x128w4s5", "64x128w4s5", "64x128w4s5", "64x128w4s5", "64x64w4s6", "64x128w4s5", "64x128w4s5",
-            "64x128w4s5", "64x128w4s5", "128x128w4s4", "128x128w4s4"],
+            "64x128w4s5", "64x128w4s5", "64x128w4s5", "128x128w4s4", "128x128w4s4", "128x128w4s4", "128x128w4s4"],
         # 135m.qkv
         "960x576": [
             "64x128w4s4", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6",
-            "64x64w4s6", "64x64w4s6", "64x128w4s4", "64x128w4s4"],
+            "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x128w4s4", "64x128w4s4", "64x128w4s4", "64x128w4s4"],
         # 135m.o
         "576x576": [
             "64x64w4s6", "64x128w4s4", "64x64w4s6", "64x128w4s4", "64x64w4s6", "64x64w4s6", "64x64w4s6",
-            "64x128w4s4", "64x128w4s4", "64x128w4s4", "64x128w4s4"],
+            "64x128w4s4", "64x128w4s4", "64x128w4s4", "64x128w4s4", "64x128w4s4", "64x128w4s4", "64x128w4s4"],
         # 135m.gate_up
         "3072x576": [
             "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6",
-            "64x128w4s5", "64x128w4s5", "128x128w4s4", "128x256w8s3"],
+            "64x128w4s5", "64x128w4s5", "64x128w4s5", "128x128w4s4", "128x128w4s4", "128x256w8s3", "128x256w8s3"],
         # 135m.down
         "576x1536": [
             "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6",
-            "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x128w4s4"],
+            "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x64w4s6", "64x128w4s4", "64x128w4s4"],
         # 135m.lm_head
         "49152x576": [
             "64x256w4s4", "64x128w4s4", "64x128w4s4", "64x256w4s4", "64x128w4s4", "128x128w4s4", "128x128w4s4",
-            "128x256w8s3", "128x256w8s3", "128x256w8s3", "128x256w8s3"],
+            "128x256w8s3", "128x256w8s3", "128x256w8s3", "128x256w8s3", "128x256w8s3", "128x256w8s3", "128x256w8s3"],
         # 8b.qkv
         "6144x4096": [
             "64x128w4s6", "64x128w4s6", "64x128w4s6", "64x128w4s6", "64x64w4s8", "64x128w4s6", "64x256w4s4",
-            "128x128w4s4", "128x128w4s4k", "128x256w8s3", "128x128w4s4"],
+            "128x128w4s4", "64x256w4s4", "128x128w4s4k", "128x256w8s3", "128x256w8s3", "128x256w8s3", "128x128w4s4"],
         # 8b.o
         "4096x4096": [
             "64x128w4s6", "64x128w4s6", "64x64w4s6", "64x64w4s8", "64x64w4s8", "64x64w4s8", "64x128w4s6",
-            "64x128w4s6", "128x128w4s4", "128x128w4s4", "128x256w8s3"],
+            "64x128w4s6", "128x128w4s4", "128x128w4s4", "128x128w4s4", "128x128w4s4", "128x256w8s3", "128x256w8s3"],
         # 8b.gate_up
         "28672x4096": [
-            "64x256w4s3", "64x128w4s5", "64x128w4s5", "64x128w4s5g1", "64x128w4s5", "128x128w4s4",
-            "64x256w4s4", "128x256w8s3", "128x256w8s3", "128x128w4s4", "128x256w8s3"],
+            "64x256w4s3", "64x128w4s5", "64x128w4s5", "64x128w4s5g1", "64x128w4s5", "128x128w4s4", "64x256w4s4",
+            "128x256w8s3", "128x256w8s3", "128x256w8s3", "64x256w4s4", "128x128w4s4", "128x256w8s3", "128x256w8s3"],
         # 8b.down
         "4096x14336": [
             "64x128w4s6", "64x128w4s6", "64x64w4s8", "64x64w4s8", "64x32w4s8", "64x64w4s8", "64x128w4s6",
-            "64x128w4s6", "64x256w4s4", "64x256w4s4", "256x128w8s3"],
+            "64x128w4s6", "64x256w4s4", "64x256w4s4", "64x256w4s4", "64x256w4s4", "128x256w8s3", "256x128w8s3"],
         # 8b.lm_head
         "128256x4096": [
             "64x256w8s3", "64x256w8s3", "64x256w8s3", "64x128w4s5", "64x128w4s5", "128x256w8s3", "128x256w8s3",
-            "128x256w8s3", "128x256w8s3", "128x256w8s3", "128x256w8s3"],
+            "128x256w8s3", "128x256w8s3", "128x256w8s3", "128x256w8s3", "128x256w8s3", "128x256w8s3", "128x256w8s3"],
         # 8b.lm_head_f32
         "128256x4096:f32": [
             "64x256w8s3", "64x256w8s3", "64x256w8s3", "64x256w8s3", "64x128w4s5", "128x128w4s4", "64x256w4s4",
-            "128x128w8s4", "128x128w4s4", "128x128w4s4", "128x128w4s4"],
+            "128x128w8s4", "64x256w4s4", "128x128w4s4", "64x256w4s4", "128x128w4s4", "128x128w4s4", "128x128w4s4"],
         # 135m.lm_head_f32
         "49152x576:f32": [
             "64x128w4s4", "64x128w4s4", "64x128w4s4", "64x128w4s4", "64x128w4s4", "64x256w4s4", "64x256w4s4",
-            "128x128w8s4", "128x128w8s4", "128x128w4s4", "128x128w4s4"],
+            "128x128w8s4", "128x128w8s4", "128x128w8s4", "128x128w4s4", "128x128w4s4", "128x128w4s4", "128x128w4s4"],
     },
     # Split-K for 16-bit weights with few column tiles (cdiv(N, BLOCK_N) <= max_n_tiles) and
     # K >= 2 * K_SPLIT: a property of the weight shape only, never of M. With few column tiles a
@@ -144,8 +149,11 @@ KERNEL_CONFIG: dict = {
     # Attention: fixed KV split size (keys per split), not a fixed number of splits.
     # why: a query at absolute position p always reduces splits [0, KS), [KS, 2KS), ... up to p,
     # in that order, whether it comes in a prefill chunk of any size or a decode step.
+    # TILE_MIN_ROWS: attention_rows calls of at least this many rows (a CUDA graph's bucket) run
+    # the window kernel (a request's rows share K/V tiles), smaller ones one program per token
+    # (decode rows of many requests keep their parallelism); the same bits either way.
     "attention": {"KV_SPLIT": 256, "BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4,
-                  "num_stages": 3, "MERGE_num_warps": 4},
+                  "num_stages": 3, "MERGE_num_warps": 4, "TILE_MIN_ROWS": 64},
     # ---- CPU (torch) --------------------------------------------------------------------
     # Exact-integer float64 products: inputs are rounded per row to a fixed-point grid with
     # `bits` significant bits so that every partial sum is an integer < 2**53 (exact in fp64),

@@ -304,21 +304,27 @@ def matmul(x: Tensor,  # [M, K] bf16/fp16/fp32, cuda
            w: Tensor,  # [N, K] same dtype (nn.Linear layout)
            bias: Tensor | None = None,  # [N] any float dtype, added in fp32
            out_dtype: torch.dtype | None = None,  # default x.dtype; fp32 keeps the fp32 accumulator
+           out: Tensor | None = None,  # [M, N] contiguous, written in place (its dtype is the output's)
            ) -> Tensor:  # [M, N] out_dtype
     """x @ w.T (+ bias) with fp32 accumulation; one persistent kernel, K ascending in BLOCK_K
-    steps (the output dtype changes only the final element-wise rounding)."""
-    return matmul_with_tile(x, w, None, bias, out_dtype)
+    steps (the output dtype changes only the final element-wise rounding; where the output lives
+    changes nothing: `out` lets the verifier's CUDA graphs share one logits buffer)."""
+    return matmul_with_tile(x, w, None, bias, out_dtype, out)
 
 
 def matmul_with_tile(x: Tensor, w: Tensor, tile: dict | None, bias: Tensor | None = None,
-                     out_dtype: torch.dtype | None = None) -> Tensor:
+                     out_dtype: torch.dtype | None = None, out: Tensor | None = None) -> Tensor:
     """matmul with an explicit tile config (None: config.matmul_tile's); for the tile benchmark."""
     lead = x.shape[:-1]
     x2 = _rows(x)
     M, K = x2.shape
     N = w.shape[0]
     assert w.shape[1] == K and w.dtype == x.dtype, (x.shape, x.dtype, w.shape, w.dtype)
-    y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
+    if out is None:
+        y = torch.empty((M, N), device=x.device, dtype=out_dtype or x.dtype)
+    else:  # (the TMA store needs a 16-byte aligned base, as a fresh tensor has)
+        assert out.shape == (M, N) and out.is_contiguous() and out.data_ptr() % 16 == 0, (out.shape, M, N)
+        y = out
     cfg = tile or matmul_tile(_TL_DTYPE[x.dtype], M, N, K, y.dtype == torch.float32)
     if M == 0:
         return y.view(*lead, N)

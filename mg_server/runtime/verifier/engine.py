@@ -63,7 +63,8 @@ class StepOutput:
 
 class VerifierEngine:
     def __init__(self, model: VerifierModel, max_requests: int, pool_tokens: int, max_seq_len: int,
-                 evict_idle_s: float = float("inf"), cuda_graphs: bool = True):
+                 evict_idle_s: float = float("inf"), cuda_graphs: bool = True,
+                 graph_buckets: tuple[int, ...] | None = None):
         self.model = model
         self.evict_idle_s = evict_idle_s  # when full, requests idle this long are dropped (LRU first)
         self.max_requests = max_requests
@@ -81,9 +82,10 @@ class VerifierEngine:
         self.graph_forwards = 0  # graph replays (a forward of more rows than the largest bucket takes several)
         self.graphs = None
         if cuda_graphs and model.device.type == "cuda":
-            from mg_server.runtime.verifier.graphs import RowGraphs
+            from mg_server.runtime.verifier.graphs import BUCKETS, RowGraphs
 
-            self.graphs = RowGraphs(model, self.pool, self.kv_table, self.max_seq_len, scratch, max_requests)
+            self.graphs = RowGraphs(model, self.pool, self.kv_table, self.max_seq_len, scratch, max_requests,
+                                    graph_buckets or BUCKETS)  # (rows per graph: graphs.BUCKETS)
             self.graphs.capture()
 
     # ---- request table -------------------------------------------------------------------

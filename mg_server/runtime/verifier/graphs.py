@@ -20,14 +20,20 @@ from torch import Tensor
 from mg_server.kernels.zerocopy import copy_
 from mg_server.runtime.verifier import ops
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # rows per graph; a forward of more rows replays them in chunks (engine)
+# Rows per graph; a forward of more rows replays the largest in chunks (engine). Windows (the
+# pending rows of every protected request, e.g. 8 x 17 or 8 x 65) fit one replay up to 640 rows:
+# every replay reads all weights once, so a forward split over two graphs costs two weight reads.
+# Steps of 32-64 rows above 128 keep a window's padding (compute, attention, fp32 logits rows) small.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 160, 192, 256, 320, 384, 448, 512, 576, 640)
 
 
 class RowGraphs:
-    def __init__(self, model, pool, kv_table: Tensor, max_len: int, scratch_slot: int, scratch_table_row: int):
+    def __init__(self, model, pool, kv_table: Tensor, max_len: int, scratch_slot: int, scratch_table_row: int,
+                 buckets: tuple[int, ...] = BUCKETS):
         self.model, self.pool, self.kv_table, self.max_len = model, pool, kv_table, max_len
+        self.buckets = tuple(sorted(buckets))
         dev = model.device
-        n = BUCKETS[-1]
+        n = self.buckets[-1]
         # Static inputs, [4, max bucket] int64 on the device: tokens, positions, slots, table rows.
         self.inputs = torch.zeros((4, n), dtype=torch.int64, device=dev)
         # Their page-locked host copy [4, max bucket] int64, which the graph's first kernel reads,
@@ -36,6 +42,10 @@ class RowGraphs:
         self.staging = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)
         self.top_host = torch.zeros((n, 2), dtype=torch.float64, pin_memory=True)
         self.done = torch.cuda.Event()
+        # The logits [max bucket, V] fp32 that every graph writes (rows [:b]); one buffer, not one
+        # per graph: each graph's own output would stay allocated, 1.9 GB over these buckets for
+        # an 8B vocabulary. A run's logits are valid until the next run either way.
+        self.logits = torch.empty((n, model.spec.vocab), dtype=torch.float32, device=dev)
         # The answer rows' logits of a forward longer than one replay, copied out before the next
         # replay overwrites them: [one per request, V] fp32, made now because in the scheduler
         # placement a device allocation while serving can wait for a held SGLang stream (see
@@ -52,7 +62,8 @@ class RowGraphs:
         # The rows' own slots into their requests' tables, in the graph (no host copies; padding
         # rows write the scratch slot into the scratch table row, which holds nothing else).
         self.kv_table[trow, pos] = slot
-        logits = self.model.forward_rows(tok, pos, slot, trow, self.kv_table, self.pool, self.max_len)  # [b, V] fp32
+        logits = self.model.forward_rows(tok, pos, slot, trow, self.kv_table, self.pool, self.max_len,
+                                         logits_out=self.logits[:b])  # [b, V] fp32, a view of self.logits
         top = ops.margin_rows(logits)  # [b, 2] fp64
         copy_(top, self.top_host[:b])  # device -> host by a kernel
         return logits, top
@@ -64,10 +75,10 @@ class RowGraphs:
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(side):
-            for b in BUCKETS:
+            for b in self.buckets:
                 self._fn(b)
         torch.cuda.current_stream(self.model.device).wait_stream(side)
-        for b in reversed(BUCKETS):
+        for b in reversed(self.buckets):
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool_handle):
                 out = self._fn(b)
@@ -87,7 +98,7 @@ class RowGraphs:
         row's [margin, argmax] as floats: ops.margin_rows). Returns once the replay finished. The
         graph also writes kv_table[table_rows, positions] = slots. R <= the largest bucket."""
         r = len(tokens)
-        b = next(x for x in BUCKETS if x >= r)
+        b = next(x for x in self.buckets if x >= r)
         self._fill([tokens, positions, slots, table_rows])
         g, logits, _ = self.graphs[b]
         g.replay()

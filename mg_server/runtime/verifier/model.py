@@ -234,20 +234,23 @@ class VerifierModel:
 
     @torch.inference_mode()
     def forward_rows(self, tokens: Tensor, positions: Tensor, out_slots: Tensor, table_row: Tensor,
-                     kv_table: Tensor, pool: KVPool, max_len: int) -> Tensor:
+                     kv_table: Tensor, pool: KVPool, max_len: int, logits_out: Tensor | None = None) -> Tensor:
         """`forward` with every per-step size read from device tensors, so a CUDA graph of it
         serves any positions: row r attends to kv_table[table_row[r], :positions[r] + 1].
 
         tokens/positions/out_slots/table_row [R] int64 (device); kv_table [tables, L] int64.
-        Bit-equal per row to `forward` (the row-wise attention kernel keeps each row's reduction).
+        logits_out: [R, V] fp32 contiguous (CUDA), where the logits are written (graphs.py: every
+        bucket's graph writes one shared buffer). Bit-equal per row to `forward` (the row-wise
+        attention kernels keep each row's reduction).
         """
         def attend(li: int, q: Tensor) -> Tensor:
             return ops.attention_rows(q, pool.k[li], pool.v[li], kv_table, table_row, positions, max_len,
                                       self.scale)
 
-        return self._run(tokens, positions, out_slots, pool, attend)
+        return self._run(tokens, positions, out_slots, pool, attend, logits_out)
 
-    def _run(self, tokens: Tensor, positions: Tensor, out_slots: Tensor, pool: KVPool, attend) -> Tensor:
+    def _run(self, tokens: Tensor, positions: Tensor, out_slots: Tensor, pool: KVPool, attend,
+             logits_out: Tensor | None = None) -> Tensor:
         s = self.spec
         r = tokens.shape[0]
         hq, hkv, d = s.n_heads, s.n_kv_heads, s.head_dim
@@ -275,4 +278,8 @@ class VerifierModel:
             # the down projection on CUDA
             m = ops.silu_matmul(gu, lay.w_down)  # [R, H] dtype
         h, residual = ops.add_rms_norm(m, residual, self.final_norm, s.eps)
+        if logits_out is not None:  # CUDA only: the kernel ops.matmul runs there, writing in place
+            from mg_server.kernels.matmul_triton import matmul as matmul_into
+
+            return matmul_into(h, self.lm_head, out=logits_out)  # [R, V] fp32, the same bits
         return ops.matmul(h, self.lm_head, out_dtype=torch.float32)  # [R, V] fp32
