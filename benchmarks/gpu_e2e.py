@@ -240,7 +240,7 @@ def server_settings(log_text: str) -> dict:
 def start(model: Path, name: str, mode: str, out: Path, extra: list[str], device: str):
     from server_util import ServerProcess
 
-    gpu = ["--cuda-graph-max-bs", "32"] if device == "cuda" else []
+    gpu = ["--cuda-graph-max-bs-decode", "32"] if device == "cuda" else []
     args = ["--model", str(model), "--device", device, "--mg-mode", mode, *gpu, *MODEL_FLAGS[name], *extra]
     srv = ServerProcess(args, out / f"server-{name}-{mode}.log")
     srv.name = f"{name}/{mode}"
