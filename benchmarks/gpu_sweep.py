@@ -71,7 +71,8 @@ def metrics(url: str) -> dict:
             "csum": "mg_control_seconds_sum", "ccount": "mg_control_seconds_count",
             "arows": "mg_prefill_ahead_rows_total", "lagfix": "mg_lag_corrections_total",
             "chained": "mg_chained_total", "vahead": "mg_verify_ahead_total",
-            "mahead": "mg_musts_answered_ahead_total", "above": "mg_flips_above_tau_total"}
+            "mahead": "mg_musts_answered_ahead_total", "above": "mg_flips_above_tau_total",
+            "rollbacks": "mg_rollbacks_total", "stale": "mg_stale_steps_total"}
     c = scrape(url, (*MG_COUNTERS, *sums.values()))
     return {"fast": c["steps_fast"], "verify": c["steps_verify"], "repair": c["mg_repair_total"],
             "resumes": c["mg_corrections_total"], "stops": c["mg_resume_stops_total"],
@@ -87,6 +88,8 @@ def rates(before: dict, after: dict) -> dict:
             "steps": d["fast"] + d["verify"],
             "resumes": d["resumes"], "stops": d["stops"], "lag_fixes": d["lagfix"],
             "chained": d["chained"],  # must steps answered by the correcting call (VerifyItem.chain)
+            # window commit: in-place rollbacks and the fast steps they threw away
+            "rollbacks": d["rollbacks"], "stale_steps": d["stale"],
             # the verify call's profile: the verifier's forward inside it, its rows (verified +
             # catch-up), and the share of deterministic forwards that waited for one (held path)
             "verifier_forward_ms": 1e3 * d["fsum"] / d["vcount"] if d["vcount"] else None,
@@ -231,6 +234,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
         for rate, commit, *rest in args.configs:
             always = rate == "always"
             if bad := [x for x in rest if not (x.isdigit() or x in ("early", "sched", "host", "chain", "nochain", "vahead")
+                                              or (x.startswith("w") and x[1:].isdigit())
                                               or (x.startswith("gil") and x[3:].isdigit())
                                               or (x.startswith("spin") and x[4:].isdigit()))]:
                 raise SystemExit(f"unknown config marker(s) {bad} in {rate}:{commit}:{':'.join(rest)}")
@@ -250,7 +254,8 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
                      + ["--mg-early-verify", early, "--mg-ipc-spin-us", str(spin), "--mg-verifier-in", place]
                      + ["--mg-lag-chain", "on" if "chain" in rest else "off"]  # (explicit: its default changed)
                      + (["--mg-controller-in", "scheduler" if host else "process"] if place == "scheduler" else [])
-                     + (["--mg-verify-ahead", "on"] if "vahead" in rest else []))
+                     + (["--mg-verify-ahead", "on"] if "vahead" in rest else [])
+                     + [f for x in rest if x.startswith("w") and x[1:].isdigit() for f in ("--mg-window", x[1:])])
             gil = next((x[3:] for x in rest if x.startswith("gil") and x[3:].isdigit()), "")
             os.environ.pop("MG_GIL_SWITCH_US", None)
             if gil:  # gilN: the scheduler process's GIL switch interval, N µs (env.gil_switch_s)
@@ -258,7 +263,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             srv = E.start(mdir, name, "always" if always else "margin", out,
                           [*flags, *seam, "--mg-commit", commit, *mem], args.device)
             os.environ.pop("MG_GIL_SWITCH_US", None)
-            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/host" if host else "") + ("/chain" if "chain" in rest else "") + ("/vahead" if "vahead" in rest else "") + (f"/gil{gil}us" if gil else "")
+            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/host" if host else "") + ("/chain" if "chain" in rest else "") + ("/vahead" if "vahead" in rest else "") + (f"/gil{gil}us" if gil else "") + "".join(f"/{x}" for x in rest if x.startswith("w") and x[1:].isdigit())
             try:
                 singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
                 cfg = {"target": rate, "tau": tau, "commit": commit, "prefill_ahead": ahead, "early_verify": early,
@@ -354,7 +359,7 @@ def summarize(r: dict) -> str:
                  f"{pct(m['mg'][b]['median'], m['base'][b]['median'])}" if b in m.get("mg_plain", {}) else ""
                  for b in big]
         lines.append(f"| mg {label}, {c.get('commit', 'hold')} | {'' if c['tau'] is None else format(c['tau'], '.4g')} | "
-                     f"{100 * d['trigger']:.1f} % | {100 * d['repair']:.2f} % | {d.get('resumes', 0) + d.get('lag_fixes', 0):.0f} | "
+                     f"{100 * d['trigger']:.1f} % | {100 * d['repair']:.2f} % | {d.get('resumes', 0) + d.get('lag_fixes', 0) + d.get('rollbacks', 0):.0f} | "
                      f"{', '.join(f'{k} {v}' for k, v in sorted(verdicts.items()))} | "
                      f"{'' if vc is None else format(vc, '.2f')} | "
                      + " | ".join(pct_reps(d["mg"][b], d["base"][b]) for b in d["mg"]) + " | "
@@ -429,11 +434,11 @@ def main() -> int:
     ap.add_argument("--commit", default="resume,hold",
                     help="serve --mg-commit modes to time at each rate (comma list; default resume,hold)")
     ap.add_argument("--configs", default="",
-                    help="RATE:COMMIT[:N][:early][:spinU][:sched|host],... to time instead of every --rates x "
+                    help="RATE:COMMIT[:N][:early][:spinU][:sched|host][:wW],... to time instead of every --rates x "
                          "--commit pair (e.g. 0.1:hold,0.1:lag:sched; N: serve --mg-prefill-ahead N; early: "
                          "--mg-early-verify on; spinU: --mg-ipc-spin-us U; sched: --mg-verifier-in scheduler with "
                          "--mg-controller-in process; host: the verifier and the controller in the scheduler; chain: --mg-lag-chain on; lag runs without it: off; "
-                         "vahead: --mg-verify-ahead on, with host)")
+                         "vahead: --mg-verify-ahead on, with host; wW: --mg-window W)")
     ap.add_argument("--tau-margins", choices=["fp32", "bf16"], default="fp32",
                     help="which reference margins tau comes from: the verifier's fp32 ones (default), or those "
                          "of its logits rounded to bf16, as SGLang's bf16 lm_head shows them to the seam (the "

@@ -70,13 +70,17 @@ def _parser() -> argparse.ArgumentParser:
                         "message after answering one, and the controller for the verifier's reply, before they "
                         "block (a process woken from a blocking poll answers later; spinning burns a core per "
                         "process while deterministic traffic flows; default 0: off)")
-    s.add_argument("--mg-commit", choices=["hold", "resume", "lag"], default="hold",
+    s.add_argument("--mg-commit", choices=["hold", "resume", "lag", "window"], default="hold",
                    help="'hold' (default) waits for the verifier at each low-margin step; 'resume' "
                         "(experimental, single non-streamed requests) commits every step fast, checks the "
                         "low-margin ones behind and, on a divergence, resumes the answer from the verifier's "
                         "token; 'lag' (experimental, lagged seam) lets the fast token through, verifies it while "
                         "the GPU runs the next forward and, on a disagreement, swaps the token before SGLang "
-                        "emits it and holds that request's next forward (README, 'On a GPU')")
+                        "emits it and holds that request's next forward (README, 'On a GPU'); 'window' (in "
+                        "development, synchronous seam) commits every step fast, checks the tokens behind in "
+                        "windows and rolls a request back in place where the verifier disagrees")
+    s.add_argument("--mg-window", type=int, default=None, metavar="W",
+                   help="with --mg-commit window: the unchecked tokens a request may run ahead (default 16)")
     s.add_argument("--mg-lag-chain", choices=["on", "off"], default="off",
                    help="with --mg-commit lag: on a disagreement the same verifier call also answers the "
                         "request's next step (the forward that holds for it), so that hold waits for no verify "
@@ -206,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
             and args.mg_prefill_ahead >= 0 and 0 <= args.mg_ipc_spin_us <= 1_000_000):
         _parser().error("--mg-verify-timeout and --mg-verdict-wait must be > 0, --mg-catchup-chunk >= 1, "
                         "--mg-prefill-ahead >= 0, --mg-ipc-spin-us in [0, 1000000]")
+    if args.mg_window is not None and args.mg_commit != "window":
+        _parser().error("--mg-window needs --mg-commit window")
+    if args.mg_window is not None and args.mg_window < 1:
+        _parser().error(f"--mg-window must be >= 1, got {args.mg_window}")
     if args.mg_verifier_in == "scheduler" and args.mg_commit != "lag":
         # why: a gate holding SGLang's stream for the verifier stalls the verifier thread itself:
         # a Triton kernel SGLang loads meanwhile waits for the held stream, and the verify call's
@@ -264,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         early_verify=args.mg_early_verify == "on",
         ipc_spin_s=args.mg_ipc_spin_us * 1e-6,
         commit=args.mg_commit,
+        window=args.mg_window or 16,
         lag_chain=args.mg_lag_chain == "on",
         verifier_in=args.mg_verifier_in,
         controller_in=args.mg_controller_in,

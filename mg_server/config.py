@@ -62,6 +62,9 @@ class HookConfig:
     # (a dict, its `verifier` left out) of a controller this process hosts (runtime/controller/inproc.py)
     controller: dict | None = None
     lagged_on_cpu: bool = False  # tests only (env MG_LAGGED_ON_CPU): the lagged path with the CPU reference gate
+    # window commit (--mg-commit window), in development: every protected row is committed fast,
+    # checked behind in windows and rolled back in place on a disagreement (sglang_ext/rollback.py)
+    window: bool = False
 
     def to_json_dict(self) -> dict:
         return asdict(self)
@@ -110,7 +113,8 @@ class ServeConfig:
     lagged_commit: bool = True  # CUDA + overlap: the one-forward-late seam (sglang_ext/lagged.py; --mg-seam)
     early_verify: bool = False  # lagged seam: verify as soon as a forward is published (--mg-early-verify)
     ipc_spin_s: float = 0.0  # experimental: controller and verifier spin this long for a message (--mg-ipc-spin-us)
-    commit: str = "hold"  # "hold" | "resume" | "lag" (--mg-commit)
+    commit: str = "hold"  # "hold" | "resume" | "lag" | "window" (--mg-commit)
+    window: int = 16  # --mg-commit window: unchecked tokens a request may run ahead (--mg-window)
     lag_chain: bool = False  # lag: a correction's next step is answered in the same verify call (--mg-lag-chain)
     verifier_in: str = "process"  # "process" | "scheduler": where the verifier worker runs (--mg-verifier-in)
     controller_in: str = "process"  # "process" | "scheduler": where the controller runs (--mg-controller-in)

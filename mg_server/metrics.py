@@ -91,6 +91,9 @@ class ControllerMetrics:
                                     "them (--mg-verify-ahead), kept for the step's verdict")
         self.flips_above_tau = Counter("mg_flips_above_tau", "Verified steps above tau whose fast token the verifier "
                                        "changed (lag rows --mg-verify-ahead caught): flips the margin gate would miss")
+        self.rollbacks = Counter("mg_rollbacks", "Window requests rolled back in place: the verifier's token "
+                                 "replaced a fast one, and the answer after it was dropped before anyone saw it")
+        self.stale_steps = Counter("mg_stale_steps", "Window steps of a timeline rolled back already (dropped)")
         self.lookahead = Counter("mg_lookahead_steps", "Steps decided after a request's last token (the overlap "
                                  "scheduler's look-ahead forward); SGLang drops their tokens")
         # The fast path's margin where the verifier disagreed: tau must stay above these (calibration).

@@ -7,6 +7,7 @@ import pytest
 
 from mg_server.runtime import protocol as P
 from mg_server.runtime.controller.server import Controller, ControllerConfig
+from mg_server.runtime.controller.window import CHECK_DELAY_FORWARDS
 from mg_server.runtime.policy import Policy, resolve_tau
 
 
@@ -30,6 +31,8 @@ def test_tau_from_flag_profile_or_error():
     with pytest.raises(ValueError, match="no tau profile"):
         resolve_tau("/x/unknown-model", None)
     assert resolve_tau("/x/unknown-model", None, "always") == (0.0, "unused in mode always")
+    # window commit: tau only orders the checks, so a model without a profile serves with tau 0
+    assert resolve_tau("/x/unknown-model", None, "margin", window=True)[0] == 0.0
 
 
 def ref_next(prefix: list[int]) -> int:
@@ -719,3 +722,57 @@ def test_an_answer_verified_ahead_without_its_column_serves_only_where_no_repair
     assert db.verified and db.repair and db.token == ref_next(tokens) and db.slot == -1  # the kept answer
     assert dh.verified and dh.repair and dh.slot >= 0  # verified again, with its column
     assert [(it.rid, it.rewind, it.column) for it in ctl.vclient.items] == [("h", True, True)]
+
+
+def _window_row(toks, k, fast, margin, epoch=0, rid="w"):
+    return P.StepRow(rid=rid, pos=len(toks) - 1, prompt=list(toks) if k == 0 else [], margin=margin,
+                     fast_token=fast, window=True, epoch=epoch)
+
+
+def test_a_window_request_is_rolled_back_where_the_verifier_disagrees(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    prompt, flip = [2, 9], 3
+    toks, ref = list(prompt), reference(prompt, 12)
+    for k in range(6):  # every step committed fast; the flip at answer index 3, a low margin at 4
+        fast = ref_next(toks) if k != flip else (ref_next(toks) + 1) % 50
+        (d,) = ctl._step([_window_row(toks, k, fast, 0.1 if k == 4 else 3.0)])
+        assert d.token == fast and not d.verified
+        toks.append(d.token)
+    assert list(ctl.checks) == ["w"]  # the low margin asked for a check, a few forwards later
+    assert not ctl._checks_due() and ctl.window_due == 5 + CHECK_DELAY_FORWARDS
+    ctl.forwards = ctl.window_due  # (that many forwards later)
+    ctl._idle_turn()
+    assert ctl.window_due is None and ctl.checks == {}
+    st = ctl.reqs["w"]
+    assert st.tokens == prompt + ref[:flip + 1] and st.epoch == 1 and st.checked == flip + 1
+    reply = ctl.handle(P.Stops())
+    assert reply.rids == [] and reply.rollbacks == [P.Rollback(rid="w", index=flip, token=ref[flip], epoch=1)]
+    assert reply.verified == {"w": [1, flip + 1]} and ctl.handle(P.Stops()).rollbacks == []  # told once
+    # the seam's rows of the old timeline are dropped until it applies the rollback
+    stale = ctl._step([_window_row(toks, 6, 7, 3.0)])
+    assert not stale[0].error and st.tokens == prompt + ref[:flip + 1]
+    toks = prompt + ref[:flip + 1]
+    for k in range(flip + 1, 8):  # then the new timeline, from the verifier's token
+        (d,) = ctl._step([_window_row(toks, k, ref_next(toks), 3.0, epoch=1)])
+        toks.append(d.token)
+    tail = ctl._check_tail("w")  # the finish barrier: everything checked, the rollback told again
+    assert not tail.error and tail.epoch == 1 and tail.verified == 8 and tail.rollback.epoch == 1
+    # the verifier dropped its positions past the flip and caught up from the verifier's token
+    assert any(it.rewind for it in ctl.vclient.items) and ctl.vclient.seen["w"][:len(toks) - 1] == toks[:-1]
+    ctl._finish(P.Finish(rid="w", output=toks[2:], max_new=12, stop_ids=[]))
+    assert ctl._verdict("w").state == "verified" and toks[2:] == ref[:8]
+
+
+def test_a_window_request_is_checked_every_window_and_at_its_finish_barrier(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    prompt = [3, 1]
+    toks = list(prompt)
+    for k in range(ctl.cfg.window + 3):  # high margins only: a check once `window` tokens wait
+        (d,) = ctl._step([_window_row(toks, k, ref_next(toks), 9.0)])
+        toks.append(d.token)
+        assert ctl._checks_due() == (k == ctl.cfg.window - 1)
+        if k == ctl.cfg.window - 1:
+            ctl._idle_turn()
+            assert ctl.reqs["w"].checked == ctl.cfg.window
+    tail = ctl._check_tail("w")
+    assert tail.rollback is None and tail.verified == ctl.cfg.window + 3 and ctl.checks == {}

@@ -37,7 +37,8 @@ def model(tmp_path_factory):
                                               ("lagged", "margin", "lag"), ("lagged", "always", "lag"),
                                               ("lagged", "margin", "lag-sched"), ("lagged", "always", "lag-sched"),
                                               ("lagged", "margin", "lag-hosted"), ("lagged", "always", "lag-hosted"),
-                                              ("lagged", "margin", "lag-ahead"), ("lagged", "always", "lag-ahead")])
+                                              ("lagged", "margin", "lag-ahead"), ("lagged", "always", "lag-ahead"),
+                                              ("sync", "margin", "window"), ("lagged", "margin", "window")])
 def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, seam, mode, commit):
     """mode margin (tau 0.05, ~15 % of steps verified on these random weights) also checks the
     fast-committed tokens: the device's fast token of every row (a strided one was another row's).
@@ -95,6 +96,10 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
     assert not rep.mismatches, (rep.mismatches, errors[:10])
     assert all(o.verdict == "verified" for o in rep.outcomes)
     c = rep.counters
+    if commit == "window":
+        assert c["mg_deterministic_steps_total"] >= rep.det_tokens > 0 and c["mg_audit_mismatch_total"] >= 0, c
+        print("window counters:", {k: c[k] for k in sorted(c)})
+        return
     if commit == "resume":
         assert c["steps_verify"] + c["steps_fast"] == c["mg_deterministic_steps_total"] >= rep.det_tokens > 0, c
         assert 0 < c["steps_verify"] and c["mg_repair_total"] == 0, c

@@ -320,8 +320,9 @@ def test_a_diverged_resumable_request_ends_as_if_at_its_length_limit(hook_mod, t
     lazy = FakeReq("a", [1], custom_params={RESUME_PARAM: True}, stop_strs=None)
     lazy.output_ids = array("q", [4, 5, 6])
     held, failed = FakeReq("b", [1]), FakeReq("c", [1], custom_params={RESUME_PARAM: True}, stop_strs=None)
-    link.tracked = {"a": hook_mod.StepSeam.new_tracked(lazy), "b": hook_mod.StepSeam.new_tracked(held),
-                    "c": hook_mod.StepSeam.new_tracked(failed)}
+    seam = object.__new__(hook_mod.StepSeam)
+    seam.config = hook_mod.HookConfig(metrics_dir=str(tmp_path))
+    link.tracked = {"a": seam.new_tracked(lazy), "b": seam.new_tracked(held), "c": seam.new_tracked(failed)}
     link.tracked["c"].failed = True
     link.end_fast_path(["a", "b", "c", "gone"])
     assert type(lazy.to_finish).__name__ == "FINISH_LENGTH" and lazy.to_finish.length == 3

@@ -45,7 +45,8 @@ def test_seams_match_installed_sglang():
 
     from mg_server.sglang_ext import seams
 
-    r = _run("from mg_server.sglang_ext import compat, seams\ncompat.install('cpu')\nprint(seams.check())")
+    r = _run("from mg_server.sglang_ext import compat, seams\ncompat.install('cpu')\nseams.check_window()\n"
+             "print(seams.check())")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == version("sglang") and version("sglang") in seams.TESTED
     # what `make` installs is the default the docs and the image name

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 9  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
+PROTOCOL_VERSION = 10  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
 # 6: resumable rows (StepRow.resumable, Stops, Correction.resume); 7: StepRow.must (lagged corrections);
 # 8: StepRow.behind, VerifyItem.chain, VerifyResult.next (a lag correction's next step in the same call);
-# 9: VerifyAhead (--mg-verify-ahead)
+# 9: VerifyAhead (--mg-verify-ahead); 10: window commit (StepRow.window/epoch, Rollback, CheckTail)
 
 
 class ErrorCode:
@@ -229,6 +229,11 @@ class StepRow(msgspec.Struct, kw_only=True, omit_defaults=True):
     # LagCommit.promote_ahead). On a disagreement the controller has the verifier answer the
     # request's next (must) step in the same call.
     behind: bool = False
+    # Window commit: the row was committed fast and its request is rolled back in place where the
+    # verifier disagrees; `epoch` counts the request's rollbacks the seam has applied (a row of an
+    # older epoch belongs to a timeline the controller has cut already, and is dropped).
+    window: bool = False
+    epoch: int = 0
 
 
 class Step(Message):
@@ -303,8 +308,34 @@ class Stops(Message):
     """The seam asks which resumable requests diverged (their fast path should end now)."""
 
 
+class Rollback(msgspec.Struct, kw_only=True):
+    """A window request's disagreement: answer index `index` becomes the verifier's `token`, the
+    answer after it is dropped, and the request's later steps carry `epoch`."""
+
+    rid: str
+    index: int
+    token: int
+    epoch: int
+
+
 class StopsReply(Message):
     rids: list[str] = []  # each diverged request is named once
+    rollbacks: list[Rollback] = []  # window requests to roll back (each named once)
+    # window requests: rid -> [epoch, answer tokens the verifier checked in that epoch]
+    verified: dict[str, list[int]] = {}
+
+
+class CheckTail(Message):
+    """The seam's finish barrier: check every decided token of a window request now."""
+
+    rid: str
+
+
+class TailReply(Message):
+    rollback: Rollback | None = None  # a disagreement (also one not yet told in a StopsReply)
+    epoch: int = 0
+    verified: int = 0  # answer tokens checked in `epoch`
+    error: str = ""  # the request failed (its verdict says so)
 
 
 class Verdict(Message):
@@ -341,7 +372,7 @@ class VerdictReply(Message):
 
 AnyMessage = (Hello | HelloReply | Verify | VerifyReply | Release | Stats | StatsReply | Shutdown
               | Ack | Error | ControllerHello | ControllerInfo | Step | StepReply | Finish | Verdict
-              | VerdictReply | Stops | StopsReply | VerifyAhead)
+              | VerdictReply | Stops | StopsReply | VerifyAhead | CheckTail | TailReply)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

@@ -48,6 +48,7 @@ from mg_server.kernels import sampled_choice
 from mg_server.runtime import protocol as P
 from mg_server.sglang_ext.link import ControllerLink, Tracked
 from mg_server.sglang_ext.reasons import public_reason, unmodelled
+from mg_server.sglang_ext.window import WindowSeam
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ def find_model_runner():
                        "SGLang attaches forward hooks differently from the supported versions")
 
 
-class StepSeam:
+class StepSeam(WindowSeam):
     """The forward pre-hook on SGLang's Sampler (see module doc)."""
 
     def __init__(self, config: HookConfig, runner):
@@ -156,6 +157,10 @@ class StepSeam:
         self.steps, self.margin, self.control = metrics.hook_metrics(config.margin_buckets)
         self.link = ControllerLink(config) if config.controller_ipc else None
         self.lagged = None  # CUDA: the one-forward-late control path (lagged.py)
+        if self.link is not None and config.window:
+            from mg_server.sglang_ext import rollback
+
+            rollback.install()
         if self.link is not None:
             from mg_server.sglang_ext.lagged import attach
 
@@ -174,7 +179,8 @@ class StepSeam:
         # take the synchronous path.
         if self.lagged is not None and only_mg_processors(args[1]) and (
                 self.config.fault_missed_flip < 0 or self.lagged.inline) and not any(
-                sampling_rule(req)[0] > 0 for _, req, _ in rows) and self.lagged.fits(rows):
+                sampling_rule(req)[0] > 0 for _, req, _ in rows) and self.lagged.fits(rows) and not (
+                self.config.window and self._rollback_due(rows)):
             t0 = time.perf_counter()
             self.lagged.launch(args[0].next_token_logits, args[5], rows)
             self.control.observe(time.perf_counter() - t0)
@@ -259,12 +265,14 @@ class StepSeam:
         link = self.link
         with link.lock:
             live, fails = self._classify(steps)
+            rolled = self._roll_back(live, fails) if self.config.window else []
         self._count(live)
         must = self.lagged.must_keys(live) if self.lagged is not None else ()  # (--mg-commit lag)
-        decisions = self.decide(live, bool(must) or any(link.policy.should_verify(margin) and not resumable(req)
-                                                        for _, req, _, margin, *_ in live), must)
+        decisions = self.decide(live, bool(must) or any(
+            link.policy.should_verify(margin) and not (resumable(req) or self.config.window)
+            for _, req, _, margin, *_ in live), must)
         repair = self.lagged.with_deferred(self.repair, live) if must else self.repair
-        done = self.commit(live, decisions, fails, repair)
+        done = self.commit(live, decisions, fails, repair) + rolled
         if done:
             force_tokens(logits, [i for i, _ in done], [d.token for _, d in done])
         return any(d.verified for _, d in done)
@@ -278,6 +286,8 @@ class StepSeam:
         if not live:
             return []
         rows = self.step_rows(live, must, behind)
+        if self.config.window:
+            self.mark_window_rows(rows)
         try:
             with link.rpc_lock:
                 if verify:
@@ -322,9 +332,11 @@ class StepSeam:
         for req, _, why in fails:
             self._fail(req, why)
 
-    @staticmethod
-    def new_tracked(req) -> Tracked:
-        return Tracked(req, list(req.origin_input_ids), resumable=resumable(req))
+    def new_tracked(self, req) -> Tracked:
+        t = Tracked(req, list(req.origin_input_ids), resumable=resumable(req) and not self.config.window)
+        if self.config.window:
+            self.hold(req, t)
+        return t
 
     @staticmethod
     def step_rows(live, must=(), behind=()) -> list[P.StepRow]:

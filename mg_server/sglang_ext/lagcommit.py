@@ -54,7 +54,7 @@ class LagCommit:
     def mode(self, req, key: str) -> int:
         """The row's mode for kernels.decide: LAZY (resumable), MUST (its input token was
         corrected: verify now), BEHIND (lag), else HOLD."""
-        if resumable(req):
+        if resumable(req) or self.seam.config.window:  # (window rows: checked behind, rolled back)
             return LAZY
         if not self.lag:
             return HOLD

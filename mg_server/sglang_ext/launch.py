@@ -228,7 +228,7 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
     from mg_server.runtime.policy import resolve_tau
     from mg_server.runtime.verifier.server import VerifierConfig
 
-    tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile)
+    tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile, cfg.commit == "window")
     verifier = VerifierConfig(
         model_path=cfg.model_path, ipc_path=str(Path(cfg.run_dir) / "verifier.sock"),
         shm_name=shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),
@@ -258,7 +258,7 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
                             metrics_dir=cfg.metrics_dir, verifier=verifier, verify_timeout_s=cfg.verify_timeout_s,
                             catchup_chunk=cfg.catchup_chunk, prefill_ahead=cfg.prefill_ahead, ipc_spin_s=cfg.ipc_spin_s,
                             spawn_verifier=not in_scheduler, chain=cfg.lag_chain,
-                            expect_kernel_config_id=expect_kernels)
+                            expect_kernel_config_id=expect_kernels, window=cfg.window)
     if cfg.controller_in == "scheduler":  # (the CLI makes sure the verifier is there too)
         return _hosted_runtime(cfg, ccfg, tau, source, expect_kernels, verifier)
     proc = start_controller(ccfg)
@@ -370,6 +370,8 @@ def serve(cfg: ServeConfig) -> None:
     from mg_server.sglang_ext import seams
 
     version = seams.check(cfg.allow_sglang)
+    if cfg.commit == "window":
+        seams.check_window()
     if version not in seams.TESTED:
         log.warning("mg: SGLang %s is not a tested version (%s); starting because --mg-allow-sglang names it",
                     version, seams.RANGE)
@@ -417,7 +419,7 @@ def serve(cfg: ServeConfig) -> None:
                       lagged_commit=cfg.lagged_commit, early_verify=cfg.early_verify,
                       lag_commit=cfg.commit == "lag", verify_ahead=cfg.verify_ahead,
                       lagged_on_cpu=env.lagged_on_cpu(), verifier=hook_verifier,
-                      controller=hook_controller)
+                      controller=hook_controller, window=cfg.commit == "window")
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(
         DeterministicMiddleware,

@@ -41,6 +41,9 @@ class Tracked:
     tokens: list[int]  # t_0 .. t_{n-1}: the prompt, then every token mg decided
     failed: bool = False  # aborted by mg: later forwards (the abort lands a step later) are ignored
     resumable: bool = False  # see `resumable`: the stop watcher may end its fast path
+    hold: object = None  # window commit: its rollback.Hold (verified length, finish barrier)
+    epoch: int = 0  # window commit: rollbacks applied (StepRow.epoch)
+    rollback: object = None  # window commit: a protocol.Rollback to apply at its next forward
 
 
 def _start_verifier(cfg: dict, serve_socket: bool = True):
@@ -130,20 +133,36 @@ class ControllerLink:
         while True:
             time.sleep(0.005)  # (each ask takes the GIL from the scheduler thread for a moment)
             with self.lock:
-                if not any(t.resumable and not t.failed for t in self.tracked.values()):
+                if not any((t.resumable or getattr(t, "hold", None) is not None) and not t.failed
+                           for t in self.tracked.values()):
                     continue
             try:
                 client = client or ControllerClient(self.config.controller_ipc, timeout_s=self.config.step_timeout_s,
                                                     client_name="hook-stops")
-                rids, failing = client.stops(), False
+                reply, failing = client.stops(), False
             except Exception as e:  # noqa: BLE001 - checks then end no request early; verdicts stay honest
                 if not failing:
                     log.warning("mg: asking the controller for diverged requests failed: %s", e)
                 client, failing = None, True
                 time.sleep(0.1)
                 continue
-            if rids:
-                self.end_fast_path(rids)
+            if reply.rids:
+                self.end_fast_path(reply.rids)
+            if reply.rollbacks or reply.verified:
+                self.window_news(reply.rollbacks, reply.verified)
+
+    def window_news(self, rollbacks: list[P.Rollback], verified: dict[str, list[int]]) -> None:
+        """The controller's news of window requests: rollbacks to apply at their next forward, and
+        how much of each is checked (what the output hold may release; only for the seam's epoch)."""
+        with self.lock:
+            for rb in rollbacks:
+                t = self.tracked.get(rb.rid)
+                if t is not None and t.hold is not None and rb.epoch > t.epoch:
+                    t.rollback = rb
+            for rid, (epoch, n) in verified.items():
+                t = self.tracked.get(rid)
+                if t is not None and t.hold is not None and epoch == t.epoch and t.rollback is None:
+                    t.hold.verified = max(t.hold.verified, n)
 
     def end_fast_path(self, rids: list[str]) -> None:
         """End these resumable requests at their next token, as their length limit would."""
@@ -205,7 +224,9 @@ class ControllerLink:
                     finished = t.req.finished()
                 except Exception as e:  # noqa: BLE001 - a broken entry must not block the others
                     log.error("mg: %s ends here: its state cannot be read (%s)", rid, e)
-                    del self.tracked[rid]
+                    if getattr(self.tracked.pop(rid), "hold", None) is not None:
+                        from mg_server.sglang_ext import rollback
+                        rollback.release(t.req)
                     broken.append(rid)
                     continue
                 if finished:
@@ -217,7 +238,9 @@ class ControllerLink:
         with self.lock:
             for rid, req in done:
                 if rid in self.tracked and self.tracked[rid].req is req:
-                    del self.tracked[rid]
+                    if getattr(self.tracked.pop(rid), "hold", None) is not None:
+                        from mg_server.sglang_ext import rollback
+                        rollback.release(req)
         for rid, req in done:
             try:
                 aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"

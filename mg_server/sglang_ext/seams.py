@@ -45,6 +45,49 @@ def _code(text: str) -> str:
     return re.sub(r"\s+", "", re.sub(r"#[^\n]*", "", text))
 
 
+def _missing(sources) -> list[str]:
+    """The (what, object, needles) source facts that do not hold (a needle tuple: any one text)."""
+    problems = []
+    for what, obj, needles in sources:
+        try:
+            text = _code(inspect.getsource(obj))
+        except (OSError, TypeError):
+            problems.append(f"{what}: source not available to check")
+            continue
+        for n in needles:
+            alts = n if isinstance(n, tuple) else (n,)
+            if not any(_code(a) in text for a in alts):
+                problems.append(f"{what} no longer contains {' or '.join(map(repr, alts))}")
+    return problems
+
+
+def check_window() -> None:
+    """The facts rollback.py (--mg-commit window) relies on: how a decode step adds a token and
+    ends a request, how the next decode batch grows its lengths and slots, and how output reaches
+    the detokenizer. Raise SeamMismatch unless they hold."""
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.scheduler_components import batch_result_processor, output_streamer
+    from sglang.srt.mem_cache import allocation
+
+    problems = _missing([
+        ("batch_result_processor", batch_result_processor,
+         ("req.output_ids.extend(next_token_id)new_accept_len=len(next_token_id)",
+          "req.update_finish_state(new_accept_len)", "req.finished()orreq.is_retracted")),
+        ("ScheduleBatch.prepare_for_decode", ScheduleBatch.prepare_for_decode,
+         ("self.out_cache_loc=alloc_for_decode(self,token_per_req=1)", "self.seq_lens=self.seq_lens+1",
+          "self.seq_lens_cpu=self.seq_lens_cpu+1", "self.orig_seq_lens=self.orig_seq_lens+1")),
+        ("alloc_for_decode_default", allocation.alloc_for_decode_default,
+         ("req.kv.kv_allocated_len+=token_per_req", "req.kv.kv_committed_len+=token_per_req")),
+        ("_GenerationStreamAccumulator.accept", output_streamer._GenerationStreamAccumulator.accept,
+         ("defaccept(self,*,req:Req)", "output_ids_=req.output_ids_through_stop",
+          "req.send_token_offset=len(output_ids_)")),
+        ("Req.next_output_finishes_by_length", Req.next_output_finishes_by_length, ("len(self.output_ids)",)),
+        ("Req.reset_for_retract", Req.reset_for_retract, ("self.is_retracted=True",)),
+    ])
+    if problems:
+        raise SeamMismatch("SGLang seams of the window commit do not match:\n  - " + "\n  - ".join(problems))
+
+
 def version_problem(version: str, allow: str = "") -> str:
     """Why this SGLang version may not start ("" if it may)."""
     if version in TESTED or (allow and version == allow):
@@ -119,16 +162,7 @@ def check(allow: str = "") -> str:
         ("batch_result_processor", batch_result_processor,
          ("req.output_ids.append(next_token_id)", "req.output_ids.extend(next_token_id)")),
     ]
-    for what, obj, needles in sources:
-        try:
-            text = _code(inspect.getsource(obj))
-        except (OSError, TypeError):
-            problems.append(f"{what}: source not available to check")
-            continue
-        for n in needles:  # (a tuple: any one of these texts)
-            alts = n if isinstance(n, tuple) else (n,)
-            if not any(_code(a) in text for a in alts):
-                problems.append(f"{what} no longer contains {' or '.join(map(repr, alts))}")
+    problems += _missing(sources)
     fields = [
         ("LogitsProcessorOutput", {f.name for f in dataclasses.fields(LogitsProcessorOutput)}, ("next_token_logits",)),
         ("SamplingBatchInfo", {f.name for f in dataclasses.fields(SamplingBatchInfo)},

@@ -34,9 +34,13 @@ class ControllerClient(RpcClient):
         """Fast commits the seam decided itself (no reply; the controller applies the same policy)."""
         self.send(P.Step(rows=rows, reply=False))
 
-    def stops(self, timeout_s: float | None = None) -> list[str]:
-        """Resumable requests that diverged since the last ask (their fast path should end)."""
-        return self.call(P.Stops(), timeout_s).rids
+    def stops(self, timeout_s: float | None = None) -> P.StopsReply:
+        """Resumable requests that diverged since the last ask (their fast path should end), window
+        requests to roll back, and how much of each window request is checked."""
+        return self.call(P.Stops(), timeout_s)
+
+    def check_tail(self, rid: str, timeout_s: float | None = None) -> P.TailReply:
+        return self.call(P.CheckTail(rid=rid), timeout_s)
 
     def finish(self, msg: P.Finish, timeout_s: float | None = None) -> None:
         self.call(msg, timeout_s)

@@ -45,6 +45,7 @@ from mg_server.runtime.controller.audit import AuditMixin
 from mg_server.runtime.controller.catchup import catch_up
 from mg_server.runtime.controller.correct import AnswerCompletion
 from mg_server.runtime.controller.state import ReqState
+from mg_server.runtime.controller.window import WindowMixin
 from mg_server.runtime.controller.worker import WorkerMixin
 from mg_server.runtime.liveness import Lifeline, beat_path
 from mg_server.runtime.policy import Policy
@@ -72,9 +73,10 @@ class ControllerConfig:
     start_timeout_s: float = 300.0  # verifier model load
     verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept
     parent_pid: int = 0  # mg-server's pid: the controller exits once it is gone (0: no watch)
+    window: int = 16  # window commit: a request's unchecked tokens are checked once this many wait
 
 
-class Controller(AheadMixin, AuditMixin, WorkerMixin):
+class Controller(AheadMixin, AuditMixin, WindowMixin, WorkerMixin):
     def __init__(self, cfg: ControllerConfig, lifeline: Lifeline | None = None):
         from mg_server.metrics import controller_metrics
 
@@ -91,6 +93,10 @@ class Controller(AheadMixin, AuditMixin, WorkerMixin):
         # the diverged ones whose fast path the seam has not been told to end yet.
         self.checks: dict[str, list[int]] = {}
         self.stops: dict[str, None] = {}
+        # Window requests' disagreements the seam has not been told yet (controller/window.py).
+        self.rollbacks: dict[str, P.Rollback] = {}
+        self.forwards = 0  # Steps with window rows so far (a forward each)
+        self.window_due: int | None = None  # the forward count at which the window checks are due
         # Lag corrections' next steps, verified in the same call (VerifyItem.chain), and the steps
         # verified ahead (controller/ahead.py): rid -> the result at the position of the request's
         # coming step, answered without a verify call.
@@ -133,7 +139,10 @@ class Controller(AheadMixin, AuditMixin, WorkerMixin):
             return self._verdict(msg.rid, msg.correct)
         if isinstance(msg, P.Stops):
             rids, self.stops = list(self.stops), {}
-            return P.StopsReply(rids=rids)
+            rollbacks, self.rollbacks = list(self.rollbacks.values()), {}
+            return P.StopsReply(rids=rids, rollbacks=rollbacks, verified=self._window_progress())
+        if isinstance(msg, P.CheckTail):
+            return self._check_tail(msg.rid)
         if isinstance(msg, P.ControllerHello):
             up = self.verifier_up()  # first: it may connect a verifier that started in the scheduler
             return P.ControllerInfo(
@@ -154,17 +163,26 @@ class Controller(AheadMixin, AuditMixin, WorkerMixin):
 
     def _step(self, rows: list[P.StepRow]) -> list[P.StepDecision]:
         decisions: list[P.StepDecision] = []
+        if rows and rows[0].window:
+            self.forwards += 1
         to_verify: list[tuple[int, P.StepRow, ReqState]] = []
         for row in rows:
             st = self._state_for(row)
             d = P.StepDecision(rid=row.rid)
             decisions.append(d)
+            if row.window and row.epoch != st.epoch and not st.error:  # a timeline cut already
+                self.m.stale_steps.inc()
+                d.token = row.fast_token
+                continue
             if not st.error and row.pos != len(st.tokens) - 1:
                 st.error = f"position mismatch: controller holds {len(st.tokens)} tokens, step at position {row.pos}"
             if not st.error and self.cfg.mode != "off" and not self.verifier_up():
                 st.error = "deterministic verifier is not running"
             if st.error:
                 d.error = st.error
+            elif row.window:  # committed fast; checked in windows (controller/window.py)
+                self._window_step(row, st)
+                d.token = row.fast_token
             elif row.resumable:  # committed fast; a low-margin step is checked behind (_run_checks)
                 st.resumable = True
                 low = self.policy.should_verify(row.margin)
@@ -289,7 +307,7 @@ class Controller(AheadMixin, AuditMixin, WorkerMixin):
             if not st.error and not st.mismatches:
                 batch.append((rid, st, pos, positions))
             elif st.mismatches:
-                self.stops[rid] = None
+                self._diverged(rid, st)
         if not batch:
             return
         results = self._call_verifier([self._item(rid, st, pos) for rid, st, pos, _ in batch])
@@ -300,14 +318,17 @@ class Controller(AheadMixin, AuditMixin, WorkerMixin):
                 continue
             self.m.verify.inc()
             self._audit_through(rid, st, pos, res, "checked token")
-            st.verified.extend(positions)
+            st.verified.extend(q for q in positions if q <= pos)
             if st.mismatches:
-                self.stops[rid] = None
+                self._diverged(rid, st)
+            elif st.window:
+                st.checked = pos + 2 - st.prompt_len
 
     def _item(self, rid: str, st: ReqState, pos: int, chain: int = -1, rewind: bool = False,
               column: bool = True) -> P.VerifyItem:
         """Verify position pos after teaching the verifier every token it has not seen yet
         (`chain`: VerifyItem.chain; `rewind`: VerifyItem.rewind; `column`: VerifyItem.column)."""
+        rewind, st.rewind = rewind or st.rewind, False
         return P.VerifyItem(rid=rid, pos=pos, tokens=st.tokens[st.verifier_len:pos + 1], rewind=rewind,
                             prompt_len=st.prompt_len if st.verifier_len == 0 else 0,
                             temperature=st.temperature, seed=st.seed,
@@ -320,7 +341,7 @@ class Controller(AheadMixin, AuditMixin, WorkerMixin):
         Orphaning is the lifeline's job: it exits the process whatever this loop is doing."""
         last = hot = time.monotonic()  # the last message's arrival; the end of its handling (spin from there)
         while self.running:
-            busy = self.pending or self.checks or self.ahead  # idle work waits: no blocking poll, no spin
+            busy = self.pending or self._checks_due() or self.ahead  # idle work waits: no blocking poll, no spin
             if not wait_readable(self.sock, 0 if busy else 200, 0.0 if busy else hot + self.cfg.ipc_spin_s):
                 with self.lock:
                     self._idle_turn()
@@ -348,7 +369,9 @@ class Controller(AheadMixin, AuditMixin, WorkerMixin):
             hot = time.monotonic()
 
     def _idle_turn(self) -> None:
-        if self.checks:  # idle: check the resumable requests' low-margin steps first
+        if self._checks_due():  # idle: check resumable and window requests first
+            if self.window_due is not None:
+                self._all_window_checks()
             self._run_checks()
         elif self.pending:  # idle: run deferred tail audits, a few at a time (a Step may come)
             self._complete(list(self.pending)[:IDLE_AUDITS])

@@ -37,6 +37,11 @@ class ReqState:
     pred: int = -1  # the verifier's latest prediction: its token t_{verifier_len} (-1: none yet)
     pred_margin: float = 0.0  # and the margin it chose it with
     flip_token: int = -1  # the verifier's token at the first missed flip (t_{min(mismatches)+1})
+    window: bool = False  # window commit: rolled back in place on a disagreement (protocol.StepRow)
+    epoch: int = 0  # rollbacks so far (its Step rows carry the epoch the seam applied)
+    checked: int = 0  # window: answer tokens checked by the verifier
+    rewind: bool = False  # the verifier holds positions past a rollback: the next item drops them
+    last_rollback: object = None  # window: the latest protocol.Rollback (the finish barrier re-tells it)
 
     @property
     def steps(self) -> int:

@@ -1,0 +1,100 @@
+"""The controller's window commit side (a mixin of `server.Controller`).
+
+A window request's every step is committed fast. Its tokens are checked behind, all pending
+requests in one verify call (`_run_checks`, whose catch-up audits every token): as soon as the
+controller is idle after a low-margin step, or once `window` tokens wait unchecked. Where the
+verifier disagrees at answer index p, the controller cuts its own copy of the answer there, puts
+the verifier's token at p, has the verifier drop its positions past p (`VerifyItem.rewind`), and
+queues a `Rollback` that the seam applies in place at the request's next forward
+(sglang_ext/rollback.py). Rows the seam sends before it has applied it carry the older epoch and
+are dropped. The seam's finish barrier asks `CheckTail` before a request may end with unchecked
+tokens, and its output hold releases what `checked` says.
+"""
+
+from __future__ import annotations
+
+from mg_server.runtime import protocol as P
+from mg_server.runtime.controller.state import ReqState
+
+# A low-margin step is checked at most this many forwards later. Why not at once: every check
+# reads all the verifier's weights, so checks of the rows of several forwards are coalesced into
+# one call (at batch 8 and a 10 % trigger rate almost every forward has a low-margin row); why not
+# later: a flip's rollback throws away the tokens decoded after it.
+CHECK_DELAY_FORWARDS = 4
+
+
+class WindowMixin:
+    def _window_step(self, row: P.StepRow, st: ReqState) -> None:
+        st.window = True
+        low = self.policy.should_verify(row.margin)
+        self.m.steps.labels(decision="verify" if low else "fast").inc()
+        st.tokens.append(row.fast_token)
+        if st.steps - st.checked >= self.cfg.window:
+            self.window_due = self.forwards
+        elif low and (self.window_due is None or self.window_due > self.forwards + CHECK_DELAY_FORWARDS):
+            self.window_due = self.forwards + CHECK_DELAY_FORWARDS
+        if low or self.window_due is not None:
+            self.checks.setdefault(row.rid, []).append(row.pos)
+
+    def _checks_due(self) -> bool:
+        """Idle work waits for it: resumable checks at once, window checks when due."""
+        if not self.checks:
+            return False
+        if self.window_due is None or self.forwards >= self.window_due:
+            return True
+        return any(not self.reqs[rid].window for rid in self.checks if rid in self.reqs)
+
+    def _all_window_checks(self) -> None:
+        """A window check covers every live window request with unchecked tokens: one verifier
+        forward reads the weights once whatever rows it carries."""
+        self.window_due = None
+        for rid, st in self.reqs.items():
+            if st.window and not st.finished_at and not st.error and st.checked < st.steps:
+                self.checks.setdefault(rid, [])
+
+    def _diverged(self, rid: str, st: ReqState) -> None:
+        """The check found the verifier disagreeing: roll a window request back, end a resumable
+        one's fast path (its verdict resumes it)."""
+        if st.window:
+            self._roll_back(rid, st)
+        else:
+            self.stops[rid] = None
+
+    def _roll_back(self, rid: str, st: ReqState) -> None:
+        q = min(st.mismatches)  # t_{q+1} is the first token the verifier would not have chosen
+        token = st.flip_token
+        del st.tokens[q + 1:]
+        st.tokens.append(token)
+        st.mismatches.clear()
+        st.flip_token, st.pred = -1, -1
+        st.verifier_len, st.rewind = min(st.verifier_len, q + 1), True
+        st.verified = [x for x in st.verified if x < q] + [q]
+        st.repairs.append(q)
+        st.epoch += 1
+        index = q + 1 - st.prompt_len
+        st.checked = index + 1
+        self.rollbacks[rid] = st.last_rollback = P.Rollback(rid=rid, index=index, token=token, epoch=st.epoch)
+        self.m.rollbacks.inc()
+        self.m.repair.inc()
+
+    def _window_progress(self) -> dict[str, list[int]]:
+        return {rid: [st.epoch, st.checked] for rid, st in self.reqs.items()
+                if st.window and not st.finished_at and not st.error}
+
+    def _check_tail(self, rid: str) -> P.TailReply:
+        """The finish barrier: every decided token of the request checked now (one verify call)."""
+        st = self.reqs.get(rid)
+        if st is None or st.error:
+            return P.TailReply(error=st.error if st is not None else "unknown request")
+        if st.checked < st.steps and not st.mismatches and rid not in self.rollbacks:
+            others = {k: v for k, v in self.checks.items() if k != rid}  # (they wait for their turn)
+            self.checks = {rid: self.checks.get(rid, [])}
+            try:
+                self._run_checks()
+            finally:
+                self.checks = {**others, **self.checks}
+        if st.error:
+            return P.TailReply(error=st.error)
+        self.rollbacks.pop(rid, None)
+        # the latest rollback, told again: the seam may not have applied it yet (it knows by epoch)
+        return P.TailReply(rollback=st.last_rollback, epoch=st.epoch, verified=st.checked)

@@ -1,0 +1,117 @@
+"""Window commit on a real server (SmolLM2 on CPU, `--mg-commit window`): rollback in place.
+
+Every deterministic step is committed fast and checked behind. The test-only fault
+MG_FAULT_MISSED_FLIP=3 makes every deterministic request's 4th answer token the fast path's
+runner-up, with a low margin (MG_FAULT_FLIP_MARGIN=0), so it is checked within a few forwards;
+answers of a few tokens end first and meet the finish barrier instead. Either way mg must roll
+the request back in place (SGLang's state cut at the flip, the verifier's token forced, decoding
+continued) before any client sees the wrong token:
+every answer, streamed or not, alone or in a batch, equals the verifier-alone reference with the
+verdict `verified`, and `mg_rollbacks_total` grows.
+"""
+
+import concurrent.futures as cf
+import json
+
+import pytest
+import requests
+
+from server_util import faulted_server
+
+
+FLIP_AT = 3
+MAX_NEW = 24
+QUESTIONS = ("Explain in detail why the sky is blue, step by step.", "Write a short poem about the sea.",
+             "What is the capital of France, and why?")
+H = {"X-Deterministic": "1"}
+
+
+@pytest.fixture(scope="module")
+def setup(prepared_model, tmp_path_factory):
+    # (the lagged seam's window rows run in tests/test_gpu_serving.py on CUDA)
+    yield from faulted_server(prepared_model, tmp_path_factory.mktemp("window") / "server.log",
+                              ["--mg-mode", "margin", "--mg-commit", "window", "--mg-window", "8"],
+                              {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0"}, QUESTIONS, MAX_NEW)
+
+
+def _counter(url: str, name: str) -> float:
+    text = requests.get(url + "/metrics", timeout=30).text
+    line = next((x for x in text.splitlines() if x.startswith(name + " ")), "x 0")
+    return float(line.split()[1])
+
+
+def _generate(url, ids, stream=False):
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}, "stream": stream}
+    return requests.post(url + "/generate", json=body, headers=H, timeout=600, stream=stream)
+
+
+@pytest.mark.server
+def test_a_flipped_answer_is_rolled_back_to_the_reference(setup):
+    srv, _, prompts, refs = setup
+    before = _counter(srv.url, "mg_rollbacks_total")
+    r = _generate(srv.url, prompts[0])
+    assert r.status_code == 200, r.text
+    assert r.json()["output_ids"] == refs[0]
+    assert r.headers["x-mg-verdict"] == "verified", r.headers
+    assert "x-mg-corrected-from" not in r.headers  # corrected inside SGLang, not by the front
+    assert _counter(srv.url, "mg_rollbacks_total") >= before + 1
+
+
+@pytest.mark.server
+def test_concurrent_and_batched_answers_all_equal_the_reference(setup):
+    srv, _, prompts, refs = setup
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        rs = list(ex.map(lambda ids: _generate(srv.url, ids), prompts))
+    assert [r.json()["output_ids"] for r in rs] == refs
+    assert all(r.headers["x-mg-verdict"] == "verified" for r in rs)
+    body = {"input_ids": prompts, "sampling_params": {"max_new_tokens": MAX_NEW, "temperature": 0}}
+    r = requests.post(srv.url + "/generate", json=body, headers=H, timeout=600)
+    assert [o["output_ids"] for o in r.json()] == refs and r.headers["x-mg-verdict"] == "verified"
+
+
+@pytest.mark.server
+def test_a_stream_never_shows_the_flipped_token(setup):
+    """Streamed chunks carry only verified tokens: their concatenation is the reference."""
+    srv, tok, prompts, refs = setup
+    r = _generate(srv.url, prompts[1], stream=True)
+    assert r.status_code == 200
+    texts = []
+    for line in r.iter_lines():
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            texts.append(json.loads(line[6:])["text"])
+    # /generate streams the answer's whole text so far in each chunk: each is a prefix of the reference
+    final = tok.decode(refs[1], skip_special_tokens=True)
+    assert texts and texts[-1] == final
+    assert all(final.startswith(t) for t in texts), [t for t in texts if not final.startswith(t)]
+
+
+@pytest.mark.server
+def test_seeded_answers_are_the_verifiers_samples(setup, prepared_model):
+    """Seeded sampling under the window commit (the fault flips these too): each answer equals the
+    verifier-alone sample with the same seed, concurrently."""
+    from seeded_util import sample, sampled_references, seeds
+
+    srv, _, prompts, _ = setup
+    refs = sampled_references(str(prepared_model), prompts[:2])
+    with cf.ThreadPoolExecutor(2) as ex:
+        got = list(ex.map(lambda a: sample(srv.url, a[0], a[1]), zip(prompts[:2], seeds(2))))
+    assert got == [(r, "verified") for r in refs]
+
+
+@pytest.mark.parametrize("flags,why", [(["--mg-window", "8"], "needs --mg-commit window"),
+                                       (["--mg-commit", "window", "--mg-window", "0"], "must be >= 1")])
+def test_the_window_flag_reaches_the_config_and_is_checked(monkeypatch, prepared_model, capsys, flags, why):
+    from mg_server import cli
+    from mg_server.sglang_ext import launch
+
+    seen = []
+    monkeypatch.setattr(launch, "serve", seen.append)
+    base = ["serve", "--model", str(prepared_model), "--device", "cpu"]
+    assert cli.main([*base, "--mg-commit", "window", "--mg-window", "32"]) == 0
+    assert cli.main([*base, "--mg-commit", "window"]) == 0
+    assert (seen[0].commit, seen[0].window, seen[1].window) == ("window", 32, 16)
+    try:
+        rc = cli.main([*base, *flags])
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2 and why in capsys.readouterr().err
