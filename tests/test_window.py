@@ -70,6 +70,19 @@ def test_concurrent_and_batched_answers_all_equal_the_reference(setup):
 
 
 @pytest.mark.server
+def test_a_flip_at_the_length_limit_is_rolled_back_before_the_answer_ends(setup):
+    """The flipped token is the last (or next to last) one max_new_tokens allows: SGLang ends the
+    request there, the finish barrier checks it, undoes the end and the rollback puts the
+    verifier's token in its place, which ends the answer by length again."""
+    srv, _, prompts, refs = setup
+    for n in (FLIP_AT + 1, FLIP_AT + 2):
+        body = {"input_ids": prompts[0], "sampling_params": {"max_new_tokens": n, "temperature": 0}}
+        r = requests.post(srv.url + "/generate", json=body, headers=H, timeout=600)
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == refs[0][:n] and r.headers["x-mg-verdict"] == "verified"
+
+
+@pytest.mark.server
 def test_a_stream_never_shows_the_flipped_token(setup):
     """Streamed chunks carry only verified tokens: their concatenation is the reference."""
     srv, tok, prompts, refs = setup
