@@ -776,3 +776,21 @@ def test_a_window_request_is_checked_every_window_and_at_its_finish_barrier(make
             assert ctl.reqs["w"].checked == ctl.cfg.window
     tail = ctl._check_tail("w")
     assert tail.rollback is None and tail.verified == ctl.cfg.window + 3 and ctl.checks == {}
+
+
+def test_a_wrong_token_a_stream_let_leave_early_is_a_missed_flip_not_a_rollback(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    prompt, flip = [2, 9], 2
+    toks = list(prompt)
+    for k in range(5):  # high margins, every token released early (StepRow.released)
+        fast = ref_next(toks) if k != flip else (ref_next(toks) + 1) % 50
+        row = _window_row(toks, k, fast, 3.0)
+        row.released = True
+        ctl._step([row])
+        toks.append(fast)
+    st = ctl.reqs["w"]
+    assert st.released == 5
+    tail = ctl._check_tail("w")  # the check finds the flip among the released tokens
+    assert tail.rollback is None and tail.verified >= 1 << 30 and st.epoch == 0 and ctl.rollbacks == {}
+    ctl._finish(P.Finish(rid="w", output=toks[2:], max_new=5, stop_ids=[]))
+    assert ctl._verdict("w").state == "mismatch"

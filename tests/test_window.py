@@ -128,3 +128,30 @@ def test_the_window_flag_reaches_the_config_and_is_checked(monkeypatch, prepared
     except SystemExit as e:
         rc = e.code
     assert rc == 2 and why in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def early(prepared_model, tmp_path_factory):
+    """A tiny tau: every step's margin is above it, so a stream's tokens leave before their check;
+    the forced flip (a huge margin) goes out with them."""
+    yield from faulted_server(prepared_model, tmp_path_factory.mktemp("window-early") / "server.log",
+                              ["--mg-mode", "margin", "--mg-commit", "window", "--mg-tau", "1e-6"],
+                              {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "1e9"}, QUESTIONS, MAX_NEW)
+
+
+@pytest.mark.server
+def test_a_stream_releases_high_margin_tokens_early_and_reports_a_released_flip(early):
+    """Early release is for streams: the flip was released, so it is a missed flip (the stream's
+    verdict says `mismatch`, its text is the fast path's); a non-streamed answer is never released
+    early, so the same flip is rolled back there and the answer is the reference."""
+    from server_util import stream_states_and_text
+
+    srv, tok, prompts, refs = early
+    chat = {"model": "default", "messages": [{"role": "user", "content": QUESTIONS[0]}], "max_tokens": MAX_NEW,
+            "temperature": 0}
+    r = requests.post(srv.url + "/v1/chat/completions", json={**chat, "stream": True}, headers=H, timeout=600)
+    states, text = stream_states_and_text(r.text)
+    assert states == ["mismatch"] and text != tok.decode(refs[0], skip_special_tokens=True)
+    r = requests.post(srv.url + "/v1/chat/completions", json=chat, headers=H, timeout=600)
+    assert r.json()["choices"][0]["message"]["content"] == tok.decode(refs[0], skip_special_tokens=True)
+    assert r.headers["x-mg-verdict"] == "verified"

@@ -234,6 +234,9 @@ class StepRow(msgspec.Struct, kw_only=True, omit_defaults=True):
     # older epoch belongs to a timeline the controller has cut already, and is dropped).
     window: bool = False
     epoch: int = 0
+    # Window commit, a streamed request: this step's token may leave before it is checked (every
+    # step since the last checked one had margin >= tau); a disagreement there is a missed flip.
+    released: bool = False
 
 
 class Step(Message):

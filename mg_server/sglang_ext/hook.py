@@ -157,6 +157,7 @@ class StepSeam(WindowSeam):
         self.steps, self.margin, self.control = metrics.hook_metrics(config.margin_buckets)
         self.link = ControllerLink(config) if config.controller_ipc else None
         self.lagged = None  # CUDA: the one-forward-late control path (lagged.py)
+        self._released_first: set[str] = set()  # window commit: first rows released early (window.py)
         if self.link is not None and config.window:
             from mg_server.sglang_ext import rollback
 
@@ -287,7 +288,7 @@ class StepSeam(WindowSeam):
             return []
         rows = self.step_rows(live, must, behind)
         if self.config.window:
-            self.mark_window_rows(rows)
+            self.mark_window_rows(rows, live)
         try:
             with link.rpc_lock:
                 if verify:

@@ -67,10 +67,11 @@ class Hold:
     """What the seam knows of one held request: its verified answer length (the output hold and
     the finish barrier read it) and the tail check the barrier calls."""
 
-    __slots__ = ("verified", "check_tail", "lock", "retracted")
+    __slots__ = ("verified", "released", "check_tail", "lock", "retracted")
 
     def __init__(self, check_tail: Callable[[object], tuple[int, int] | None], lock):
         self.verified = 0  # answer tokens (not the prompt) checked by the verifier
+        self.released = 0  # a stream's answer tokens that may leave unchecked (the margin gate)
         # req -> (p, c) of a disagreement, or None when all is verified; called with `lock` held
         self.check_tail = check_tail
         self.lock = lock  # the seam's: its finish watcher must not see an end the barrier undoes
@@ -139,11 +140,12 @@ def _accept(orig):
     def accept(self, *, req):
         h = _holds.get(id(req))
         full = req.output_ids
-        if h is None or h.verified >= len(full):
+        n = max(h.verified, h.released) if h is not None else 0
+        if h is None or n >= len(full):
             return orig(self, req=req)
-        if not req.finished() and h.verified <= req.send_token_offset:
-            return None  # nothing verified that was not sent: hold
-        req.output_ids = full[:h.verified]  # the verified prefix only (an abort ends here too)
+        if not req.finished() and n <= req.send_token_offset:
+            return None  # nothing checked or released that was not sent: hold
+        req.output_ids = full[:n]  # the checked or released prefix only (an abort ends here too)
         try:
             return orig(self, req=req)
         finally:

@@ -22,12 +22,26 @@ log = logging.getLogger(__name__)
 
 
 class WindowSeam:
-    def mark_window_rows(self, rows: list[P.StepRow]) -> None:
-        """StepRow.window and the seam's epoch of each row's request."""
+    def mark_window_rows(self, rows: list[P.StepRow], live) -> None:
+        """StepRow.window and the seam's epoch of each row's request, and whether a stream's token
+        may leave before its check (StepRow.released: the margin gate's early release)."""
+        policy = self.link.policy
         with self.link.lock:
-            for r in rows:
+            for r, (_, req, *_) in zip(rows, live):
                 t = self.link.tracked.get(r.rid)
                 r.window, r.epoch = True, t.epoch if t is not None else 0
+                # why: a high-margin stretch cannot flip (calibration), so a stream need not wait for
+                # its check; tau 0 releases nothing early, and a low-margin step stops the stretch
+                if not (req.stream and policy.mode == "margin" and policy.tau > 0 and r.margin >= policy.tau):
+                    continue
+                decided = len(t.tokens) - len(req.origin_input_ids) if t is not None else 0
+                h = t.hold if t is not None else None
+                if decided == (max(h.verified, h.released) if h is not None else 0):
+                    r.released = True
+                    if h is not None:
+                        h.released = decided + 1
+                    else:
+                        self._released_first.add(r.rid)
 
     def _rollback_due(self, rows) -> bool:
         """A window request of this forward has a rollback to apply (the synchronous path does it)."""
@@ -102,3 +116,6 @@ class WindowSeam:
         """Window commit: the request's output held until checked, its finish behind the barrier."""
         key = instance_key(req.rid, (req.sampling_params.custom_params or {}).get(INSTANCE_PARAM))
         t.hold = rollback.hold(req, partial(self.check_tail, key), self.link.lock)
+        if key in self._released_first:  # (its first row was released before it was tracked)
+            self._released_first.discard(key)
+            t.hold.released = 1

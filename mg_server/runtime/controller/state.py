@@ -40,6 +40,7 @@ class ReqState:
     window: bool = False  # window commit: rolled back in place on a disagreement (protocol.StepRow)
     epoch: int = 0  # rollbacks so far (its Step rows carry the epoch the seam applied)
     checked: int = 0  # window: answer tokens checked by the verifier
+    released: int = 0  # window, a stream: answer tokens the seam let leave before their check
     rewind: bool = False  # the verifier holds positions past a rollback: the next item drops them
     last_rollback: object = None  # window: the latest protocol.Rollback (the finish barrier re-tells it)
 

@@ -21,6 +21,7 @@ from mg_server.runtime.controller.state import ReqState
 # one call (at batch 8 and a 10 % trigger rate almost every forward has a low-margin row); why not
 # later: a flip's rollback throws away the tokens decoded after it.
 CHECK_DELAY_FORWARDS = 4
+UNHELD = 1 << 30  # `checked` of a request after a missed flip: the seam holds nothing back any more
 
 
 class WindowMixin:
@@ -29,6 +30,8 @@ class WindowMixin:
         low = self.policy.should_verify(row.margin)
         self.m.steps.labels(decision="verify" if low else "fast").inc()
         st.tokens.append(row.fast_token)
+        if row.released:
+            st.released = st.steps
         if st.steps - st.checked >= self.cfg.window:
             self.window_due = self.forwards
         elif low and (self.window_due is None or self.window_due > self.forwards + CHECK_DELAY_FORWARDS):
@@ -55,8 +58,10 @@ class WindowMixin:
     def _diverged(self, rid: str, st: ReqState) -> None:
         """The check found the verifier disagreeing: roll a window request back, end a resumable
         one's fast path (its verdict resumes it)."""
-        if st.window:
+        if st.window and min(st.mismatches) + 1 - st.prompt_len >= st.released:
             self._roll_back(rid, st)
+        elif st.window:  # a token a stream let leave early was wrong: a missed flip (verdict mismatch)
+            self._missed_release(rid, st)
         else:
             self.stops[rid] = None
 
@@ -76,6 +81,11 @@ class WindowMixin:
         self.rollbacks[rid] = st.last_rollback = P.Rollback(rid=rid, index=index, token=token, epoch=st.epoch)
         self.m.rollbacks.inc()
         self.m.repair.inc()
+
+    def _missed_release(self, rid: str, st: ReqState) -> None:
+        """Nothing to roll back: the client has the wrong token. The request runs on unheld and
+        unchecked (its answer no longer follows the verifier's), and its verdict is `mismatch`."""
+        st.checked = UNHELD
 
     def _window_progress(self) -> dict[str, list[int]]:
         return {rid: [st.epoch, st.checked] for rid, st in self.reqs.items()
