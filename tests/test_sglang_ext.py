@@ -71,16 +71,20 @@ def test_seams_refuse_an_untested_version_unless_it_is_named():
 
 def test_seams_name_each_changed_internal():
     """A changed internal is refused with its name, whatever the version (here: the fact that the
-    scheduler adds a decode step's tokens with extend, which lag's swap relies on)."""
+    scheduler adds a decode step's tokens with extend, which lag's swap and the window commit's
+    rollback rely on)."""
     r = _run(
         "from mg_server.sglang_ext import compat, seams\ncompat.install('cpu')\n"
         "import inspect\nfrom sglang.srt.managers.scheduler_components import batch_result_processor as b\n"
         "src = inspect.getsource(b).replace('req.output_ids.extend(next_token_id)', 'req.output_ids += next_token_id')\n"
         "inspect.getsource = lambda obj, _real=inspect.getsource: src if obj is b else _real(obj)\n"
         "try:\n    seams.check()\nexcept seams.SeamMismatch as e:\n    print('MISMATCH', e)\n"
+        "try:\n    seams.check_window()\nexcept seams.SeamMismatch as e:\n    print('WINDOW', e)\n"
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "batch_result_processor no longer contains 'req.output_ids.extend(next_token_id)'" in r.stdout
+    # the window commit's rollback relies on the same fact (its own check, run with --mg-commit window)
+    assert "WINDOW SGLang seams of the window commit do not match" in r.stdout
 
 
 def test_bare_cuda_profile_patches_sglang_right_after_import():

@@ -16,6 +16,7 @@ from mg_server import env, metrics
 from mg_server.config import HookConfig
 from mg_server.runtime import protocol as P
 from mg_server.runtime.liveness import BEAT_PERIOD_S, seam_beat_path, write_beat
+from mg_server.sglang_ext import rollback
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,13 @@ class Tracked:
     hold: object = None  # window commit: its rollback.Hold (verified length, finish barrier)
     epoch: int = 0  # window commit: rollbacks applied (StepRow.epoch)
     rollback: object = None  # window commit: a protocol.Rollback to apply at its next forward
+
+
+def _untrack(tracked: dict, rid: str) -> None:
+    """Forget a request (the caller holds its link's lock), and the window commit's hold on it."""
+    t = tracked.pop(rid)
+    if getattr(t, "hold", None) is not None:
+        rollback.release(t.req)
 
 
 def _start_verifier(cfg: dict, serve_socket: bool = True):
@@ -224,9 +232,7 @@ class ControllerLink:
                     finished = t.req.finished()
                 except Exception as e:  # noqa: BLE001 - a broken entry must not block the others
                     log.error("mg: %s ends here: its state cannot be read (%s)", rid, e)
-                    if getattr(self.tracked.pop(rid), "hold", None) is not None:
-                        from mg_server.sglang_ext import rollback
-                        rollback.release(t.req)
+                    _untrack(self.tracked, rid)
                     broken.append(rid)
                     continue
                 if finished:
@@ -238,9 +244,7 @@ class ControllerLink:
         with self.lock:
             for rid, req in done:
                 if rid in self.tracked and self.tracked[rid].req is req:
-                    if getattr(self.tracked.pop(rid), "hold", None) is not None:
-                        from mg_server.sglang_ext import rollback
-                        rollback.release(req)
+                    _untrack(self.tracked, rid)
         for rid, req in done:
             try:
                 aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"

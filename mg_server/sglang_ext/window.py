@@ -94,9 +94,7 @@ class WindowSeam:
         except Exception as e:  # noqa: BLE001 - fail loudly rather than release unchecked tokens
             reply = P.TailReply(error=f"mg controller unavailable: {e}")
         if reply.error:
-            t.failed = True
-            self._fail(req, reply.error)
-            req.finished_reason, req.to_finish = req.to_finish, None  # (its abort replaces the end)
+            self._fail_at_finish(t, req, reply.error)
             return None
         rb = reply.rollback or t.rollback
         log.debug("mg: finish barrier of %s: %s (epoch %d, verified %d of %d)", key, rb, t.epoch, reply.verified,
@@ -107,10 +105,14 @@ class WindowSeam:
         if reply.epoch == t.epoch:
             t.hold.verified = max(t.hold.verified, reply.verified)
         if t.hold.verified < len(req.output_ids):  # never let unchecked tokens out as an answer
-            t.failed = True
-            self._fail(req, f"finish barrier: {t.hold.verified} of {len(req.output_ids)} tokens checked")
-            req.finished_reason, req.to_finish = req.to_finish, None
+            self._fail_at_finish(t, req, f"finish barrier: {t.hold.verified} of {len(req.output_ids)} tokens checked")
         return None
+
+    def _fail_at_finish(self, t: Tracked, req, why: str) -> None:
+        """Fail a request the finish barrier holds: its abort replaces the end SGLang just gave it."""
+        t.failed = True
+        self._fail(req, why)
+        req.finished_reason, req.to_finish = req.to_finish, None
 
     def hold(self, req, t: Tracked) -> None:
         """Window commit: the request's output held until checked, its finish behind the barrier."""

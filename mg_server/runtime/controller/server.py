@@ -291,9 +291,13 @@ class Controller(AheadMixin, AuditMixin, WindowMixin, WorkerMixin):
             self.m.verify_rows.observe(ok[0].batch_rows)
         return results
 
-    def _run_checks(self) -> None:
-        """Check the resumable requests that committed low-margin steps (module doc), in one call."""
-        todo, self.checks = self.checks, {}
+    def _run_checks(self, only: str | None = None) -> None:
+        """Check the resumable requests that committed low-margin steps (module doc), in one call;
+        `only`: that request alone (the others' checks stay queued)."""
+        if only is None:
+            todo, self.checks = self.checks, {}
+        else:
+            todo = {only: self.checks.pop(only, [])}
         batch = []
         for rid, positions in todo.items():
             st = self.reqs.get(rid)
@@ -318,7 +322,7 @@ class Controller(AheadMixin, AuditMixin, WindowMixin, WorkerMixin):
                 continue
             self.m.verify.inc()
             self._audit_through(rid, st, pos, res, "checked token")
-            st.verified.extend(q for q in positions if q <= pos)
+            st.verified.extend(positions)
             if st.mismatches:
                 self._diverged(rid, st)
             elif st.window:

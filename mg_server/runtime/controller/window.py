@@ -1,8 +1,8 @@
 """The controller's window commit side (a mixin of `server.Controller`).
 
-A window request's every step is committed fast. Its tokens are checked behind, all pending
-requests in one verify call (`_run_checks`, whose catch-up audits every token): as soon as the
-controller is idle after a low-margin step, or once `window` tokens wait unchecked. Where the
+A window request's every step is committed fast. Its tokens are checked behind, every window
+request's pending tokens in one verify call (`_run_checks`, whose catch-up audits every token):
+within CHECK_DELAY_FORWARDS forwards of a low-margin step, or once `window` tokens wait unchecked. Where the
 verifier disagrees at answer index p, the controller cuts its own copy of the answer there, puts
 the verifier's token at p, has the verifier drop its positions past p (`VerifyItem.rewind`), and
 queues a `Rollback` that the seam applies in place at the request's next forward
@@ -97,12 +97,7 @@ class WindowMixin:
         if st is None or st.error:
             return P.TailReply(error=st.error if st is not None else "unknown request")
         if st.checked < st.steps and not st.mismatches and rid not in self.rollbacks:
-            others = {k: v for k, v in self.checks.items() if k != rid}  # (they wait for their turn)
-            self.checks = {rid: self.checks.get(rid, [])}
-            try:
-                self._run_checks()
-            finally:
-                self.checks = {**others, **self.checks}
+            self._run_checks(only=rid)
         if st.error:
             return P.TailReply(error=st.error)
         self.rollbacks.pop(rid, None)
