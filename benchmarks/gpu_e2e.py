@@ -43,12 +43,25 @@ SHAPES = {  # Llama-family configs; head_dim = hidden / heads
     "llama8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                     num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False),
 }
+# Random weights flip far more often than a trained model: every logit is a draw of one normal, so
+# the top two are close at almost every step (the 8B shape flipped at 8-19 % of steps, real models
+# at 0.3-2 %). A "planted" model of a shape is the random one plus a next-token map: for a share of
+# the vocabulary, token t's successor pi(t) gets a logit far above the rest, so only the other
+# steps are near-ties, as in a trained model whose ties sit among confident steps. Per name:
+#   embed_gain: the embedding's std over the other matrices' (the residual stream then keeps the
+#               input token: cos(final hidden, embedding) ~0.7 at 180 on the 8B shape, measured on
+#               CPU with the same random layers; 1 gives ~0.003, and no map could reach the logits)
+#   share:      the share of tokens with a planted successor (the rest keep random logits)
+#   strength:   the planted row's extra length along the token's embedding direction (0.2: its
+#               logit ~ 0.2 * sqrt(hidden) * cos ~ 9, the random logits' maximum ~2.3)
+PLANTED = {"llama8b-planted": dict(base="llama8b", embed_gain=180.0, share=0.9, strength=0.2)}
+SHAPES.update({name: SHAPES[p["base"]] for name, p in PLANTED.items()})
 # Extra server flags per model: the 8B shape's vocabulary is larger than the SmolLM2 tokenizer's,
 # so its servers skip the tokenizer (every request here sends and receives token ids).
-MODEL_FLAGS = {"smol": [], "llama8b": ["--skip-tokenizer-init"]}
+MODEL_FLAGS = {"smol": [], "llama8b": ["--skip-tokenizer-init"], "llama8b-planted": ["--skip-tokenizer-init"]}
 # Every server of a model gets the same K/V pool size, so mode is the only difference between
 # them (SGLang derives kernel settings from the pool size); two servers share the GPU at once.
-POOL_TOKENS = {"smol": 262144, "llama8b": 32768}
+POOL_TOKENS = {"smol": 262144, "llama8b": 32768, "llama8b-planted": 32768}
 
 
 def mem_flags(name: str) -> list[str]:
@@ -82,7 +95,8 @@ def setup_python(wheels: Path | None) -> None:
 
 
 def write_model(name: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
-    """A random-weight Llama checkpoint of SHAPES[name] (bf16 safetensors, fixed seed)."""
+    """A random-weight Llama checkpoint of SHAPES[name] (bf16 safetensors, fixed seed), with a
+    planted next-token map where PLANTED names it."""
     import torch
     from safetensors.torch import save_file
 
@@ -95,7 +109,8 @@ def write_model(name: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
     # 6 % of steps and completed 84 missed flips, SmolLM2 0.8 % and none).
     std = 0.02 * (576 / shape["hidden_size"]) ** 0.5
     marker = out / ".mg_random.json"
-    want = {"shape": shape, "seed": seed, "std": std}
+    plant = PLANTED.get(name)
+    want = {"shape": shape, "seed": seed, "std": std, **({"plant": plant} if plant else {})}
     if marker.exists() and json.loads(marker.read_text()) == want:
         return out
     shutil.rmtree(out, ignore_errors=True)
@@ -129,7 +144,10 @@ def write_model(name: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
             index.update({k: fname for k in tensors})
             tensors, shard = {}, shard + 1
 
-    tensors["model.embed_tokens.weight"] = rand(shape["vocab_size"], h)
+    embed = rand(shape["vocab_size"], h)
+    if plant:
+        embed = (embed.float() * plant["embed_gain"]).to(torch.bfloat16)
+    tensors["model.embed_tokens.weight"] = embed
     for i in range(layers):
         p = f"model.layers.{i}."
         tensors.update({
@@ -143,12 +161,30 @@ def write_model(name: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
         flush()
     tensors["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
     if not shape["tie_word_embeddings"]:
-        tensors["lm_head.weight"] = rand(shape["vocab_size"], h)
+        head = rand(shape["vocab_size"], h)
+        if plant:
+            head = planted_head(head, embed, plant, gen, dev)
+        tensors["lm_head.weight"] = head
     flush(final=True)
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
     marker.write_text(json.dumps(want))
     log(f"model {name}: {shard} shard(s) in {time.monotonic() - t0:.1f}s -> {out}")
     return out
+
+
+def planted_head(head, embed, plant: dict, gen, dev: str):
+    """head [V, H] bf16 with row pi(t) += strength * embed[t] / |embed[t]| for a `share` of tokens t
+    (pi a random permutation, so each planted successor is the successor of one token only)."""
+    import torch
+
+    v = head.shape[0]
+    perm = torch.randperm(v, generator=gen, device=dev)
+    planted = torch.rand(v, generator=gen, device=dev) < plant["share"]  # [V] bool: t has a successor
+    src = torch.arange(v, device=dev)[planted]
+    out = head.to(dev, torch.float32)
+    e = embed.to(dev, torch.float32)[src]
+    out[perm[src]] += plant["strength"] * e / e.norm(dim=-1, keepdim=True)
+    return out.to(torch.bfloat16).cpu()
 
 
 def make_prompts(tokenizer: Path, out: Path) -> None:
@@ -237,10 +273,10 @@ def server_settings(log_text: str) -> dict:
     return got
 
 
-def start(model: Path, name: str, mode: str, out: Path, extra: list[str], device: str):
+def start(model: Path, name: str, mode: str, out: Path, extra: list[str], device: str, graph_bs: int = 32):
     from server_util import ServerProcess
 
-    gpu = ["--cuda-graph-max-bs-decode", "32"] if device == "cuda" else []
+    gpu = ["--cuda-graph-max-bs-decode", str(graph_bs)] if device == "cuda" else []
     args = ["--model", str(model), "--device", device, "--mg-mode", mode, *gpu, *MODEL_FLAGS[name], *extra]
     srv = ServerProcess(args, out / f"server-{name}-{mode}.log")
     srv.name = f"{name}/{mode}"

@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
                         "development, synchronous seam) commits every step fast, checks the tokens behind in "
                         "windows and rolls a request back in place where the verifier disagrees")
     s.add_argument("--mg-window", type=int, default=None, metavar="W",
-                   help="with --mg-commit window: the unchecked tokens a request may run ahead (default 16)")
+                   help="with --mg-commit window: the unchecked tokens a request may run ahead (default 32)")
     s.add_argument("--mg-lag-chain", choices=["on", "off"], default="off",
                    help="with --mg-commit lag: on a disagreement the same verifier call also answers the "
                         "request's next step (the forward that holds for it), so that hold waits for no verify "

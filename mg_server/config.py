@@ -114,7 +114,7 @@ class ServeConfig:
     early_verify: bool = False  # lagged seam: verify as soon as a forward is published (--mg-early-verify)
     ipc_spin_s: float = 0.0  # experimental: controller and verifier spin this long for a message (--mg-ipc-spin-us)
     commit: str = "hold"  # "hold" | "resume" | "lag" | "window" (--mg-commit)
-    window: int = 16  # --mg-commit window: unchecked tokens a request may run ahead (--mg-window)
+    window: int = 32  # --mg-commit window: unchecked tokens a request may run ahead (--mg-window)
     lag_chain: bool = False  # lag: a correction's next step is answered in the same verify call (--mg-lag-chain)
     verifier_in: str = "process"  # "process" | "scheduler": where the verifier worker runs (--mg-verifier-in)
     controller_in: str = "process"  # "process" | "scheduler": where the controller runs (--mg-controller-in)

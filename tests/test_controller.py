@@ -47,6 +47,7 @@ class FakeVerifier:
         self.seen: dict[str, list[int]] = {}
         self.prompt_len: dict[str, int] = {}
         self.items: list[P.VerifyItem] = []
+        self.calls: list[list[str]] = []  # the rids of each verify_many call
         self.released: list[str] = []
         self.n_slots, self.last_gen = n_slots, 0  # each result takes the next slot of a ring (gen = count)
 
@@ -56,6 +57,7 @@ class FakeVerifier:
 
     def verify_many(self, items, timeout_s=None):
         out = []
+        self.calls.append([it.rid for it in items])
         for it in items:
             self.items.append(it)
             hist = self.seen.setdefault(it.rid, [])
@@ -776,6 +778,21 @@ def test_a_window_request_is_checked_every_window_and_at_its_finish_barrier(make
             assert ctl.reqs["w"].checked == ctl.cfg.window
     tail = ctl._check_tail("w")
     assert tail.rollback is None and tail.verified == ctl.cfg.window + 3 and ctl.checks == {}
+
+
+def test_the_finish_barrier_checks_every_window_request_in_one_call(make_ctl):
+    # requests of one batch end in the same forward: the first barrier's call takes all of them
+    ctl = make_ctl("margin", 0.5)
+    toks = {"a": [3, 1], "b": [4, 1, 5]}
+    for k in range(5):  # high margins, fewer than a window: nothing checked yet
+        for rid in ("a", "b"):
+            (d,) = ctl._step([_window_row(toks[rid], k, ref_next(toks[rid]), 9.0, rid=rid)])
+            toks[rid].append(d.token)
+    assert ctl.vclient.calls == [] and not ctl._checks_due()
+    tail = ctl._check_tail("a")
+    assert not tail.error and tail.verified == 5 and ctl.reqs["b"].checked == 5
+    assert [sorted(c) for c in ctl.vclient.calls] == [["a", "b"]]
+    assert ctl._check_tail("b").verified == 5 and len(ctl.vclient.calls) == 1  # nothing left to check
 
 
 def test_a_wrong_token_a_stream_let_leave_early_is_a_missed_flip_not_a_rollback(make_ctl):

@@ -291,13 +291,9 @@ class Controller(AheadMixin, AuditMixin, WindowMixin, WorkerMixin):
             self.m.verify_rows.observe(ok[0].batch_rows)
         return results
 
-    def _run_checks(self, only: str | None = None) -> None:
-        """Check the resumable requests that committed low-margin steps (module doc), in one call;
-        `only`: that request alone (the others' checks stay queued)."""
-        if only is None:
-            todo, self.checks = self.checks, {}
-        else:
-            todo = {only: self.checks.pop(only, [])}
+    def _run_checks(self) -> None:
+        """Check the resumable requests that committed low-margin steps (module doc), in one call."""
+        todo, self.checks = self.checks, {}
         batch = []
         for rid, positions in todo.items():
             st = self.reqs.get(rid)

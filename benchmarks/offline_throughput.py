@@ -1,0 +1,273 @@
+"""Offline throughput at a share of deterministic requests, and streaming latency, on one GPU:
+
+    python benchmarks/offline_throughput.py --out DIR --tokenizer DIR [--model llama8b-planted]
+        [--shares 0,0.02,0.1,0.5,1] [--tau-rate 0.1] [--stream-taus target,0]
+
+Throughput (the protocol of LLM-42, arXiv 2601.17768): --requests requests with ShareGPT-like
+prompt and answer lengths (benchmarks/data/sharegpt_lengths.json), at most --concurrency in
+flight, each its own /generate request, greedy, answers of exactly their length (ignore_eos);
+the first request of every 1/share is deterministic (X-Deterministic: 1). Output tokens per
+second over the whole run, on mg's server at each share beside plain SGLang (mg off) timed
+alternately in the same minutes. A deterministic request answered in several runs (other shares,
+so other batch neighbours) must give the same tokens every time: the run reports any that differ.
+
+Streams: --stream-batch requests at once, half deterministic, streamed one token per chunk;
+time to first token and inter-token gaps (p50, p99) of each half, at tau for --tau-rate and at
+tau 0 (every token held until checked). JSON after each part and a table (OUT/throughput.{json,md}).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_e2e as E  # noqa: E402 - the sibling script is the shared harness
+from gpu_sweep import tau_for_rate_quantized  # noqa: E402
+
+LENGTHS = E.REPO / "benchmarks" / "data" / "sharegpt_lengths.json"
+
+
+def workload(n: int) -> list[tuple[list[int], int]]:
+    """n (prompt ids, answer length) pairs: ShareGPT's lengths, tokens from the benchmark prompts
+    (the content does not matter to a random-weight model; the lengths set the work)."""
+    pairs = json.loads(LENGTHS.read_text())["pairs"]
+    pool = [t for p in json.loads(E.PROMPTS_FILE.read_text())["other"] for t in p]
+    out = []
+    for i in range(n):
+        inp, new = pairs[i % len(pairs)]
+        start = (i * 37) % len(pool)
+        out.append(((pool[start:] + pool) [:inp], new))
+    return out
+
+
+def det_indices(n: int, share: float) -> set[int]:
+    """Requests spread evenly through the run, round(share * n) of them."""
+    k = round(share * n)
+    return {round(j * n / k) for j in range(k)} if k else set()
+
+
+def run_offline(url: str, work, det: set[int], concurrency: int) -> dict:
+    """Every request of `work` through the front, at most `concurrency` at once -> tokens/s,
+    verdicts, errors and the deterministic answers."""
+    import requests
+
+    answers: dict[int, list[int]] = {}
+    verdicts: dict[str, int] = {}
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        ids, new = work[i]
+        headers = {"X-Deterministic": "1"} if i in det else {}
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "ignore_eos": True, "temperature": 0}}
+        try:
+            r = requests.post(url + "/generate", json=body, headers=headers, timeout=900)
+            r.raise_for_status()
+            got = r.json()
+            got = got[0] if isinstance(got, list) else got
+            with lock:
+                if i in det:
+                    answers[i] = got["output_ids"]
+                    v = r.headers.get("x-mg-verdict", "none")
+                    verdicts[v] = verdicts.get(v, 0) + 1
+        except Exception as e:  # noqa: BLE001 - counted and reported
+            with lock:
+                errors.append(f"{i}: {e!r}"[:300])
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, range(len(work))))
+    wall = time.perf_counter() - t0
+    tokens = sum(new for _, new in work)
+    return {"tokens_per_s": tokens / wall, "wall_s": wall, "tokens": tokens, "verdicts": verdicts,
+            "errors": errors, "answers": answers}
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def run_streams(url: str, work, batch: int) -> dict:
+    """`batch` streamed requests at once, the even ones deterministic: TTFT and inter-token gaps."""
+    import requests
+
+    from stream_timing import read_stream
+
+    got: dict[int, tuple[float, list]] = {}
+    errors: list[str] = []
+
+    def one(i: int, t0: float) -> None:
+        ids, _ = work[i]
+        headers = {"X-Deterministic": "1"} if i % 2 == 0 else {}
+        body = {"input_ids": ids, "stream": True,
+                "sampling_params": {"max_new_tokens": 128, "ignore_eos": True, "temperature": 0, "stream_interval": 1}}
+        try:
+            with requests.post(url + "/generate", json=body, headers=headers, timeout=900, stream=True) as r:
+                r.raise_for_status()
+                points, _ = read_stream(r)
+            got[i] = (t0, points.get(0, []))
+        except Exception as e:  # noqa: BLE001 - reported
+            errors.append(f"{i}: {e!r}"[:300])
+
+    t0 = time.perf_counter()
+    jobs = [threading.Thread(target=one, args=(i, t0)) for i in range(batch)]
+    for j in jobs:
+        j.start()
+    for j in jobs:
+        j.join()
+    res: dict = {"errors": errors}
+    for kind, rows in (("det", [v for i, v in got.items() if i % 2 == 0]), ("plain", [v for i, v in got.items() if i % 2])):
+        ttft, gaps = [], []
+        for start, pts in rows:
+            if not pts:
+                continue
+            ttft.append(pts[0][1] - start)
+            for (n0, t0_), (n1, t1) in zip(pts, pts[1:]):
+                if n1 > n0:  # (an event without new tokens adds no gap)
+                    gaps += [(t1 - t0_) / (n1 - n0)] * (n1 - n0)  # a chunk of k tokens: k gaps of its share
+        if ttft:
+            res[kind] = {"ttft_ms_p50": 1e3 * pct(ttft, 0.5), "ttft_ms_p99": 1e3 * pct(ttft, 0.99),
+                         "itl_ms_p50": 1e3 * pct(gaps, 0.5), "itl_ms_p99": 1e3 * pct(gaps, 0.99),
+                         "itl_ms_mean": 1e3 * statistics.fmean(gaps), "rows": len(ttft)}
+    return res
+
+
+def table(res: dict) -> str:
+    lines = [f"# Offline throughput and streaming latency ({res['model']}, {res['device']})", "",
+             f"{res['requests']} requests, ShareGPT-like lengths (mean prompt {res['mean_prompt']:.0f}, answer "
+             f"{res['mean_answer']:.0f} tokens), at most {res['concurrency']} in flight; tau {res['tau']:.4g} "
+             f"(trigger target {res['tau_rate']}); median of {res['reps']} reps, plain SGLang timed alternately.", "",
+             "| deterministic share | plain tok/s | mg tok/s | mg / plain | verdicts | errors | rollbacks |",
+             "|---|---|---|---|---|---|---|"]
+    for s in res["throughput"]:
+        lines.append(f"| {s['share']:.0%} | {s['plain_tok_s']:.0f} | {s['mg_tok_s']:.0f} | {s['ratio']:.3f} | "
+                     f"{s['verdicts']} | {s['errors']} | {s['rollbacks']:.0f} |")
+    if res["throughput"]:
+        lines += ["", f"Deterministic answers that differed between runs: {res['differing_answers']} of "
+                  f"{res['repeated_answers']} answered more than once.", ""]
+    if res.get("streams"):
+        lines += [f"Streams: {res['stream_batch']} at once, half deterministic, one token per chunk, 128 tokens.", "",
+                  "| tau | rows | TTFT p50 / p99 ms | ITL p50 / p99 ms | ITL mean ms |", "|---|---|---|---|---|"]
+        for st in res["streams"]:
+            for kind in ("det", "plain"):
+                if kind in st:
+                    x = st[kind]
+                    lines.append(f"| {st['tau']:.4g} | {kind} | {x['ttft_ms_p50']:.1f} / {x['ttft_ms_p99']:.1f} | "
+                                 f"{x['itl_ms_p50']:.1f} / {x['itl_ms_p99']:.1f} | {x['itl_ms_mean']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("bench-out/throughput"))
+    ap.add_argument("--wheels", type=Path)
+    ap.add_argument("--tokenizer", type=Path)
+    ap.add_argument("--model", default="llama8b-planted", choices=sorted(E.SHAPES))
+    ap.add_argument("--models-dir", default="/tmp/mg-models")
+    ap.add_argument("--requests", type=int, default=128)
+    ap.add_argument("--concurrency", type=int, default=60)
+    ap.add_argument("--shares", default="0,0.02,0.1,0.5,1")
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--tau-rate", type=float, default=0.1, help="tau: this share of the reference bf16 margins below it")
+    ap.add_argument("--stream-batch", type=int, default=16)
+    ap.add_argument("--stream-taus", default="target,0", help="'target' (--tau-rate's tau) and/or numbers; '' skips")
+    ap.add_argument("--verifier-memory-gb", type=float, default=22.0)
+    args = ap.parse_args()
+    sys.path.insert(0, str(E.REPO / "tests"))
+    E.setup_python(args.wheels)
+    args.tokenizer = args.tokenizer or E._default_tokenizer()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    name = args.model
+    mdir = E.write_model(name, Path(args.models_dir) / name, args.tokenizer)
+    prompts = json.loads(E.PROMPTS_FILE.read_text())
+    refs = E.references(mdir, prompts, 64, args.out / f"refs-{name}.json", "cuda")
+    margins = [m for key in ("det", "prefix") for row in refs[key + "_margins_bf16"] for m in row]
+    tau, _ = tau_for_rate_quantized(margins, args.tau_rate)
+    work = workload(args.requests)
+    shares = [float(s) for s in args.shares.split(",") if s]
+    mem = E.mem_flags(name)
+    res = {"model": name, "device": torch.cuda.get_device_name(0), "requests": args.requests,
+           "concurrency": args.concurrency, "mean_prompt": statistics.fmean(len(w[0]) for w in work),
+           "mean_answer": statistics.fmean(w[1] for w in work), "tau": tau, "tau_rate": args.tau_rate,
+           "reps": args.reps, "throughput": [], "streams": [], "stream_batch": args.stream_batch}
+    from mg_server.evaluation.determinism import scrape
+
+    def mg(tau_value: float):
+        return E.start(mdir, name, "margin", args.out, ["--mg-commit", "window", "--mg-tau", f"{tau_value:.6g}", "--mg-verifier-memory-gb",
+                                                       str(args.verifier_memory_gb), *mem], "cuda", graph_bs)
+
+    # CUDA graphs up to the concurrency: past them SGLang's bare-host eager decode of the 8B shape
+    # ran at ~80 ms a step (730 tokens/s at 60 requests), which would hide any verifier cost
+    graph_bs = max(32, args.concurrency)
+    base = E.start(mdir, name, "off", args.out, mem, "cuda", graph_bs) if shares else None
+    srv = mg(tau)
+    seen: dict[int, list[int]] = {}
+    differing = repeated = 0
+    try:
+        if base:
+            run_offline(base.url, work[:16], set(), 16)  # warm both
+            run_offline(srv.url, work[:16], set(range(16)), 16)
+        for share in shares:
+            det = det_indices(len(work), share)
+            plain, mine = [], []
+            before = scrape(srv.url, ("mg_rollbacks_total",))["mg_rollbacks_total"]
+            verdicts: dict[str, int] = {}
+            errors = 0
+            for rep in range(args.reps):
+                order = [("plain", base, set()), ("mg", srv, det)]
+                for kind, s, d in (order if rep % 2 == 0 else order[::-1]):
+                    r = run_offline(s.url, work, d, args.concurrency)
+                    (plain if kind == "plain" else mine).append(r["tokens_per_s"])
+                    errors += len(r["errors"])
+                    if r["errors"]:
+                        E.log(f"share {share}: {kind} errors {r['errors'][:3]}")
+                    for k, v in r["verdicts"].items():
+                        verdicts[k] = verdicts.get(k, 0) + v
+                    for i, ans in r["answers"].items():
+                        if i in seen:
+                            repeated += 1
+                            differing += ans != seen[i]
+                        else:
+                            seen[i] = ans
+            p, m = statistics.median(plain), statistics.median(mine)
+            rb = scrape(srv.url, ("mg_rollbacks_total",))["mg_rollbacks_total"] - before
+            res["throughput"].append({"share": share, "plain_tok_s": p, "mg_tok_s": m, "ratio": m / p,
+                                      "plain_all": plain, "mg_all": mine, "verdicts": verdicts, "errors": errors,
+                                      "rollbacks": rb})
+            E.log(f"share {share:.0%}: plain {p:.0f} tok/s, mg {m:.0f} tok/s ({m / p:.3f}), {verdicts}, errors {errors}")
+            res.update(differing_answers=differing, repeated_answers=repeated)
+            (args.out / "throughput.json").write_text(json.dumps(res, indent=2))
+        if base:
+            base.stop()
+        for spec in [s for s in args.stream_taus.split(",") if s]:
+            t = tau if spec == "target" else float(spec)
+            if t != tau:
+                srv.stop()
+                srv = mg(t)
+            run_streams(srv.url, work, 4)  # warm
+            st = run_streams(srv.url, work, args.stream_batch)
+            st["tau"] = t
+            res["streams"].append(st)
+            E.log(f"streams at tau {t:.4g}: {st}")
+            (args.out / "throughput.json").write_text(json.dumps(res, indent=2))
+    finally:
+        if base:
+            base.stop()
+        srv.stop()
+    (args.out / "throughput.md").write_text(table(res))
+    print(table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
