@@ -22,10 +22,10 @@ class VerifierError(RpcError):
 
 def newest_gen(results: list, last_gen: int) -> int:
     """The newest slot generation among a reply's results and `last_gen` (the worker stamps
-    results in order; a chained result's `next` is newer than the result itself)."""
+    results in order)."""
     for r in results:
         if isinstance(r, P.VerifyResult):
-            last_gen = max(last_gen, r.gen if r.next is None else r.next.gen)
+            last_gen = max(last_gen, r.gen)
     return last_gen
 
 
@@ -33,8 +33,8 @@ class VerifierClient(RpcClient):
     error_cls = VerifierError
 
     def __init__(self, ipc_path: str, timeout_s: float = 30.0, client_name: str = "",
-                 peer_check: Callable[[], str] | None = None, spin_s: float = 0.0):
-        super().__init__(ipc_path, timeout_s, client_name, peer_check, spin_s)
+                 peer_check: Callable[[], str] | None = None):
+        super().__init__(ipc_path, timeout_s, client_name, peer_check)
         self.info: P.HelloReply | None = None
         self.slots: SlotBuffer | None = None
         self.last_gen = 0  # the newest slot generation in a reply (the worker stamps results in order)
