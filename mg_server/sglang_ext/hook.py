@@ -72,7 +72,7 @@ def protected_rows(sampling_info) -> list[tuple[int, object, str]]:
 
 def only_mg_processors(sampling_info) -> bool:
     """True if every custom logit processor of the batch is mg's no-op flag carrier (SGLang
-    applies it with index kernels only: no host wait behind a held gate)."""
+    applies it with index kernels only: no host wait)."""
     entries = getattr(sampling_info, "custom_logit_processor", None) or {}
     return bool(entries) and all(type(e.processor).__name__ == "MgFlagProcessor"
                                  and type(e.processor).__module__.startswith("mg_server") for e in entries.values())
