@@ -1,7 +1,7 @@
 """The step seam's link to mg's controller, in SGLang's scheduler process (hook.py's StepSeam
 owns one): one socket for one-way step reports and finishes; the finish watcher thread, which
-reports every finished deterministic request (and, on the lagged path, drains and watches the
-step gate first); and the news watcher, which hands the controller's rollbacks and checked
+reports every finished deterministic request (draining the lagged path's forwards first); and
+the news watcher, which hands the controller's rollbacks and checked
 lengths to the tracked requests. Also each tracked request's state (`Tracked`) and how SGLang
 ends a request (`end_rules`, sent with its Finish)."""
 

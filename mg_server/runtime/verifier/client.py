@@ -20,15 +20,6 @@ class VerifierError(RpcError):
     """A typed failure of a verifier call: `code` is one of protocol.ErrorCode."""
 
 
-def newest_gen(results: list, last_gen: int) -> int:
-    """The newest slot generation among a reply's results and `last_gen` (the worker stamps
-    results in order)."""
-    for r in results:
-        if isinstance(r, P.VerifyResult):
-            last_gen = max(last_gen, r.gen)
-    return last_gen
-
-
 class VerifierClient(RpcClient):
     error_cls = VerifierError
 
@@ -37,7 +28,6 @@ class VerifierClient(RpcClient):
         super().__init__(ipc_path, timeout_s, client_name, peer_check)
         self.info: P.HelloReply | None = None
         self.slots: SlotBuffer | None = None
-        self.last_gen = 0  # the newest slot generation in a reply (the worker stamps results in order)
 
     # ---- API ----------------------------------------------------------------------------
     def connect(self, timeout_s: float | None = None, expect_model_id: str = "",
@@ -63,7 +53,6 @@ class VerifierClient(RpcClient):
         """Send items in one message (served in one batched forward where rids differ)."""
         reply = self.call(P.Verify(items=list(items)), timeout_s)
         assert isinstance(reply, P.VerifyReply)
-        self.last_gen = newest_gen(reply.results, self.last_gen)
         return reply.results
 
     def verify(self, rid: str, pos: int, tokens: list[int], *, rewind: bool = False,
