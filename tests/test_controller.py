@@ -328,6 +328,7 @@ def test_a_verifier_that_dies_mid_call_fails_the_rows_and_reports_down(make_ctl)
     ctl._idle_turn()
     err = ctl.reqs["k"].error
     assert "peer_down" in err and "[peer_down] [peer_down]" not in err
+    assert "exited" in ctl.down_reason  # published by the failed call itself (/health, mg_verifier_up)
     assert ctl._verdict("k").state == "failed"
     assert not ctl.verifier_up() and "exited" in ctl.down_reason
     ctl._step([P.StepRow(rid="l", pos=0, prompt=[1], margin=9.0, fast_token=0)])

@@ -26,12 +26,18 @@ QUESTIONS = ("Explain in detail why the sky is blue, step by step.", "Write a sh
 H = {"X-Deterministic": "1"}
 
 
-@pytest.fixture(scope="module")
-def setup(prepared_model, tmp_path_factory):
-    # (the lagged seam's window rows run in tests/test_gpu_serving.py on CUDA)
-    yield from faulted_server(prepared_model, tmp_path_factory.mktemp("window") / "server.log",
-                              ["--mg-mode", "margin", "--mg-window", "8"],
-                              {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0"}, QUESTIONS, MAX_NEW)
+@pytest.fixture(scope="module", params=["sync", "lagged"])
+def setup(request, prepared_model, tmp_path_factory):
+    """The synchronous seam (a CPU server's own), and the lagged seam on the CPU reference gate
+    (MG_LAGGED_ON_CPU=1: the rows read one forward late, a due rollback applied on the synchronous
+    path; on CUDA the lagged seam runs in tests/test_gpu_serving.py)."""
+    env = {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0"}
+    if request.param == "lagged":
+        env["MG_LAGGED_ON_CPU"] = "1"
+    for srv, *rest in faulted_server(prepared_model, tmp_path_factory.mktemp("window") / "server.log",
+                                     ["--mg-mode", "margin", "--mg-window", "8"], env, QUESTIONS, MAX_NEW):
+        assert ("mg: lagged commit on" in srv.log_path.read_text()) == (request.param == "lagged")
+        yield (srv, *rest)
 
 
 def _counter(url: str, name: str) -> float:

@@ -173,6 +173,7 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
             results = self.vclient.verify_many(items)
         except VerifierError as e:
             results = [P.ErrorReply(code=e.code, message=e.message) for _ in items]
+            self.verifier_up()  # a verifier that died or stopped is reported down at once (/health, mg_verifier_up)
         self.m.verify_seconds.observe(time.perf_counter() - t0)
         if ok := [r for r in results if not isinstance(r, P.ErrorReply)]:  # one forward served them all
             self.m.verifier_forward_seconds.observe(ok[0].forward_ms / 1e3)
