@@ -36,7 +36,7 @@ class HookConfig:
     metrics_dir: str  # prometheus multiprocess folder shared with the front
     margin_buckets: tuple[float, ...] = MARGIN_BUCKETS
     controller_ipc: str = ""  # "" = no controller: only count steps and margins
-    step_timeout_s: float = 60.0  # a forward waits this long for the controller's decisions
+    step_timeout_s: float = 60.0  # the longest wait for the controller (the finish barrier's check of a request)
     fault_missed_flip: int = -1  # tests only (env MG_FAULT_MISSED_FLIP): commit this answer token's runner-up
     fault_flip_margin: float = 1e9  # tests only (env MG_FAULT_FLIP_MARGIN): the margin reported for it
     # CUDA with the overlap scheduler: read each forward's rows one forward late, without a host

@@ -294,7 +294,7 @@ def serve(cfg: ServeConfig) -> None:
     from mg_server.runtime.fingerprint import system_fingerprint
     from mg_server.sglang_ext.processor import serialized
 
-    # A step may wait for a whole context's catch-up, one verify timeout per chunk (a dead or
+    # The finish barrier may wait for a whole context's catch-up, one verify timeout per chunk (a dead or
     # stopped controller is noticed from its beat within seconds, whatever this bound).
     chunks = -(-context_len // cfg.catchup_chunk) + 1
     hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
