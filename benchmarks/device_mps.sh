@@ -4,9 +4,9 @@
 # (benchmarks/results/gpu/HISTORY.md, "One forward behind"). The MPS control daemon is started
 # for this command only and quit when it ends; no card setting is changed. Every server of the
 # run is an MPS client, plain SGLang included.
-#   SWEEP="--models smol --configs 0.1:lag,0.1:hold --decode-tokens 128 --stream-interval 8 \
+#   SWEEP="--models smol --configs 0.1 --decode-tokens 128 --stream-interval 8 \
 #     --reps 2 --batches 1,8,32" TESTS=skip bash benchmarks/device_mps.sh
-# (that run: benchmarks/results/gpu/sweep_smol_lag_vs_hold_mps_h100.*). Exits 0 with a message
+# (an earlier commit's run: benchmarks/results/gpu/sweep_smol_lag_vs_hold_mps_h100.*). Exits 0 with a message
 # where MPS is unavailable.
 command -v nvidia-cuda-mps-control >/dev/null || { echo "mg: no nvidia-cuda-mps-control here"; exit 0; }
 export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/mps-pipe} CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/mps-log}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the GPU device machine ($OUT set) for the lagged seam's host path: its GPU tests, the
-# per-launch host times (seam_launch.py), the SmolLM2 held-path sweep next to plain SGLang and its
+# per-launch host times (seam_launch.py), a SmolLM2 sweep next to plain SGLang and its
 # deterministic mode (streamed answers), then the same at batch 8 under benchmarks/prof_site (where
 # the host time goes: profile.json). Needs .whl/ and .cache/gpu-tokenizer/ in the carried tree.
 #   bash benchmarks/device_seam.sh            (about 8 minutes on an H100)
@@ -11,7 +11,7 @@ nvidia-smi -L | tee "$LOG"
 timeout 240 python3 -m pytest -q -p no:cacheprovider -rs tests/test_gate_gpu.py tests/test_launch.py \
   tests/test_lagged.py 2>&1 | tail -15 | tee -a "$LOG"
 timeout 60 python3 benchmarks/seam_launch.py --out "$OUT/seam_launch_h100.json" 2>&1 | tee -a "$LOG"
-SWEEP=(--tokenizer .cache/gpu-tokenizer --models smol --configs 0.1:hold --decode-tokens 128 --stream-interval 8)
+SWEEP=(--tokenizer .cache/gpu-tokenizer --models smol --configs 0.1 --decode-tokens 128 --stream-interval 8)
 timeout "${SWEEP_TIMEOUT:-260}" python3 benchmarks/gpu_sweep.py --out /tmp/seam-sweep "${SWEEP[@]}" --sglang-det \
   --reps 2 --batches 1,8,32 2>&1 | tee -a "$LOG"
 cp /tmp/seam-sweep/gpu_sweep-smol.json /tmp/seam-sweep/gpu_sweep.md "$OUT/" 2>/dev/null

@@ -2,7 +2,7 @@
 SGLang's own deterministic mode (issue 10's benchmark), in one command per model:
 
     python benchmarks/gpu_sweep.py --out DIR --wheels .whl --tokenizer DIR --models smol \
-        --rates 0.05,0.1,0.2,always [--sglang-det] [--commit resume,hold]
+        --rates 0.05,0.1,0.2,always [--sglang-det] [--configs 0.1:w8,always]
 
 Uses gpu_e2e.py's models (random weights, fixed seed), prompts and ABBA alternation; ms/step is
 (time of N tokens - time of S) / (N - S), S = --short-tokens (2; decode_ms has the trade-off), or
@@ -11,15 +11,12 @@ tau for a target trigger rate is the quantile of the verifier-alone margins of t
 rate each server really verified is measured and reported beside it. A server in mode `off`
 (plain SGLang) stays up the whole run and is timed alternately with each mg server, so every
 overhead is against a baseline of the same minutes. Deterministic rows are sent as clients send
-them, through mg's front with `X-Deterministic: 1` (one /generate batch body; with `--mg-commit
-resume` one request each, all sent at the same moment, since only single requests resume: the
-time is then until the last answer, a noisier measure), so their time
-includes everything a client waits for: the verdict (the final audit) and, with `--mg-commit
-resume`, the resumed continuations after a divergence; plain rows go in a second /generate body
-sent at the same moment (they decode in the same forwards). Per tau and commit mode: ms/step with
-every row of the batch deterministic, and with 25 % of it deterministic (the plain neighbours'
-ms/step and the deterministic rows'), the measured trigger, repair and resume rates, the verdicts
-and the mean verify call. JSON after every server (--out/gpu_sweep-MODEL.json), a summary table,
+them, through mg's front with `X-Deterministic: 1` (one /generate batch body), so their time
+includes everything a client waits for: the verdict (the final audit); plain rows go in a second
+/generate body sent at the same moment (they decode in the same forwards). Per tau and window:
+ms/step with every row of the batch deterministic, and with 25 % of it deterministic (the plain
+neighbours' ms/step and the deterministic rows'), the measured trigger and rollback rates, the
+verdicts and the mean verify call. JSON after every server (--out/gpu_sweep-MODEL.json), a summary table,
 and a PNG.
 """
 
@@ -27,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -69,38 +65,28 @@ def metrics(url: str) -> dict:
     sums = {"vsum": "mg_verify_seconds_sum", "vcount": "mg_verify_seconds_count",
             "fsum": "mg_verifier_forward_seconds_sum", "rsum": "mg_verify_rows_sum",
             "csum": "mg_control_seconds_sum", "ccount": "mg_control_seconds_count",
-            "arows": "mg_prefill_ahead_rows_total", "lagfix": "mg_lag_corrections_total",
-            "chained": "mg_chained_total", "vahead": "mg_verify_ahead_total",
-            "mahead": "mg_musts_answered_ahead_total", "above": "mg_flips_above_tau_total",
             "rollbacks": "mg_rollbacks_total", "stale": "mg_stale_steps_total"}
     c = scrape(url, (*MG_COUNTERS, *sums.values()))
     return {"fast": c["steps_fast"], "verify": c["steps_verify"], "repair": c["mg_repair_total"],
-            "resumes": c["mg_corrections_total"], "stops": c["mg_resume_stops_total"],
             **{k: c[name] for k, name in sums.items()}}
 
 
 def rates(before: dict, after: dict) -> dict:
     d = {k: after[k] - before[k] for k in after}
     steps = max(1.0, d["fast"] + d["verify"])
-    # trigger: the margin gate's share; the lag steps above tau that verify ahead corrected are
-    # verified steps too, not triggered ones (flips_above_tau; runs before 2026-11-27 counted them)
-    return {"trigger": (d["verify"] - d["above"]) / steps, "repair": d["repair"] / steps,
+    # trigger: the margin gate's share (low-margin steps, checked within a few forwards)
+    return {"trigger": d["verify"] / steps, "repair": d["repair"] / steps,
             "steps": d["fast"] + d["verify"],
-            "resumes": d["resumes"], "stops": d["stops"], "lag_fixes": d["lagfix"],
-            "chained": d["chained"],  # must steps answered by the correcting call (VerifyItem.chain)
-            # window commit: in-place rollbacks and the fast steps they threw away
+            # in-place rollbacks and the fast steps they threw away
             "rollbacks": d["rollbacks"], "stale_steps": d["stale"],
-            # the verify call's profile: the verifier's forward inside it, its rows (verified +
-            # catch-up), and the share of deterministic forwards that waited for one (held path)
+            # the verify call's profile: the verifier's forward inside it, its rows (checked +
+            # catch-up), and verify calls per deterministic forward
             "verifier_forward_ms": 1e3 * d["fsum"] / d["vcount"] if d["vcount"] else None,
             "rows_per_call": d["rsum"] / d["vcount"] if d["vcount"] else None,
             "calls_per_forward": d["vcount"] / d["ccount"] if d["ccount"] else None,
             "verify_call_ms": 1e3 * d["vsum"] / d["vcount"] if d["vcount"] else None,
             # the seam's time per forward whose rows were all fast-committed (mg_control_seconds)
-            "fast_control_ms": 1e3 * d["csum"] / d["ccount"] if d["ccount"] else None, "verify_calls": d["vcount"],
-            "prefill_ahead_rows": d["arows"], "verified_ahead": d["vahead"],
-            "musts_answered_ahead": d["mahead"],
-            "flips_above_tau": d["above"]}  # verify ahead: corrected lag steps above tau
+            "fast_control_ms": 1e3 * d["csum"] / d["ccount"] if d["ccount"] else None, "verify_calls": d["vcount"]}
 
 
 def front_batch(url: str, rows: list[list[int]], max_new: int, n_det: int, singles: bool = False) -> dict:
@@ -231,18 +217,11 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             finally:
                 srv.stop()
             path.write_text(json.dumps(res, indent=2))
-        for rate, commit, *rest in args.configs:
+        for rate, *rest in args.configs:
             always = rate == "always"
-            if bad := [x for x in rest if not (x.isdigit() or x in ("early", "sched", "host", "chain", "nochain", "vahead")
-                                              or (x.startswith("w") and x[1:].isdigit())
-                                              or (x.startswith("gil") and x[3:].isdigit())
-                                              or (x.startswith("spin") and x[4:].isdigit()))]:
-                raise SystemExit(f"unknown config marker(s) {bad} in {rate}:{commit}:{':'.join(rest)}")
-            ahead = next((int(x) for x in rest if x.isdigit()), 0)  # serve --mg-prefill-ahead
-            early = "on" if "early" in rest else "off"  # serve --mg-early-verify
-            spin = next((int(x[4:]) for x in rest if x.startswith("spin") and x[4:].isdigit()), 0)  # --mg-ipc-spin-us
-            place = "scheduler" if "sched" in rest or "host" in rest else "process"  # serve --mg-verifier-in
-            host = "host" in rest  # serve --mg-controller-in scheduler (the verifier there too)
+            if bad := [x for x in rest if not (x.startswith("w") and x[1:].isdigit())]:
+                raise SystemExit(f"unknown config marker(s) {bad} in {rate}:{':'.join(rest)}")
+            window = next((int(x[1:]) for x in rest), None)  # serve --mg-window W
             expected = None  # the reference steps' share below tau, when the margins are bf16 steps
             if always:
                 tau = None
@@ -250,38 +229,24 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
                 tau, expected = tau_for_rate_quantized(margins, float(rate))
             else:
                 tau = tau_for_rate(margins, float(rate))
-            flags = (([] if always else ["--mg-tau", f"{tau:.6g}"]) + (["--mg-prefill-ahead", str(ahead)] if ahead else [])
-                     + ["--mg-early-verify", early, "--mg-ipc-spin-us", str(spin), "--mg-verifier-in", place]
-                     + ["--mg-lag-chain", "on" if "chain" in rest else "off"]  # (explicit: its default changed)
-                     + (["--mg-controller-in", "scheduler" if host else "process"] if place == "scheduler" else [])
-                     + (["--mg-verify-ahead", "on"] if "vahead" in rest else [])
-                     + [f for x in rest if x.startswith("w") and x[1:].isdigit() for f in ("--mg-window", x[1:])])
-            gil = next((x[3:] for x in rest if x.startswith("gil") and x[3:].isdigit()), "")
-            os.environ.pop("MG_GIL_SWITCH_US", None)
-            if gil:  # gilN: the scheduler process's GIL switch interval, N µs (env.gil_switch_s)
-                os.environ["MG_GIL_SWITCH_US"] = gil
-            srv = E.start(mdir, name, "always" if always else "margin", out,
-                          [*flags, *seam, "--mg-commit", commit, *mem], args.device)
-            os.environ.pop("MG_GIL_SWITCH_US", None)
-            srv.name = f"{name}/{rate}/{commit}" + (f"/ahead{ahead}" if ahead else "") + ("/early" if early == "on" else "") + (f"/spin{spin}" if spin else "") + ("/sched" if place == "scheduler" else "") + ("/host" if host else "") + ("/chain" if "chain" in rest else "") + ("/vahead" if "vahead" in rest else "") + (f"/gil{gil}us" if gil else "") + "".join(f"/{x}" for x in rest if x.startswith("w") and x[1:].isdigit())
+            flags = (([] if always else ["--mg-tau", f"{tau:.6g}"])
+                     + (["--mg-window", str(window)] if window is not None else []))
+            srv = E.start(mdir, name, "always" if always else "margin", out, [*flags, *seam, *mem], args.device)
+            srv.name = f"{name}/{rate}" + (f"/w{window}" if window is not None else "")
             try:
-                singles = commit == "resume"  # only single requests resume (front.policy.mark_resumable)
-                cfg = {"target": rate, "tau": tau, "commit": commit, "prefill_ahead": ahead, "early_verify": early,
-                       "ipc_spin_us": spin, "verifier_in": place, "controller_in": "scheduler" if host else "process",
-                       "lag_chain": "chain" in rest, "verify_ahead": "vahead" in rest, "gil_switch_us": int(gil) if gil else None,
-                       "expected_trigger": expected,
-                       "det_requests": "single" if singles else "batch",
-                       "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, singles,
+                cfg = {"target": rate, "tau": tau, "commit": "window", "window": window, "expected_trigger": expected,
+                       "det_requests": "batch",
+                       "det": timed(base, srv, others, args.batches, args.decode_tokens, args.reps, 1.0, False,
                                     args.short_tokens, args.stream_interval),
                        "mixed": timed(base, srv, others, [b for b in args.batches if b >= 4],
-                                      args.decode_tokens, args.reps, MIXED, singles, args.short_tokens,
+                                      args.decode_tokens, args.reps, MIXED, False, args.short_tokens,
                                       args.stream_interval)}
             finally:
                 srv.stop()
                 srv.log_path.rename(out / f"server-{srv.name.replace('/', '-')}.log")  # one log per server
             res["configs"].append(cfg)
-            E.log(f"{name} {rate} {commit}: tau {tau}, trigger {cfg['det']['trigger']:.3f}, resumes "
-                  f"{cfg['det']['resumes']:.0f}, verdicts {cfg['det']['verdicts']} {cfg['mixed']['verdicts']}")
+            E.log(f"{name} {rate}: tau {tau}, trigger {cfg['det']['trigger']:.3f}, rollbacks "
+                  f"{cfg['det']['rollbacks']:.0f}, verdicts {cfg['det']['verdicts']} {cfg['mixed']['verdicts']}")
             path.write_text(json.dumps(res, indent=2))
     finally:
         base.stop()
@@ -314,16 +279,7 @@ def load(path: Path) -> dict:
 
 def _variant(c: dict) -> str:
     """A configuration's serve flags beyond rate and commit, for the tables."""
-    return ((f", prefill ahead {c['prefill_ahead']}" if c.get("prefill_ahead") else "")
-            + (", early verify on" if c.get("early_verify") == "on" else "")
-            + (f", IPC spin {c['ipc_spin_us']} µs" if c.get("ipc_spin_us") else "")
-            + (", verifier in the scheduler" if c.get("verifier_in") == "scheduler" else "")
-            + (", controller there too" if c.get("controller_in") == "scheduler" else "")
-            + ((", chain" if c.get("lag_chain") else ", no chain") if c.get("commit") == "lag" else "")
-            + (", verify ahead" if c.get("verify_ahead") else "")
-            + (f", GIL switch {c['gil_switch_us']} µs" if c.get("gil_switch_us") else "")
-            + (f", stream priority {c['stream_priority']}" if c.get("stream_priority", "same") != "same" else "")
-            + (", gc frozen" if c.get("gc_freeze") else "")  # (an experiment of 2026-11-26, its flag removed)
+    return ((f", window {c['window']}" if c.get("window") else "")
             + (f", tau from bf16 margins (reference share {100 * c['expected_trigger']:.1f} %)"
                if c.get("expected_trigger") is not None else ""))
 
@@ -337,7 +293,7 @@ def summarize(r: dict) -> str:
     weights = "" if r.get("weights", "random") == "random" else ", real weights"
     lines = [f"## {r['model']}{weights} (mg seam: {r.get('seam', 'sync')}): ms per decode step (overhead vs plain SGLang "
              f"timed alternately in the same minutes; {how}; [min..max] over the reps)", "",
-             "| config | tau | trigger (measured) | repair | corrected answers (lag: tokens) | verdicts | verify call ms | "
+             "| config | tau | trigger (measured) | repair | rollbacks | verdicts | verify call ms | "
              + " | ".join(f"bs {b} all det." for b in r["batches"]) + " | "
              + " | ".join(f"bs {b} 25 % det.: plain / det." for b in big) + " |",
              "|---" * (7 + len(r["batches"]) + len(big)) + "|"]
@@ -359,7 +315,7 @@ def summarize(r: dict) -> str:
                  f"{pct(m['mg'][b]['median'], m['base'][b]['median'])}" if b in m.get("mg_plain", {}) else ""
                  for b in big]
         lines.append(f"| mg {label}, {c.get('commit', 'hold')} | {'' if c['tau'] is None else format(c['tau'], '.4g')} | "
-                     f"{100 * d['trigger']:.1f} % | {100 * d['repair']:.2f} % | {d.get('resumes', 0) + d.get('lag_fixes', 0) + d.get('rollbacks', 0):.0f} | "
+                     f"{100 * d['trigger']:.1f} % | {100 * d['repair']:.2f} % | {d.get('rollbacks', 0):.0f} | "
                      f"{', '.join(f'{k} {v}' for k, v in sorted(verdicts.items()))} | "
                      f"{'' if vc is None else format(vc, '.2f')} | "
                      + " | ".join(pct_reps(d["mg"][b], d["base"][b]) for b in d["mg"]) + " | "
@@ -368,7 +324,7 @@ def summarize(r: dict) -> str:
             for bs, x in sorted(c[part].get("by_batch", {}).items())]
     if held:
         lines += ["", "Per batch size (mg's counters around each batch size's runs):", "",
-                  "| config | traffic | bs | trigger | verify calls per deterministic forward (lagged seam) | verify call ms | rows per call |",
+                  "| config | traffic | bs | trigger | verify calls per deterministic forward | verify call ms | rows per call |",
                   "|---|---|---|---|---|---|---|"]
         for c, part, bs, x in held:
             lines.append(f"| margin ~{c['target']}{_variant(c)}, {c.get('commit', 'hold')} | "
@@ -431,21 +387,16 @@ def main() -> int:
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--seam", choices=["sync", "lagged"], default="lagged",
                     help="mg's control path (serve --mg-seam): lagged (default) or sync (margins read before sampling)")
-    ap.add_argument("--commit", default="resume,hold",
-                    help="serve --mg-commit modes to time at each rate (comma list; default resume,hold)")
     ap.add_argument("--configs", default="",
-                    help="RATE:COMMIT[:N][:early][:spinU][:sched|host][:wW],... to time instead of every --rates x "
-                         "--commit pair (e.g. 0.1:hold,0.1:lag:sched; N: serve --mg-prefill-ahead N; early: "
-                         "--mg-early-verify on; spinU: --mg-ipc-spin-us U; sched: --mg-verifier-in scheduler with "
-                         "--mg-controller-in process; host: the verifier and the controller in the scheduler; chain: --mg-lag-chain on; lag runs without it: off; "
-                         "vahead: --mg-verify-ahead on, with host; wW: --mg-window W)")
+                    help="RATE[:wW],... to time instead of every --rates value (e.g. 0.1,0.1:w8,always; "
+                         "wW: serve --mg-window W)")
     ap.add_argument("--tau-margins", choices=["fp32", "bf16"], default="fp32",
                     help="which reference margins tau comes from: the verifier's fp32 ones (default), or those "
                          "of its logits rounded to bf16, as SGLang's bf16 lm_head shows them to the seam (the "
                          "8B shape: its fp32-derived tau caught every bf16 tie, 17 %% of steps for a 10 %% target)")
     ap.add_argument("--prompt-tokens", type=int, default=0,
                     help="> 0: lengthen every timed prompt to this many tokens (its own tokens repeated): the "
-                         "cost of long prompts' first checks (--mg-prefill-ahead)")
+                         "cost of long prompts' first checks")
     ap.add_argument("--limit", type=int, default=0)
     ap.add_argument("--summarize", type=Path, nargs="+", metavar="JSON",
                     help="only print the tables of earlier results files (no GPU needed)")
@@ -458,9 +409,8 @@ def main() -> int:
         ap.error(f"--checkpoint takes NAME=DIR with NAME one of {sorted(E.SHAPES)}: {bad}")
     args.checkpoint = dict(c.split("=", 1) for c in args.checkpoint)
     args.rates = args.rates.split(",")
-    args.commit = args.commit.split(",")
     args.configs = ([tuple(c.split(":")) for c in args.configs.split(",")] if args.configs
-                    else [(r, c) for r in args.rates for c in args.commit])
+                    else [(r,) for r in args.rates])
     sys.path.insert(0, str(E.REPO / "tests"))
     E.setup_python(args.wheels)
     args.tokenizer = args.tokenizer or E._default_tokenizer()

@@ -203,14 +203,16 @@ def main() -> int:
     from mg_server.evaluation.determinism import scrape
 
     def mg(tau_value: float):
-        return E.start(mdir, name, "margin", args.out, ["--mg-commit", "window", "--mg-tau", f"{tau_value:.6g}", "--mg-verifier-memory-gb",
+        return E.start(mdir, name, "margin", args.out, ["--mg-tau", f"{tau_value:.6g}", "--mg-verifier-memory-gb",
                                                        str(args.verifier_memory_gb), *mem], "cuda", graph_bs)
 
     # CUDA graphs up to the concurrency: past them SGLang's bare-host eager decode of the 8B shape
     # ran at ~80 ms a step (730 tokens/s at 60 requests), which would hide any verifier cost
     graph_bs = max(32, args.concurrency)
+    stream_taus = [tau if spec == "target" else float(spec) for spec in args.stream_taus.split(",") if spec]
     base = E.start(mdir, name, "off", args.out, mem, "cuda", graph_bs) if shares else None
-    srv = mg(tau)
+    srv_tau = tau if shares or not stream_taus else stream_taus[0]
+    srv = mg(srv_tau)
     seen: dict[int, list[int]] = {}
     differing = repeated = 0
     try:
@@ -249,11 +251,10 @@ def main() -> int:
             (args.out / "throughput.json").write_text(json.dumps(res, indent=2))
         if base:
             base.stop()
-        for spec in [s for s in args.stream_taus.split(",") if s]:
-            t = tau if spec == "target" else float(spec)
-            if t != tau:
+        for t in stream_taus:
+            if t != srv_tau:
                 srv.stop()
-                srv = mg(t)
+                srv, srv_tau = mg(t), t
             run_streams(srv.url, work, 4)  # warm
             st = run_streams(srv.url, work, args.stream_batch)
             st["tau"] = t

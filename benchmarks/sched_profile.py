@@ -31,17 +31,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CONFIGS = {  # name -> (mg mode, serve flags); tau 0.245557 gave 9.8 % triggers at bs 8 (real SmolLM2)
     "plain": ("off", []),
-    "lag": ("margin", ["--mg-tau", "0.245557", "--mg-commit", "lag", "--mg-verifier-in", "scheduler",
-                       "--mg-lag-chain", "off", "--mg-controller-in", "process"]),
-    "lag-host": ("margin", ["--mg-tau", "0.245557", "--mg-commit", "lag", "--mg-verifier-in", "scheduler",
-                            "--mg-lag-chain", "off", "--mg-controller-in", "scheduler"]),
-    "hold": ("margin", ["--mg-tau", "0.245557", "--mg-commit", "hold"]),
-    "lag-ahead": ("margin", ["--mg-tau", "0.245557", "--mg-commit", "lag", "--mg-verifier-in", "scheduler",
-                             "--mg-lag-chain", "off", "--mg-controller-in", "scheduler", "--mg-verify-ahead", "on"]),
+    "window": ("margin", ["--mg-tau", "0.245557"]),
 }
-AHEAD = "mg-verify-ahead"  # --mg-verify-ahead's thread (runtime/controller/inproc.py): its functions, inclusive
-MG_FILES = ("lagged.py", "lagcommit.py", "hook.py", "link.py", "processor.py", "gate.py", "decide.py")
-CALL = "DirectControllerClient.step"  # a hosted verify call: its frames below, tabled apart
+AHEAD = "mg-verify-ahead"  # a thread of that name (none since the verify-ahead thread was removed), inclusive
+MG_FILES = ("lagged.py", "window.py", "rollback.py", "hook.py", "link.py", "processor.py", "gate.py", "decide.py")
+CALL = "DirectControllerClient.step"  # a hosted verify call (none since the hosted controller was removed)
 
 
 def load(path: Path) -> list[tuple[list[str], int]]:
@@ -153,7 +147,7 @@ def main() -> None:
     ap.add_argument("--analyze", help="a folder of saved stacks: print the tables again")
     ap.add_argument("--checkpoint", default="/tmp/mg-models/smol-real")
     ap.add_argument("--py-spy", default=os.environ.get("PYSPY", "py-spy"))
-    ap.add_argument("--configs", default="plain,lag")
+    ap.add_argument("--configs", default="plain,window")
     ap.add_argument("--seconds", type=int, default=10)
     args = ap.parse_args()
     if args.analyze:

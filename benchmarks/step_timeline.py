@@ -42,13 +42,10 @@ import shutil
 import requests
 
 HERE = Path(__file__).resolve().parent
-LAG = ["--mg-commit", "lag", "--mg-verifier-in", "scheduler", "--mg-lag-chain", "off", "--mg-controller-in", "process"]
 CONFIGS = {  # name -> (mg mode, serve flags); tau 0.245557 gave 9.8 % triggers at bs 8 (real SmolLM2)
     "plain": ("off", []),
-    "lag-tau0": ("margin", ["--mg-tau", "0", *LAG]),  # lag's machinery, nothing verified
-    "lag": ("margin", ["--mg-tau", "0.245557", *LAG]),
-    "lag-host": ("margin", ["--mg-tau", "0.245557", *LAG[:-1], "scheduler"]),
-    "lag-ahead": ("margin", ["--mg-tau", "0.245557", *LAG[:-1], "scheduler", "--mg-verify-ahead", "on"]),
+    "window-tau0": ("margin", ["--mg-tau", "0"]),  # checks by window only
+    "window": ("margin", ["--mg-tau", "0.245557"]),
 }
 # the verifier's kernels (mg_server.kernels; the seam's decide/gate kernels run on SGLang's stream)
 MG_KERNELS = ("_matmul_tma_kernel", "_matmul_kernel", "_rms_kernel", "_rope_store_kernel", "_silu_mul_kernel",
@@ -357,7 +354,7 @@ def main() -> None:
     ap.add_argument("--out")
     ap.add_argument("--analyze", help="saved traces (.trace.json[.gz]) or event dumps (events.json), comma-separated")
     ap.add_argument("--checkpoint", default="/tmp/mg-models/smol-real")
-    ap.add_argument("--configs", default="plain,lag-host")
+    ap.add_argument("--configs", default="plain,window")
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--warm-s", type=float, default=10.0)
     ap.add_argument("--events", type=float, default=0.0,

@@ -88,8 +88,7 @@ def stream_batch(url: str, rows: list[list[int]], new: int, n_det: int, singles:
 
 def post_all(rows: list[list[int]], n_det: int, singles: bool, post, out: dict) -> int:
     """Send the rows as clients send them, all at the same moment, one thread each: the first
-    n_det deterministic as one body (singles: one request each; a batch body is never resumable,
-    front.policy.mark_resumable), the rest as one plain body. post(key, part, headers) records
+    n_det deterministic as one body (singles: one request each), the rest as one plain body. post(key, part, headers) records
     into `out` ("<key>_error" on failure). -> the number of deterministic parts (keys det0..)."""
     parts = [[row] for row in rows[:n_det]] if singles else [rows[:n_det]] if n_det else []
     jobs = [threading.Thread(target=post, args=(f"det{k}", part, {"X-Deterministic": "1"}))

@@ -38,9 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                    help="auto: CUDA when available, else the CPU engine")
     s.add_argument("--mg-mode", choices=["off", "margin", "always"], default="margin",
-                   help="deterministic requests: off = plain SGLang, margin = verify steps whose "
-                        "margin is below tau (default), always = verify every step")
-    s.add_argument("--mg-tau", type=float, help="margin threshold (default: the model's profile)")
+                   help="deterministic requests: off = plain SGLang; margin (default) = every token is "
+                        "decoded fast and checked by the verifier behind, a step whose margin is below tau "
+                        "within a few forwards, the others within --mg-window tokens; always = every step "
+                        "counts as low-margin")
+    s.add_argument("--mg-tau", type=float,
+                   help="margin threshold (default: the model's profile, else 0: checks by window only)")
     s.add_argument("--profile", dest="tau_profile", metavar="FILE",
                    help="tau profile JSON (written by `mg-server calibrate`); default: the model's shipped one")
     s.add_argument("--mg-verifier-memory-gb", type=float,
@@ -49,62 +52,16 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--mg-drain-timeout", type=float, default=30.0, metavar="S",
                    help="after SIGTERM, wait at most S seconds for requests to drain, then stop (default 30)")
     s.add_argument("--mg-verify-timeout", type=float, default=30.0, metavar="S",
-                   help="longest wait for one verifier call (one catch-up chunk or one verify step; default 30)")
+                   help="longest wait for one verifier call (one catch-up chunk or one check; default 30)")
     s.add_argument("--mg-catchup-chunk", type=int, default=256, metavar="N",
                    help="tokens per verifier call when it catches up (long prompts; default 256)")
-    s.add_argument("--mg-prefill-ahead", type=int, default=0, metavar="N",
-                   help="experimental: teach the verifier every deterministic prompt of at least N tokens while "
-                        "the controller is idle, instead of in the request's first check, which holds the "
-                        "batch (default 0: off)")
     s.add_argument("--mg-seam", choices=["lagged", "sync"], default="lagged",
-                   help="CUDA with the overlap scheduler: 'lagged' (default) decides deterministic rows one "
-                        "forward late behind a device-side step gate; 'sync' reads their margins before "
+                   help="CUDA with the overlap scheduler: 'lagged' (default) reads deterministic rows' "
+                        "margins and tokens one forward late, without a host sync; 'sync' reads them before "
                         "sampling (slower: README, 'On a GPU'). CPU and no-overlap runs always use sync")
-    s.add_argument("--mg-early-verify", choices=["on", "off"], default="off",
-                   help="experimental, lagged seam: 'on' verifies a forward's low-margin rows as soon as the "
-                        "GPU has decided them, from a thread of SGLang's scheduler process, instead of at the "
-                        "scheduler's next sampler call (default off: no gain measured where SGLang's step is "
-                        "GPU-bound; README, 'On a GPU')")
-    s.add_argument("--mg-ipc-spin-us", type=int, default=0, metavar="N",
-                   help="experimental: mg's controller and verifier spin up to N microseconds for their next "
-                        "message after answering one, and the controller for the verifier's reply, before they "
-                        "block (a process woken from a blocking poll answers later; spinning burns a core per "
-                        "process while deterministic traffic flows; default 0: off)")
-    s.add_argument("--mg-commit", choices=["hold", "resume", "lag", "window"], default="hold",
-                   help="'hold' (default) waits for the verifier at each low-margin step; 'resume' "
-                        "(experimental, single non-streamed requests) commits every step fast, checks the "
-                        "low-margin ones behind and, on a divergence, resumes the answer from the verifier's "
-                        "token; 'lag' (experimental, lagged seam) lets the fast token through, verifies it while "
-                        "the GPU runs the next forward and, on a disagreement, swaps the token before SGLang "
-                        "emits it and holds that request's next forward (README, 'On a GPU'); 'window' (in "
-                        "development, synchronous seam) commits every step fast, checks the tokens behind in "
-                        "windows and rolls a request back in place where the verifier disagrees")
-    s.add_argument("--mg-window", type=int, default=None, metavar="W",
-                   help="with --mg-commit window: the unchecked tokens a request may run ahead (default 32)")
-    s.add_argument("--mg-lag-chain", choices=["on", "off"], default="off",
-                   help="with --mg-commit lag: on a disagreement the same verifier call also answers the "
-                        "request's next step (the forward that holds for it), so that hold waits for no verify "
-                        "call of its own (default off: no gain measured; the correcting call gets longer, "
-                        "benchmarks/results/gpu/HISTORY.md, 'Resolution at bs 8')")
-    s.add_argument("--mg-verifier-in", choices=["process", "scheduler"], default="process",
-                   help="where the verifier worker runs: 'process' (default) is its own process; 'scheduler' "
-                        "(experimental, README) is a thread of SGLang's scheduler process, "
-                        "whose CUDA stream runs beside "
-                        "SGLang's (two processes' kernels take turns on a GPU without CUDA MPS); pair it with "
-                        "--mg-commit lag. It loads after SGLang took its static share of the card, so mg "
-                        "lowers SGLang's default --mem-fraction-static by the verifier's weights, K/V pool and "
-                        "workspace (a --mem-fraction-static you pass is kept; README, 'On a GPU')")
-    s.add_argument("--mg-controller-in", choices=["auto", "process", "scheduler"], default="auto",
-                   help="where the controller runs: 'process' is its own process; 'scheduler' (with "
-                        "--mg-verifier-in scheduler) is a thread of SGLang's scheduler process, which the seam "
-                        "and the controller call directly, without a socket: a verify call then costs the "
-                        "verifier's forward, not four IPC hops around it. 'auto' (default): 'scheduler' when "
-                        "the verifier is there, else 'process' (README, 'Where performance stands')")
-    s.add_argument("--mg-verify-ahead", choices=["on", "off"], default="off",
-                   help="experimental, with the controller in SGLang's scheduler process: 'on' sends every "
-                        "deterministic row's coming step to the verifier when its forward is launched, so the "
-                        "verdict is ready when the host asks for it; the verifier then computes every protected "
-                        "step, not only the low-margin ones (default off; README, 'Where performance stands')")
+    s.add_argument("--mg-window", type=int, default=32, metavar="W",
+                   help="the unchecked tokens a deterministic request may run ahead of the verifier's checks "
+                        "(default 32)")
     s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
                    help="longest wait of a response for its verdict (the final audit; default 120)")
     s.add_argument("--mg-allow-sglang", default="", metavar="VERSION",
@@ -206,39 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     model = _model_path(args.model)
     if not args.mg_drain_timeout >= 0:
         _parser().error("--mg-drain-timeout must be >= 0")
-    if not (args.mg_verify_timeout > 0 and args.mg_verdict_wait > 0 and args.mg_catchup_chunk >= 1
-            and args.mg_prefill_ahead >= 0 and 0 <= args.mg_ipc_spin_us <= 1_000_000):
-        _parser().error("--mg-verify-timeout and --mg-verdict-wait must be > 0, --mg-catchup-chunk >= 1, "
-                        "--mg-prefill-ahead >= 0, --mg-ipc-spin-us in [0, 1000000]")
-    if args.mg_window is not None and args.mg_commit != "window":
-        _parser().error("--mg-window needs --mg-commit window")
-    if args.mg_window is not None and args.mg_window < 1:
+    if not (args.mg_verify_timeout > 0 and args.mg_verdict_wait > 0 and args.mg_catchup_chunk >= 1):
+        _parser().error("--mg-verify-timeout and --mg-verdict-wait must be > 0, --mg-catchup-chunk >= 1")
+    if args.mg_window < 1:
         _parser().error(f"--mg-window must be >= 1, got {args.mg_window}")
-    if args.mg_verifier_in == "scheduler" and args.mg_commit != "lag":
-        # why: a gate holding SGLang's stream for the verifier stalls the verifier thread itself:
-        # a Triton kernel SGLang loads meanwhile waits for the held stream, and the verify call's
-        # graph launch waits behind the load (benchmarks/results/gpu/HISTORY.md, "Hold in the
-        # scheduler's hang, named": once per server on an H100, 30 s, the rows failed)
-        _parser().error("--mg-verifier-in scheduler needs --mg-commit lag (holding a forward for a verifier "
-                        "in the same process stalled it)")
-    if args.mg_verifier_in == "scheduler" and (args.mg_verifier_memory_gb is not None or args.mg_ipc_spin_us):
-        # why: the budget is measured as the process's CUDA memory, SGLang's included; a spinning
-        # worker thread would take the GIL from SGLang's scheduler
-        _parser().error("--mg-verifier-in scheduler takes neither --mg-verifier-memory-gb nor --mg-ipc-spin-us")
-    if args.mg_controller_in == "auto":
-        # why: with the verifier in the scheduler, hosting the controller beside it shortened the seam's
-        # verify call by 0.9 ms and bs-8 lag traffic from +46 to +31 % over plain SGLang on an H100, and
-        # was never slower in four runs (benchmarks/results/gpu/HISTORY.md, sixth session)
-        args.mg_controller_in = "scheduler" if args.mg_verifier_in == "scheduler" else "process"
-    if args.mg_controller_in == "scheduler" and args.mg_verifier_in != "scheduler":
-        # why: the direct path calls the verifier in the caller's thread; a verifier process
-        # would keep the socket hops this placement exists to remove
-        _parser().error("--mg-controller-in scheduler needs --mg-verifier-in scheduler")
-    if args.mg_verify_ahead == "on" and (args.mg_controller_in != "scheduler" or args.mg_seam != "lagged"):
-        # why: the ahead calls are direct calls from a thread of the scheduler process; through
-        # the controller's socket they would queue ahead of the Steps they are meant to shorten
-        _parser().error("--mg-verify-ahead on needs the controller in SGLang's scheduler process "
-                        "(--mg-verifier-in scheduler) and the lagged seam")
     if args.mg_verifier_memory_gb is not None and not args.mg_verifier_memory_gb > 0:
         _parser().error("--mg-verifier-memory-gb must be > 0")
     try:
@@ -266,17 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         drain_timeout_s=args.mg_drain_timeout,
         verify_timeout_s=args.mg_verify_timeout,
         catchup_chunk=args.mg_catchup_chunk,
-        prefill_ahead=args.mg_prefill_ahead,
         verdict_wait_s=args.mg_verdict_wait,
         lagged_commit=args.mg_seam == "lagged",
-        early_verify=args.mg_early_verify == "on",
-        ipc_spin_s=args.mg_ipc_spin_us * 1e-6,
-        commit=args.mg_commit,
-        window=args.mg_window or 16,
-        lag_chain=args.mg_lag_chain == "on",
-        verifier_in=args.mg_verifier_in,
-        controller_in=args.mg_controller_in,
-        verify_ahead=args.mg_verify_ahead == "on",
+        window=args.mg_window,
         verifier_memory_gb=args.mg_verifier_memory_gb,
         allow_sglang=args.mg_allow_sglang,
     )

@@ -15,10 +15,6 @@ SEED_PARAM = "mg_seed"  # int in [0, 2**64)
 # seam's token lists, the controller's states, verdicts) is per instance, so a client that
 # reuses a request id never gets, or disturbs, another instance's state.
 INSTANCE_PARAM = "mg_instance"
-# Set by the front beside the flag on a deterministic request whose answer it can rewrite (not
-# streamed, no stop strings): the seam then never holds a forward for it; a divergence found
-# behind ends its fast path and the front resumes the answer from the verifier's token.
-RESUME_PARAM = "mg_resumable"
 
 
 def instance_key(rid: str, instance: str | None) -> str:
@@ -40,31 +36,13 @@ class HookConfig:
     metrics_dir: str  # prometheus multiprocess folder shared with the front
     margin_buckets: tuple[float, ...] = MARGIN_BUCKETS
     controller_ipc: str = ""  # "" = no controller: only count steps and margins
-    step_timeout_s: float = 60.0  # a forward waits this long for the controller's decisions
+    step_timeout_s: float = 60.0  # the longest wait for the controller (the finish barrier's check of a request)
     fault_missed_flip: int = -1  # tests only (env MG_FAULT_MISSED_FLIP): commit this answer token's runner-up
     fault_flip_margin: float = 1e9  # tests only (env MG_FAULT_FLIP_MARGIN): the margin reported for it
-    # CUDA with the overlap scheduler: decide one forward late behind a device-side gate
-    # (sglang_ext/lagged.py); False: read the margins before sampling (--mg-seam sync)
+    # CUDA with the overlap scheduler: read each forward's rows one forward late, without a host
+    # sync (sglang_ext/lagged.py); False: read the margins before sampling (--mg-seam sync)
     lagged_commit: bool = True
-    # lagged path, experimental: a thread verifies a holding forward as soon as the device
-    # publishes it, not at the next sampler call (lagged.py, "Early verify"; --mg-early-verify)
-    early_verify: bool = False
-    # lagged path, experimental (--mg-commit lag): verify low-margin rows one forward behind
-    # instead of holding the stream (sglang_ext/lagcommit.py)
-    lag_commit: bool = False
-    # lagged path with the controller hosted here, experimental (--mg-verify-ahead): each protected
-    # row's coming step goes to the verifier at its forward's launch (runtime/controller/ahead.py)
-    verify_ahead: bool = False
-    # experimental (--mg-verifier-in scheduler): the VerifierConfig (as a dict) of a verifier worker
-    # this process runs as a thread (runtime/verifier/server.py, "Placement"); None: its own process
-    verifier: dict | None = None
-    # --mg-controller-in scheduler (the default with the verifier there too): the ControllerConfig
-    # (a dict, its `verifier` left out) of a controller this process hosts (runtime/controller/inproc.py)
-    controller: dict | None = None
     lagged_on_cpu: bool = False  # tests only (env MG_LAGGED_ON_CPU): the lagged path with the CPU reference gate
-    # window commit (--mg-commit window), in development: every protected row is committed fast,
-    # checked behind in windows and rolled back in place on a disagreement (sglang_ext/rollback.py)
-    window: bool = False
 
     def to_json_dict(self) -> dict:
         return asdict(self)
@@ -89,7 +67,6 @@ class FrontConfig:
     model_path: str = ""  # its tokenizer spells a corrected answer's text ("" = no text rewrite)
     vocab_size: int = 0  # the model's: token ids in request bodies are checked against it (0: unchecked)
     api_key: str = ""  # SGLang's --api-key: /metrics (served by mg, ahead of SGLang's auth) needs it too
-    resume: bool = False  # mark non-streamed deterministic requests resumable (config.RESUME_PARAM)
 
 
 @dataclass(frozen=True)
@@ -108,17 +85,9 @@ class ServeConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: the longest wait for requests to drain before stopping
     verify_timeout_s: float = 30.0  # one verifier call (a catch-up chunk or a verify step)
     catchup_chunk: int = 256  # tokens per verifier call when it catches up
-    prefill_ahead: int = 0  # prompts of >= this many tokens are taught to the verifier while idle (0: off)
     verdict_wait_s: float = 120.0  # a response's longest wait for its verdict
     lagged_commit: bool = True  # CUDA + overlap: the one-forward-late seam (sglang_ext/lagged.py; --mg-seam)
-    early_verify: bool = False  # lagged seam: verify as soon as a forward is published (--mg-early-verify)
-    ipc_spin_s: float = 0.0  # experimental: controller and verifier spin this long for a message (--mg-ipc-spin-us)
-    commit: str = "hold"  # "hold" | "resume" | "lag" | "window" (--mg-commit)
-    window: int = 32  # --mg-commit window: unchecked tokens a request may run ahead (--mg-window)
-    lag_chain: bool = False  # lag: a correction's next step is answered in the same verify call (--mg-lag-chain)
-    verifier_in: str = "process"  # "process" | "scheduler": where the verifier worker runs (--mg-verifier-in)
-    controller_in: str = "process"  # "process" | "scheduler": where the controller runs (--mg-controller-in)
-    verify_ahead: bool = False  # the verifier answers each protected step at its launch (--mg-verify-ahead)
+    window: int = 32  # unchecked tokens a deterministic request may run ahead of its checks (--mg-window)
     allow_sglang: str = ""  # an untested SGLang version the user accepts (--mg-allow-sglang; seams.check)
 
     @property

@@ -44,19 +44,9 @@ def stacks_on_usr1() -> bool:
 def trace_calls() -> int:
     """Diagnostics: MG_TRACE_CALLS=1 makes a CUDA verifier log one line per verify call (its
     phases' times, how long it waited to be taken) and every garbage collection of its process
-    over 5 ms; MG_TRACE_CALLS=2 adds the device's CUDA allocations around each call (in the
-    scheduler placement an allocation can stall a verify call: kernels.zerocopy)."""
+    over 5 ms; MG_TRACE_CALLS=2 adds the device's CUDA allocations around each call."""
     v = os.environ.get("MG_TRACE_CALLS", "")
     return int(v) if v.isdigit() else 0
-
-
-def gil_switch_s() -> float | None:
-    """Experiment knob: MG_GIL_SWITCH_US sets the GIL switch interval of SGLang's scheduler
-    process with the verifier in it (VerifierConfig.switch_interval_s, default 200 µs): how long
-    a thread that wants the GIL (the verify-ahead thread) waits before the holder (the scheduler
-    thread) must let it go. None: the default."""
-    v = os.environ.get("MG_GIL_SWITCH_US", "")
-    return int(v) * 1e-6 if v.isdigit() and int(v) > 0 else None
 
 
 def fault_missed_flip() -> int:
@@ -67,5 +57,5 @@ def fault_missed_flip() -> int:
 
 def fault_flip_margin() -> float:
     """Tests only: the margin the seam reports for MG_FAULT_MISSED_FLIP's token (default 1e9, so
-    it is fast-committed; 0 makes it a low-margin step, which a resumable request checks behind)."""
+    it is released early on a stream; 0 makes it a low-margin step, checked within a few forwards)."""
     return float(os.environ.get("MG_FAULT_FLIP_MARGIN", "1e9"))

@@ -32,34 +32,6 @@ def hook_metrics(buckets: tuple[float, ...] = MARGIN_BUCKETS) -> tuple[Counter, 
     return steps, margin, control
 
 
-@lru_cache(maxsize=None)
-def gate_timeouts() -> Counter:
-    """The lagged path's step gates that did not wait for mg's answer (opened by the watchdog, or never held)."""
-    return Counter("mg_gate_timeouts", "Step gates (lagged commit) that did not wait for mg's answer; "
-                   "their rows that needed the verifier failed")
-
-
-@lru_cache(maxsize=None)
-def lag_corrections() -> Counter:
-    """--mg-commit lag: fast tokens the verifier, asked one forward late, replaced (sglang_ext/lagcommit.py)."""
-    return Counter("mg_lag_corrections", "Deterministic tokens verified one forward behind (--mg-commit lag) "
-                   "whose fast token the verifier replaced before SGLang emitted it")
-
-
-@lru_cache(maxsize=None)
-def musts_answered_ahead() -> Counter:
-    """--mg-commit lag with --mg-verify-ahead: MUST forwards answered before their gate held (lagcommit.py)."""
-    return Counter("mg_musts_answered_ahead", "Forwards after a lag correction (MUST rows) whose gate was answered "
-                   "from the answers verified ahead, before it could hold SGLang's stream")
-
-
-@lru_cache(maxsize=None)
-def resume_stops() -> Counter:
-    """Resumable deterministic requests whose fast path the seam ended early (a divergence found behind)."""
-    return Counter("mg_resume_stops", "Resumable deterministic requests whose fast path mg ended early after a "
-                   "checked step diverged from the verifier (the front resumes the answer from there)")
-
-
 def sglang_version(version: str, tested: bool) -> None:
     """Record the SGLang version served (main process, at start-up)."""
     Gauge("mg_sglang", "The SGLang version mg runs on; tested=\"false\" when --mg-allow-sglang let an untested "
@@ -80,20 +52,15 @@ class ControllerMetrics:
     def __init__(self):
         self.steps = Counter("mg_steps", "Protected steps by decision (fast commit or verified)", ["decision"])
         self.verify = Counter("mg_verify", "Steps computed by the deterministic verifier")
-        self.repair = Counter("mg_repair", "Verified steps where the verifier's token differed (K/V column rewritten)")
+        self.repair = Counter("mg_repair", "Checked tokens where the verifier's token differed (the request was "
+                              "rolled back there)")
         self.audit_mismatch = Counter("mg_audit_mismatch",
                                       "Missed flips found by the verifier's audit of unverified steps")
         self.corrections = Counter("mg_corrections", "Missed flips whose non-streamed answer the verifier completed "
                                    "from the flip (the response then equals the reference)")
-        self.chained = Counter("mg_chained", "Must steps (--mg-commit lag) answered without a verify call of their "
-                               "own: from the correcting call's chained result (VerifyItem.chain) or ahead")
-        self.verify_ahead = Counter("mg_verify_ahead", "Steps the verifier answered while the fast path computed "
-                                    "them (--mg-verify-ahead), kept for the step's verdict")
-        self.flips_above_tau = Counter("mg_flips_above_tau", "Verified steps above tau whose fast token the verifier "
-                                       "changed (lag rows --mg-verify-ahead caught): flips the margin gate would miss")
-        self.rollbacks = Counter("mg_rollbacks", "Window requests rolled back in place: the verifier's token "
+        self.rollbacks = Counter("mg_rollbacks", "Deterministic requests rolled back in place: the verifier's token "
                                  "replaced a fast one, and the answer after it was dropped before anyone saw it")
-        self.stale_steps = Counter("mg_stale_steps", "Window steps of a timeline rolled back already (dropped)")
+        self.stale_steps = Counter("mg_stale_steps", "Steps of a timeline rolled back already (dropped)")
         self.lookahead = Counter("mg_lookahead_steps", "Steps decided after a request's last token (the overlap "
                                  "scheduler's look-ahead forward); SGLang drops their tokens")
         # The fast path's margin where the verifier disagreed: tau must stay above these (calibration).
@@ -116,8 +83,6 @@ class ControllerMetrics:
             "mg_verifier_forward_seconds", "The verifier's forward inside one verify call, seconds",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
         )
-        self.prefill_ahead = Counter("mg_prefill_ahead_rows", "Tokens taught to the verifier in the controller's "
-                                     "idle turns, ahead of their requests' checks (--mg-prefill-ahead)")
         self.verify_rows = Histogram(
             "mg_verify_rows", "Rows of the verifier forward serving one verify call (verified rows + catch-up)",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096),

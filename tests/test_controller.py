@@ -1,7 +1,6 @@
 """MarginGate policy and the controller's decisions, audit and verdicts (fake verifier)."""
 
 import math
-from types import SimpleNamespace
 
 import pytest
 
@@ -28,11 +27,9 @@ def test_tau_from_flag_profile_or_error():
     assert resolve_tau("/x/SmolLM2-135M-Instruct", 0.3) == (0.3, "flag")
     tau, source = resolve_tau("/x/SmolLM2-135M-Instruct", None)
     assert tau > 0 and "profile" in source
-    with pytest.raises(ValueError, match="no tau profile"):
-        resolve_tau("/x/unknown-model", None)
+    # tau only orders the checks (every token is checked), so a model without a profile serves with tau 0
+    assert resolve_tau("/x/unknown-model", None) == (0.0, "no profile: steps are checked in windows only")
     assert resolve_tau("/x/unknown-model", None, "always") == (0.0, "unused in mode always")
-    # window commit: tau only orders the checks, so a model without a profile serves with tau 0
-    assert resolve_tau("/x/unknown-model", None, "margin", window=True)[0] == 0.0
 
 
 def ref_next(prefix: list[int]) -> int:
@@ -75,10 +72,6 @@ class FakeVerifier:
             audit = [ref_next(hist[: q + 1]) for q in range(start, it.pos)]  # predictions at start .. pos-1
             out.append(P.VerifyResult(rid=it.rid, pos=it.pos, token=ref_next(hist), margin=1.0, **self._slot(),
                                       audit_tokens=audit, first_mismatch=first))
-            if it.chain >= 0 and out[-1].token != it.chain:  # VerifyItem.chain
-                hist.append(out[-1].token)
-                out[-1].next = P.VerifyResult(rid=it.rid, pos=it.pos + 1, token=ref_next(hist), margin=1.0,
-                                              **self._slot())
         return out
 
     def release(self, rids, timeout_s=None):
@@ -101,11 +94,10 @@ def make_ctl(tmp_path, monkeypatch):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     ctls = []
 
-    def make(mode="margin", tau=0.5, chain=True):  # (chain: --mg-lag-chain, off by default; its tests want it)
+    def make(mode="margin", tau=0.5):
         ctl = Controller(ControllerConfig(ipc_path=str(tmp_path / f"c{len(ctls)}.sock"), mode=mode, tau=tau,
-                                          metrics_dir=str(tmp_path), chain=chain))
+                                          metrics_dir=str(tmp_path)))
         ctl.vclient, ctl.verifier_proc = FakeVerifier(), Alive()
-        ctl.vinfo = SimpleNamespace(shm=SimpleNamespace(n_slots=ctl.vclient.n_slots))  # (the slot ring's size)
         ctls.append(ctl)
         return ctl
 
@@ -115,141 +107,23 @@ def make_ctl(tmp_path, monkeypatch):
         c.close()
 
 
-def run_request(ctl, rid, prompt, n_steps, margins, flip_at=None, lookahead=0, aborted="", resumable=False, **end):
-    """Drive a request like mg's seam does (the seam emits every decided token); returns the
-    emitted tokens. `lookahead` extra steps are decided after the last token, as the overlap
-    scheduler's look-ahead forward does, and not emitted."""
+def run_request(ctl, rid, prompt, n_steps, margins, flip_at=None, lookahead=0, aborted="", **end):
+    """Drive a request like mg's seam does (every step committed fast and reported; no idle turn,
+    so no check runs before its Finish: what the tail audit sees); returns the emitted tokens.
+    `lookahead` extra steps are decided after the last token, as the overlap scheduler's
+    look-ahead forward does, and not emitted."""
     tokens = list(prompt)
     for step in range(n_steps + lookahead):
         pos = len(tokens) - 1
         fast = ref_next(tokens) if step != flip_at else (ref_next(tokens) + 1) % 50
-        row = P.StepRow(rid=rid, pos=pos, prompt=list(prompt) if step == 0 else [], margin=margins[step],
-                        fast_token=fast, resumable=resumable)
-        (d,) = ctl._step([row])
-        assert not d.error, d.error
-        assert d.token == (d.token if d.verified else fast)
-        tokens.append(d.token)
+        ctl._step([P.StepRow(rid=rid, pos=pos, prompt=list(prompt) if step == 0 else [], margin=margins[step],
+                             fast_token=fast)])
+        assert not ctl.reqs[rid].error, ctl.reqs[rid].error
+        tokens.append(fast)
     emitted = tokens[: len(tokens) - lookahead]
     ctl._finish(P.Finish(rid=rid, output=emitted[len(prompt):], aborted=bool(aborted), reason=aborted, **end))
     assert ctl.reqs[rid].state(ctl.cfg.mode) == "running"  # tail audit deferred ...
     return emitted  # ... until the verdict is asked for (or the controller is idle)
-
-
-def test_margin_mode_verifies_low_margins_with_catch_up(make_ctl):
-    ctl = make_ctl("margin", 0.5)
-    margins = [2.0, 0.1, 3.0, 3.0, 0.2, 5.0]
-    run_request(ctl, "a", [5, 6, 7], 6, margins)
-    assert [it.pos for it in ctl.vclient.items] == [3, 6]  # the tail audit has not run yet
-    v = ctl._verdict("a")
-    items = ctl.vclient.items
-    # two verified steps + the final audit of the tail
-    assert [it.pos for it in items] == [3, 6, 7]
-    # step 0 (pos 2, the prompt's last) was fast-committed; step 1 verifies pos 3 = its token
-    assert items[0].tokens[:3] == [5, 6, 7] and len(items[0].tokens) == 4
-    assert items[0].prompt_len == 3 and items[1].prompt_len == 0
-    assert v.state == "verified" and v.steps == 6 and v.verified_steps == 2 and v.repairs == 0
-    assert ctl.vclient.released == ["a"]
-
-
-def test_flip_at_verified_step_is_repaired(make_ctl):
-    ctl = make_ctl("margin", 0.5)
-    run_request(ctl, "b", [1, 2], 4, [1.0, 0.1, 1.0, 1.0], flip_at=1)
-    v = ctl._verdict("b")
-    assert v.repairs == 1 and v.state == "verified"
-
-
-def test_a_must_row_is_verified_and_repaired_whatever_its_margin(make_ctl):
-    """StepRow.must (--mg-commit lag: the fast path read a corrected token): verified although its
-    margin is high, and its K/V column repaired although the tokens agree."""
-    ctl = make_ctl("margin", 0.5)
-    (d,) = ctl._step([P.StepRow(rid="m", pos=1, prompt=[3, 4], margin=9.0, fast_token=ref_next([3, 4]))])
-    assert not d.verified and not d.repair
-    tok = ref_next([3, 4, d.token])
-    (d,) = ctl._step([P.StepRow(rid="m", pos=2, margin=9.0, fast_token=tok, must=True)])
-    assert d.verified and d.repair and d.token == tok and d.slot >= 0 and ctl.reqs["m"].repairs == [2]
-
-
-def test_a_lag_correction_answers_the_next_must_row_from_the_same_verify_call(make_ctl):
-    """StepRow.behind (--mg-commit lag): the verify item carries the fast token (VerifyItem.chain);
-    on a disagreement the verifier also answers pos + 1 from its own token, and the request's must
-    row there is decided from that answer without another verify call. A hold-mode row (not
-    behind) and an agreeing behind row chain nothing."""
-    ctl = make_ctl("margin", 0.5)
-    v = ref_next([3, 4])
-    (d,) = ctl._step([P.StepRow(rid="m", pos=1, prompt=[3, 4], margin=0.1, fast_token=(v + 1) % 50, behind=True)])
-    assert d.verified and d.repair and d.token == v and ctl.vclient.items[-1].chain == (v + 1) % 50
-    calls = len(ctl.vclient.items)
-    (d,) = ctl._step([P.StepRow(rid="m", pos=2, margin=9.0, fast_token=ref_next([3, 4, (v + 1) % 50]), must=True)])
-    assert len(ctl.vclient.items) == calls and not ctl.chained  # no verify call for the must row
-    assert d.verified and d.repair and d.gen == ctl.vclient.last_gen and d.token == ref_next([3, 4, v])
-    t = [3, 4, v, d.token]
-    (d,) = ctl._step([P.StepRow(rid="m", pos=3, margin=0.1, fast_token=ref_next(t), behind=True)])
-    assert d.verified and not d.repair and ctl.vclient.items[-1].tokens == [t[3]] and not ctl.chained
-    ctl._finish(P.Finish(rid="m", output=t[2:] + [d.token]))
-    v2 = ctl._verdict("m")
-    assert v2.state == "verified" and v2.repairs == 2
-    (d,) = ctl._step([P.StepRow(rid="h", pos=1, prompt=[3, 4], margin=0.1, fast_token=(v + 1) % 50)])
-    assert d.repair and ctl.vclient.items[-1].chain == -1 and not ctl.chained
-
-
-def test_without_the_chain_a_lag_correction_leaves_the_must_row_its_own_verify_call(make_ctl):
-    """--mg-lag-chain off (the default): a behind row's item carries no fast token, and the must row
-    after its correction is verified by a call of its own, from the verifier's token."""
-    ctl = make_ctl("margin", 0.5, chain=False)
-    v = ref_next([3, 4])
-    (d,) = ctl._step([P.StepRow(rid="m", pos=1, prompt=[3, 4], margin=0.1, fast_token=(v + 1) % 50, behind=True)])
-    assert d.verified and d.repair and d.token == v and ctl.vclient.items[-1].chain == -1 and not ctl.chained
-    calls = len(ctl.vclient.items)
-    (d,) = ctl._step([P.StepRow(rid="m", pos=2, margin=9.0, fast_token=ref_next([3, 4, (v + 1) % 50]), must=True)])
-    assert len(ctl.vclient.items) == calls + 1 and ctl.vclient.items[-1].tokens == [v]
-    assert d.verified and d.token == ref_next([3, 4, v])
-
-
-def test_a_chained_answer_whose_slot_may_be_reused_is_verified_again(make_ctl):
-    """The K/V slots are a ring: once enough results followed a chained answer, its slot may hold
-    another column by the time the seam copies it, so the must row is verified again (a rewind
-    to its position) instead."""
-    ctl = make_ctl("margin", 0.5)
-    v = ref_next([3, 4])
-    ctl._step([P.StepRow(rid="r", pos=1, prompt=[3, 4], margin=0.1, fast_token=(v + 1) % 50, behind=True)])
-    calls = len(ctl.vclient.items)
-    ctl.vclient.last_gen += ctl.vclient.n_slots // 2  # (other requests' results meanwhile)
-    (d,) = ctl._step([P.StepRow(rid="r", pos=2, margin=9.0, fast_token=0, must=True)])
-    it = ctl.vclient.items[-1]
-    assert len(ctl.vclient.items) == calls + 1 and it.rewind and it.pos == 2 and it.tokens == [v]
-    assert d.verified and d.repair and d.gen == ctl.vclient.last_gen and d.token == ref_next([3, 4, v])
-    assert ctl.reqs["r"].verifier_len == 3 and not ctl.reqs["r"].error
-
-
-def test_a_fast_row_that_differs_from_its_chained_answer_is_a_missed_flip_at_once(make_ctl):
-    """The request may end right after that row (no later verify call would audit it)."""
-    ctl = make_ctl("margin", 0.5)
-    v = ref_next([3, 4])
-    ctl._step([P.StepRow(rid="f", pos=1, prompt=[3, 4], margin=0.1, fast_token=(v + 1) % 50, behind=True)])
-    wrong = (ref_next([3, 4, v]) + 1) % 50
-    (d,) = ctl._step([P.StepRow(rid="f", pos=2, margin=9.0, fast_token=wrong)])
-    assert not d.verified
-    ctl._finish(P.Finish(rid="f", output=[v, wrong]))
-    verdict = ctl._verdict("f")
-    assert verdict.state == "mismatch" and verdict.mismatch_positions == [2]
-
-
-def test_an_unused_chained_answer_leaves_the_audit_to_the_verifier(make_ctl):
-    """A chained answer whose row comes fast-committed (not a must row) is dropped; the verifier
-    has seen the corrected token, so the next verify call starts after it and audits the fast
-    token against its own prediction: a difference there is a missed flip."""
-    ctl = make_ctl("margin", 0.5)
-    v = ref_next([3, 4])
-    ctl._step([P.StepRow(rid="u", pos=1, prompt=[3, 4], margin=0.1, fast_token=(v + 1) % 50, behind=True)])
-    good = ref_next([3, 4, v])
-    (d,) = ctl._step([P.StepRow(rid="u", pos=2, margin=9.0, fast_token=(good + 1) % 50)])
-    assert not d.verified and not ctl.chained
-    t = [3, 4, v, (good + 1) % 50]
-    (d,) = ctl._step([P.StepRow(rid="u", pos=3, margin=0.1, fast_token=ref_next(t))])
-    assert ctl.vclient.items[-1].tokens == [t[3]] and d.verified
-    ctl._finish(P.Finish(rid="u", output=t[2:] + [d.token]))
-    v2 = ctl._verdict("u")
-    assert v2.state == "mismatch" and v2.mismatch_positions == [2]
 
 
 def test_missed_flip_is_found_by_the_audit(make_ctl):
@@ -349,41 +223,43 @@ def test_a_correction_ends_by_sglangs_rules_and_not_without_them(make_ctl):
     assert v.state == "aborted" and v.correction is None
 
 
-def test_always_mode_verifies_every_step(make_ctl):
+def test_always_mode_counts_every_step_as_low_margin(make_ctl):
+    """Mode always: whatever its margin, every step is queued for the check a few forwards later."""
     ctl = make_ctl("always", 0.5)
-    run_request(ctl, "d", [4], 5, [9.0] * 5, flip_at=3)
-    assert [it.pos for it in ctl.vclient.items] == [0, 1, 2, 3, 4]
-    v = ctl._verdict("d")
-    assert v.verified_steps == 5 and v.repairs == 1 and v.state == "verified"
+    run_request(ctl, "d", [4], 3, [9.0] * 3)
+    assert ctl.checks == {"d": [0, 1, 2]} and ctl.window_due == 1 + CHECK_DELAY_FORWARDS
+    ctl = make_ctl("margin", 0.5)
+    run_request(ctl, "d", [4], 3, [9.0] * 3)
+    assert ctl.checks == {} and ctl.window_due is None
 
 
 def test_position_mismatch_and_dead_verifier_fail_the_request(make_ctl):
     ctl = make_ctl("margin", 0.5)
-    (d,) = ctl._step([P.StepRow(rid="e", pos=5, prompt=[1, 2], margin=0.1, fast_token=0)])
-    assert "position mismatch" in d.error
+    ctl._step([P.StepRow(rid="e", pos=5, prompt=[1, 2], margin=0.1, fast_token=0)])
+    assert "position mismatch" in ctl.reqs["e"].error
     assert ctl._verdict("e").state == "failed"
     ctl.verifier_proc.alive = False
-    (d,) = ctl._step([P.StepRow(rid="f", pos=0, prompt=[1], margin=9.0, fast_token=0)])
-    assert "not running" in d.error
+    ctl._step([P.StepRow(rid="f", pos=0, prompt=[1], margin=9.0, fast_token=0)])
+    assert "not running" in ctl.reqs["f"].error
 
 
 def test_step_without_a_start_and_a_second_start_fail(make_ctl):
     ctl = make_ctl("margin", 0.5)
-    (d,) = ctl._step([P.StepRow(rid="h", pos=3, margin=9.0, fast_token=0)])
-    assert "never saw start" in d.error
+    ctl._step([P.StepRow(rid="h", pos=3, margin=9.0, fast_token=0)])
+    assert "never saw start" in ctl.reqs["h"].error
     ctl._step([P.StepRow(rid="i", pos=1, prompt=[1, 2], margin=9.0, fast_token=0)])
-    (d,) = ctl._step([P.StepRow(rid="i", pos=1, prompt=[1, 2], margin=9.0, fast_token=0)])
-    assert "started twice" in d.error
+    ctl._step([P.StepRow(rid="i", pos=1, prompt=[1, 2], margin=9.0, fast_token=0)])
+    assert "started twice" in ctl.reqs["i"].error
 
 
 def test_lookahead_steps_after_the_last_token_are_dropped(make_ctl):
     # overlap scheduler: one forward runs after the request's last token; SGLang drops its token
-    ctl = make_ctl("always", 0.5)
+    ctl = make_ctl("margin", 0.5)
     emitted = run_request(ctl, "la", [2, 3], 4, [9.0] * 5, lookahead=1)
     v = ctl._verdict("la")
-    assert v.state == "verified" and v.steps == 4 and v.verified_steps == 4
+    assert v.state == "verified" and v.steps == 4
     assert ctl.reqs["la"].tokens == emitted
-    assert [it.pos for it in ctl.vclient.items] == [1, 2, 3, 4, 5]  # no final audit: all were verified
+    assert [it.pos for it in ctl.vclient.items] == [4]  # the tail audit ends at the last emitted token
 
 
 def test_emitted_tokens_that_differ_from_the_decisions_fail(make_ctl):
@@ -407,11 +283,11 @@ def test_off_mode_never_calls_the_verifier(make_ctl):
 
 def test_a_one_way_report_updates_state_and_gets_no_reply(make_ctl):
     ctl = make_ctl("margin", 0.5)
-    assert ctl.handle(P.Step(rows=[P.StepRow(rid="r", pos=1, prompt=[3, 4], margin=9.0, fast_token=6)],
-                             reply=False)) is None
+    assert ctl.handle(P.Step(rows=[P.StepRow(rid="r", pos=1, prompt=[3, 4], margin=9.0, fast_token=6)])) is None
     assert ctl.reqs["r"].tokens == [3, 4, 6]
-    (d,) = ctl.handle(P.Step(rows=[P.StepRow(rid="r", pos=2, margin=0.1, fast_token=1)])).decisions
-    assert d.verified and ctl.reqs["r"].tokens[:3] == [3, 4, 6]
+    assert ctl.handle(P.Step(rows=[P.StepRow(rid="r", pos=2, margin=0.1, fast_token=1)])) is None
+    assert ctl.reqs["r"].tokens == [3, 4, 6, 1] and ctl.checks == {"r": [2]}  # checked behind, not now
+    assert ctl.vclient.items == []
 
 
 def test_an_aborted_answer_is_never_verified(make_ctl):
@@ -431,8 +307,8 @@ def test_an_aborted_answer_is_never_verified(make_ctl):
 def test_an_empty_answer_is_not_a_mismatch(make_ctl):
     # max_new_tokens 0 in a batch the sampler runs: mg sees the prefill step, SGLang emits nothing
     ctl = make_ctl("margin", 0.5)
-    (d,) = ctl._step([P.StepRow(rid="z", pos=2, prompt=[9, 9, 9], margin=9.0, fast_token=4)])
-    assert d.token == 4
+    ctl._step([P.StepRow(rid="z", pos=2, prompt=[9, 9, 9], margin=9.0, fast_token=4)])
+    assert ctl.reqs["z"].tokens == [9, 9, 9, 4]
     ctl._finish(P.Finish(rid="z", output=[]))
     v = ctl._verdict("z")
     assert v.state == "verified" and v.steps == 0
@@ -449,12 +325,16 @@ def test_a_verifier_that_dies_mid_call_fails_the_rows_and_reports_down(make_ctl)
         raise VerifierError(P.ErrorCode.PEER_DOWN, "the verifier process exited (code -9)")
 
     ctl.vclient.verify_many = dies
-    (d,) = ctl._step([P.StepRow(rid="k", pos=0, prompt=[1], margin=9.0, fast_token=0)])
-    assert "peer_down" in d.error and "[peer_down] [peer_down]" not in d.error
+    ctl._step([P.StepRow(rid="k", pos=0, prompt=[1], margin=9.0, fast_token=0)])
+    ctl.forwards = ctl.window_due  # (the check is due)
+    ctl._idle_turn()
+    err = ctl.reqs["k"].error
+    assert "peer_down" in err and "[peer_down] [peer_down]" not in err
+    assert "exited" in ctl.down_reason  # published by the failed call itself (/health, mg_verifier_up)
     assert ctl._verdict("k").state == "failed"
     assert not ctl.verifier_up() and "exited" in ctl.down_reason
-    (d,) = ctl._step([P.StepRow(rid="l", pos=0, prompt=[1], margin=9.0, fast_token=0)])
-    assert "not running" in d.error
+    ctl._step([P.StepRow(rid="l", pos=0, prompt=[1], margin=9.0, fast_token=0)])
+    assert "not running" in ctl.reqs["l"].error
 
 
 def test_a_controller_whose_verifier_did_not_start_says_why_and_stops(make_ctl):
@@ -497,238 +377,16 @@ def test_a_chunk_error_fails_the_request(make_ctl):
     from dataclasses import replace
 
     ctl.cfg = replace(ctl.cfg, catchup_chunk=4)
-    (d,) = ctl._step([P.StepRow(rid="x", pos=9, prompt=list(range(10)), margin=0.0, fast_token=1)])
-    assert "catch-up" in d.error and len(calls) == 1 and len(calls[0][0].tokens) == 4
+    ctl._step([P.StepRow(rid="x", pos=9, prompt=list(range(10)), margin=0.0, fast_token=1)])
+    ctl.forwards = ctl.window_due  # (the check is due)
+    ctl._idle_turn()
+    assert "catch-up" in ctl.reqs["x"].error and len(calls) == 1 and len(calls[0][0].tokens) == 4
     assert ctl._verdict("x").state == "failed"
-
-
-def test_resumable_steps_commit_fast_and_low_margins_are_checked_behind(make_ctl):
-    ctl = make_ctl("margin", 0.5)
-    prompt, toks = [4, 4], [4, 4]
-    for margin in (3.0, 0.1, 3.0):  # the low-margin step is committed fast, like the others
-        (d,) = ctl._step([P.StepRow(rid="r", pos=len(toks) - 1, prompt=list(toks) if len(toks) == 2 else [],
-                                    margin=margin, fast_token=ref_next(toks), resumable=True)])
-        assert d.token == ref_next(toks) and not d.verified
-        toks.append(d.token)
-    assert ctl.vclient.items == [] and ctl.checks == {"r": [2]}
-    ctl._run_checks()  # idle: one call audits every token decided so far
-    (it,) = ctl.vclient.items
-    assert it.pos == len(toks) - 2 and it.tokens == toks[:-1] and it.prompt_len == 2
-    assert ctl.checks == {} and ctl.stops == {} and ctl.reqs["r"].verified == [2]
-    ctl._finish(P.Finish(rid="r", output=toks[2:], max_new=3, stop_ids=[], correctable=True))
-    assert ctl._verdict("r", correct=True).state == "verified" and ctl.reqs["r"].correction is None
-    assert prompt == [4, 4]
-
-
-@pytest.mark.parametrize("where", ["step", "checked token"])
-def test_a_checked_divergence_stops_the_fast_path_and_resumes_from_the_verifiers_token(make_ctl, where):
-    ctl = make_ctl("margin", 0.5)
-    corrections = ctl.m.corrections._value.get()  # (the metrics live as long as the process)
-    prompt = [2, 9]
-    toks = list(prompt)
-    ref = reference(prompt, 12)
-    flip = 3 if where == "step" else 4  # answer index of the flipped token
-    for k in range(6):
-        fast = ref_next(toks) if k != flip else (ref_next(toks) + 1) % 50
-        (d,) = ctl._step([P.StepRow(rid="d", pos=len(toks) - 1, prompt=list(toks) if k == 0 else [],
-                                    margin=0.1 if k in (2, 4) else 3.0, fast_token=fast, resumable=True)])
-        toks.append(d.token)
-        if k == 2 and where == "step":
-            ctl._run_checks()  # checked up to answer token 2: agrees
-            assert ctl.stops == {}
-    ctl._run_checks()  # a flip below the checked token (audit) or at it (its own prediction)
-    assert ctl.stops == {"d": None} and ctl.reqs["d"].flip_token == ref[flip]
-    assert ctl.handle(P.Stops()).rids == ["d"] and ctl.handle(P.Stops()).rids == []  # told once
-    # the seam ends the request: it emitted 6 tokens; its verdict resumes from the flip
-    ctl._finish(P.Finish(rid="d", output=toks[2:], max_new=12, stop_ids=[49], correctable=True))
-    v = ctl._verdict("d", correct=True)
-    c = v.correction
-    assert v.state == "verified" and c.resume and c.finish == ""
-    assert c.original == toks[2:] and c.first == flip and c.output == ref[:flip + 1]
-    assert c.resume_ids == prompt + ref[:flip + 1] and c.max_new == 12 - flip - 1 and c.stop_ids == [49]
-    assert ctl.m.corrections._value.get() == corrections + 1
-    # no tail audit after the divergence: the verifier saw nothing beyond the check
-    assert max(it.pos for it in ctl.vclient.items if it.rid == "d") == len(toks) - 2
-
-
-def test_a_resume_point_that_ends_the_answer_needs_no_continuation(make_ctl):
-    ctl = make_ctl("margin", 0.5)
-    prompt = [7, 1]
-    ref = reference(prompt, 8)
-    emitted = run_request(ctl, "x", prompt, 4, [9.0] * 4, flip_at=3, resumable=True, max_new=4, stop_ids=[],
-                          correctable=True)
-    c = ctl._verdict("x", correct=True).correction  # found by the tail audit, at the last token
-    assert not c.resume and c.finish == "length" and c.output == ref[:4] and c.original == emitted[2:]
-    run_request(ctl, "y", prompt, 4, [9.0] * 4, flip_at=1, resumable=True, max_new=6, stop_ids=[ref[1]],
-                correctable=True)
-    c = ctl._verdict("y", correct=True).correction
-    assert not c.resume and c.finish == "stop" and c.output == ref[:2]
-
-
-def _ahead_ctl(make_ctl, n=8, chunk=16):
-    from dataclasses import replace
-
-    ctl = make_ctl("margin", 0.5)
-    ctl.cfg = replace(ctl.cfg, prefill_ahead=n, catchup_chunk=chunk)
-    return ctl
-
-
-def _steps(ctl, rid, tokens, margins, first, flip_at=None, idle=0):
-    """Decide len(margins) steps of request rid (tokens: its tokens so far, extended), with `idle`
-    of the controller's idle turns (prefill ahead) after the first step."""
-    for k, m in enumerate(margins):
-        fast = ref_next(tokens) if k != flip_at else (ref_next(tokens) + 1) % 50
-        (d,) = ctl._step([P.StepRow(rid=rid, pos=len(tokens) - 1, prompt=list(tokens) if first and k == 0 else [],
-                                    margin=m, fast_token=fast)])
-        assert not d.error, d.error
-        tokens.append(d.token)
-        for _ in range(idle if k == 0 else 0):
-            ctl._prefill_ahead()
-    return tokens
-
-
-def test_a_prompt_is_taught_ahead_in_idle_turns_so_its_first_check_carries_only_what_followed(make_ctl):
-    ctl = _ahead_ctl(make_ctl)
-    prompt = [(7 * i) % 50 for i in range(30)]
-    emitted = _steps(ctl, "a", list(prompt), [3.0, 3.0, 0.1, 3.0], first=True, idle=3)
-    items = ctl.vclient.items
-    # two chunks of the prompt (16 + 14 tokens; the second audits the first decided token), then
-    # the low-margin check at step 2 with only the two tokens that followed
-    assert [len(it.tokens) for it in items] == [16, 14, 2] and items[0].prompt_len == 30
-    assert "a" not in ctl.ahead and ctl.m.prefill_ahead._value.get() == 30
-    ctl._finish(P.Finish(rid="a", output=emitted[len(prompt):]))
-    v = ctl._verdict("a")
-    assert v.state == "verified" and v.verified_steps == 1
-    assert sum(len(it.tokens) for it in ctl.vclient.items) == len(emitted) - 1  # each token once, in order
-
-
-def test_the_prefill_ahead_audits_the_first_decided_token(make_ctl):
-    ctl = _ahead_ctl(make_ctl)
-    prompt = [(7 * i) % 50 for i in range(30)]
-    emitted = _steps(ctl, "m", list(prompt), [3.0, 3.0], first=True, flip_at=0, idle=2)  # a missed flip at step 0
-    assert ctl.reqs["m"].mismatches == [29] and "m" not in ctl.ahead
-    ctl._finish(P.Finish(rid="m", output=emitted[len(prompt):]))
-    assert ctl._verdict("m").state == "mismatch"
-
-
-def test_short_prompts_other_modes_and_a_failing_verifier_are_left_to_the_checks(make_ctl):
-    ctl = _ahead_ctl(make_ctl)
-    _steps(ctl, "short", [1, 2, 3], [3.0], first=True)
-    assert not ctl.ahead  # below --mg-prefill-ahead
-    fake, calls = ctl.vclient, []
-
-    def failing(items, timeout_s=None):
-        calls.append(items)
-        return [P.ErrorReply(code=P.ErrorCode.TIMEOUT, message="deadline passed", rid=it.rid) for it in items]
-
-    ctl.vclient = type("Failing", (), {"verify_many": staticmethod(failing)})()
-    tokens = _steps(ctl, "f", list(range(20)), [3.0], first=True, idle=2)
-    assert len(calls) == 1 and not ctl.ahead  # one try, then dropped: no retry loop
-    ctl.vclient = fake  # the request's own check catches up the whole prompt
-    _steps(ctl, "f", tokens, [0.1], first=False)
-    assert [len(it.tokens) for it in fake.items if it.rid == "f"] == [16, 5] and not ctl.reqs["f"].error
-    ctl2 = _ahead_ctl(make_ctl)
-    ctl2.cfg = type(ctl2.cfg)(**{**ctl2.cfg.__dict__, "mode": "always"})
-    _steps(ctl2, "x", list(range(20)), [0.0], first=True)
-    assert not ctl2.ahead  # mode always checks every step anyway
-
-
-def test_one_idle_turn_teaches_at_most_one_chunk_in_all(make_ctl):
-    # the verify timeout bounds a call of catchup_chunk tokens, and a Step arriving during an idle
-    # turn's call waits for it: the chunk is shared by the waiting requests, in order
-    ctl = _ahead_ctl(make_ctl, n=8, chunk=16)
-    calls = []
-    fake = ctl.vclient
-    ctl.vclient = type("Recording", (), {"verify_many": staticmethod(
-        lambda items, timeout_s=None: calls.append([len(it.tokens) for it in items]) or fake.verify_many(items))})()
-    _steps(ctl, "a", list(range(1, 21)), [3.0], first=True)
-    _steps(ctl, "b", list(range(2, 22)), [3.0], first=True)
-    while ctl.ahead:
-        ctl._prefill_ahead()
-    assert calls == [[16], [4, 12], [8]]
-    assert ctl.reqs["a"].verifier_len == ctl.reqs["b"].verifier_len == 20
-
-
-def test_a_step_verified_ahead_is_answered_without_a_verify_call(make_ctl):
-    """--mg-verify-ahead (controller/ahead.py): the verifier answers a step when the seam launches
-    it; the Step then takes that answer (no call), a stale or unknown row costs nothing, and a
-    fast-committed token that differs from the answer is a missed flip found at its Step."""
-    ctl = make_ctl("margin", 0.5, chain=False)
-    prompt = [5, 6, 7]
-    (d,) = ctl._step([P.StepRow(rid="a", pos=2, prompt=prompt, margin=3.0, fast_token=ref_next(prompt))])
-    tokens = prompt + [d.token]
-    assert ctl.handle(P.VerifyAhead(rows=[P.AheadRow(rid="a", pos=3)])) is None  # one-way
-    calls = len(ctl.vclient.items)
-    assert calls == 1 and ctl.vclient.items[0].tokens == tokens  # the catch-up from the prompt on
-    assert (ctl.chained["a"].pos, ctl.chained["a"].token) == (3, ref_next(tokens))
-    wrong = (ref_next(tokens) + 1) % 50
-    (d,) = ctl._step([P.StepRow(rid="a", pos=3, margin=0.1, fast_token=wrong)])  # below tau: verified
-    assert d.verified and d.repair and d.token == ref_next(tokens) and len(ctl.vclient.items) == calls
-    tokens.append(d.token)
-    ctl.handle(P.VerifyAhead(rows=[P.AheadRow(rid="a", pos=3), P.AheadRow(rid="zz", pos=0)]))  # stale, unknown
-    assert len(ctl.vclient.items) == calls and "a" not in ctl.chained
-    ctl.handle(P.VerifyAhead(rows=[P.AheadRow(rid="a", pos=4)]))
-    assert ctl.vclient.items[-1].tokens == [tokens[4]]  # one token: the verifier had seen the rest
-    (d,) = ctl._step([P.StepRow(rid="a", pos=4, margin=3.0, fast_token=(ref_next(tokens) + 1) % 50)])
-    assert not d.verified and ctl.reqs["a"].mismatches == [4]  # above tau: committed fast, found at once
-    tokens.append(d.token)
-    ctl._finish(P.Finish(rid="a", output=tokens[len(prompt):]))
-    assert ctl._verdict("a").state == "mismatch" and ctl.m.verify_ahead._value.get() >= 2
-
-
-def test_a_lag_row_above_tau_that_differs_from_its_answer_ahead_is_corrected_not_missed(make_ctl):
-    """A behind row (its token not yet emitted) above tau whose kept answer differs: verified
-    from that answer, no call (every behind row is verified), so the seam can swap it; the same row
-    committed fast (not behind) stays a missed flip."""
-    ctl = make_ctl("margin", 0.5, chain=False)
-    prompt = [5, 6, 7]
-    for rid in ("b", "f"):
-        ctl._step([P.StepRow(rid=rid, pos=2, prompt=prompt, margin=3.0, fast_token=ref_next(prompt))])
-    tokens = prompt + [ref_next(prompt)]
-    ctl.handle(P.VerifyAhead(rows=[P.AheadRow(rid="b", pos=3), P.AheadRow(rid="f", pos=3)]))
-    calls, wrong = len(ctl.vclient.items), (ref_next(tokens) + 1) % 50
-    (db, df) = ctl._step([P.StepRow(rid="b", pos=3, margin=3.0, fast_token=wrong, behind=True),
-                          P.StepRow(rid="f", pos=3, margin=3.0, fast_token=wrong)])
-    assert db.verified and db.repair and db.token == ref_next(tokens) and len(ctl.vclient.items) == calls
-    assert not ctl.reqs["b"].mismatches and ctl.m.flips_above_tau._value.get() == 1
-    assert not df.verified and df.token == wrong and ctl.reqs["f"].mismatches == [3]
-    # behind and agreeing with its answer: verified, no repair, no flip counted
-    ctl.handle(P.VerifyAhead(rows=[P.AheadRow(rid="b", pos=4)]))
-    tokens.append(db.token)
-    (db,) = ctl._step([P.StepRow(rid="b", pos=4, margin=3.0, fast_token=ref_next(tokens), behind=True)])
-    assert db.verified and not db.repair and ctl.m.flips_above_tau._value.get() == 1
-    # behind with no answer kept: verified by a call of its own, never committed unchecked
-    tokens.append(db.token)
-    calls = len(ctl.vclient.items)
-    (db,) = ctl._step([P.StepRow(rid="b", pos=5, margin=3.0, fast_token=(ref_next(tokens) + 1) % 50, behind=True)])
-    assert db.verified and db.token == ref_next(tokens) and len(ctl.vclient.items) == calls + 1
-    assert ctl.m.flips_above_tau._value.get() == 2
-
-
-def test_an_answer_verified_ahead_without_its_column_serves_only_where_no_repair_needs_it(make_ctl):
-    """Ahead rows that are not MUST rows ask for no K/V column (VerifyItem.column): the answer
-    serves a behind row's correction (its repair is deferred and may be skipped) and a row the
-    verifier agrees with; a row whose repair would need the column is verified again."""
-    ctl = make_ctl("margin", 0.5, chain=False)
-    prompt = [5, 6, 7]
-    for rid in ("b", "h"):
-        ctl._step([P.StepRow(rid=rid, pos=2, prompt=prompt, margin=3.0, fast_token=ref_next(prompt))])
-    tokens = prompt + [ref_next(prompt)]
-    ctl.handle(P.VerifyAhead(rows=[P.AheadRow(rid="b", pos=3), P.AheadRow(rid="h", pos=3, must=False)]))
-    assert [it.column for it in ctl.vclient.items] == [False, False]
-    ctl.vclient.items.clear()
-    ctl.chained["b"].slot = ctl.chained["b"].gen = ctl.chained["h"].slot = ctl.chained["h"].gen = -1  # (no column)
-    wrong = (ref_next(tokens) + 1) % 50
-    (db, dh) = ctl._step([P.StepRow(rid="b", pos=3, margin=0.1, fast_token=wrong, behind=True),
-                          P.StepRow(rid="h", pos=3, margin=0.1, fast_token=wrong)])
-    assert db.verified and db.repair and db.token == ref_next(tokens) and db.slot == -1  # the kept answer
-    assert dh.verified and dh.repair and dh.slot >= 0  # verified again, with its column
-    assert [(it.rid, it.rewind, it.column) for it in ctl.vclient.items] == [("h", True, True)]
 
 
 def _window_row(toks, k, fast, margin, epoch=0, rid="w"):
     return P.StepRow(rid=rid, pos=len(toks) - 1, prompt=list(toks) if k == 0 else [], margin=margin,
-                     fast_token=fast, window=True, epoch=epoch)
+                     fast_token=fast, epoch=epoch)
 
 
 def test_a_window_request_is_rolled_back_where_the_verifier_disagrees(make_ctl):
@@ -737,9 +395,8 @@ def test_a_window_request_is_rolled_back_where_the_verifier_disagrees(make_ctl):
     toks, ref = list(prompt), reference(prompt, 12)
     for k in range(6):  # every step committed fast; the flip at answer index 3, a low margin at 4
         fast = ref_next(toks) if k != flip else (ref_next(toks) + 1) % 50
-        (d,) = ctl._step([_window_row(toks, k, fast, 0.1 if k == 4 else 3.0)])
-        assert d.token == fast and not d.verified
-        toks.append(d.token)
+        ctl._step([_window_row(toks, k, fast, 0.1 if k == 4 else 3.0)])
+        toks.append(fast)
     assert list(ctl.checks) == ["w"]  # the low margin asked for a check, a few forwards later
     assert not ctl._checks_due() and ctl.window_due == 5 + CHECK_DELAY_FORWARDS
     ctl.forwards = ctl.window_due  # (that many forwards later)
@@ -747,16 +404,16 @@ def test_a_window_request_is_rolled_back_where_the_verifier_disagrees(make_ctl):
     assert ctl.window_due is None and ctl.checks == {}
     st = ctl.reqs["w"]
     assert st.tokens == prompt + ref[:flip + 1] and st.epoch == 1 and st.checked == flip + 1
-    reply = ctl.handle(P.Stops())
-    assert reply.rids == [] and reply.rollbacks == [P.Rollback(rid="w", index=flip, token=ref[flip], epoch=1)]
-    assert reply.verified == {"w": [1, flip + 1]} and ctl.handle(P.Stops()).rollbacks == []  # told once
+    reply = ctl.handle(P.WindowNews())
+    assert reply.rollbacks == [P.Rollback(rid="w", index=flip, token=ref[flip], epoch=1)]
+    assert reply.verified == {"w": [1, flip + 1]} and ctl.handle(P.WindowNews()).rollbacks == []  # told once
     # the seam's rows of the old timeline are dropped until it applies the rollback
-    stale = ctl._step([_window_row(toks, 6, 7, 3.0)])
-    assert not stale[0].error and st.tokens == prompt + ref[:flip + 1]
+    ctl._step([_window_row(toks, 6, 7, 3.0)])
+    assert not st.error and st.tokens == prompt + ref[:flip + 1]
     toks = prompt + ref[:flip + 1]
     for k in range(flip + 1, 8):  # then the new timeline, from the verifier's token
-        (d,) = ctl._step([_window_row(toks, k, ref_next(toks), 3.0, epoch=1)])
-        toks.append(d.token)
+        ctl._step([_window_row(toks, k, ref_next(toks), 3.0, epoch=1)])
+        toks.append(ref_next(toks))
     tail = ctl._check_tail("w")  # the finish barrier: everything checked, the rollback told again
     assert not tail.error and tail.epoch == 1 and tail.verified == 8 and tail.rollback.epoch == 1
     # the verifier dropped its positions past the flip and caught up from the verifier's token
@@ -770,8 +427,8 @@ def test_a_window_request_is_checked_every_window_and_at_its_finish_barrier(make
     prompt = [3, 1]
     toks = list(prompt)
     for k in range(ctl.cfg.window + 3):  # high margins only: a check once `window` tokens wait
-        (d,) = ctl._step([_window_row(toks, k, ref_next(toks), 9.0)])
-        toks.append(d.token)
+        ctl._step([_window_row(toks, k, ref_next(toks), 9.0)])
+        toks.append(ref_next(toks))
         assert ctl._checks_due() == (k == ctl.cfg.window - 1)
         if k == ctl.cfg.window - 1:
             ctl._idle_turn()

@@ -1,6 +1,6 @@
 """mg's step seam (the Sampler pre-hook) on SGLang's real KV pool class, no server: step
 classification by position (prefill chunks, overlap look-ahead, missed steps), token forcing,
-K/V column repair, failures."""
+the one-way report of every step, failures."""
 
 import threading
 from array import array
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from mg_server.config import DETERMINISTIC_PARAM, HookConfig
-from mg_server.runtime import protocol as P
 from mg_server.runtime.policy import Policy
 
 
@@ -44,6 +43,7 @@ class FakeReq:
     def __init__(self, rid, prompt, pool_idx=0, **sampling):
         self.rid, self.origin_input_ids, self.kv = rid, list(prompt), SimpleNamespace(req_pool_idx=pool_idx)
         self.output_ids, self.to_finish, self.finished_reason = array("q"), None, None
+        self.stream = False
         self.grammar, self.return_logprob, self.lora_id = None, False, None
         self.sampling_params = SimpleNamespace(**{**dict(frequency_penalty=0.0, presence_penalty=0.0,
                                                          repetition_penalty=1.0, min_new_tokens=0,
@@ -55,33 +55,21 @@ class FakeReq:
 
 
 class ScriptedClient:
-    """Answers each Step with the decisions `decide(row)` returns; records the rows (and the
-    one-way reports of fast commits separately)."""
+    """Records the one-way step reports; raises `down` instead while it is set (no controller)."""
 
-    def __init__(self, decide):
-        self.decide, self.rows, self.reported = decide, [], []
-
-    def step(self, rows):
-        self.rows += rows
-        return [self.decide(r) for r in rows]
+    def __init__(self):
+        self.rows, self.down = [], None
 
     def report(self, rows):
-        self.reported += rows
+        if self.down is not None:
+            raise self.down
+        self.rows += rows
 
 
-class Columns:
-    def __init__(self):
-        self.col = torch.randn(LAYERS, 2, HEADS, DIM).to(torch.bfloat16)
-
-    def read(self, slot, gen, out=None):
-        assert (slot, gen) == (5, 9)
-        return self.col.clone() if out is None else out.copy_(self.col)
-
-
-def make_seam(hook_mod, runner, decide, tmp_path, monkeypatch, policy=Policy("always", 0.0)):
+def make_seam(hook_mod, runner, tmp_path, monkeypatch, policy=Policy("always", 0.0)):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     seam = hook_mod.StepSeam(HookConfig(metrics_dir=str(tmp_path)), runner)
-    seam.link = SimpleNamespace(client=ScriptedClient(decide), slots=Columns(), tracked={}, lock=threading.Lock(),
+    seam.link = SimpleNamespace(client=ScriptedClient(), tracked={}, lock=threading.Lock(),
                                 rpc_lock=threading.Lock(), policy=policy)
     return seam
 
@@ -102,12 +90,8 @@ def sampler_args(reqs_flags, logits, positions):
     return (SimpleNamespace(next_token_logits=logits), info, False, [], [], torch.tensor(positions))
 
 
-def fast(row):
-    return P.StepDecision(rid=row.rid, token=row.fast_token)
-
-
 def test_prefill_chunks_are_skipped_and_steps_follow_positions(hook_mod, runner, tmp_path, monkeypatch):
-    seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch)
+    seam = make_seam(hook_mod, runner, tmp_path, monkeypatch)
     req = FakeReq("a", [1, 2, 3, 4, 5])
     plain = FakeReq("p", [9])
     logits = torch.randn(2, VOCAB)
@@ -134,7 +118,7 @@ def test_prefill_chunks_are_skipped_and_steps_follow_positions(hook_mod, runner,
 def test_a_tracked_request_is_not_rebuilt_at_each_step(hook_mod, runner, tmp_path, monkeypatch):
     """mg's state of a request (a copy of its prompt) is made at its first step only: building it
     at every step of every row cost time in proportion to the prompt, on the scheduler's thread."""
-    seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch)
+    seam = make_seam(hook_mod, runner, tmp_path, monkeypatch)
     made = []
     build = seam.new_tracked
     monkeypatch.setattr(seam, "new_tracked", lambda req: made.append(req.rid) or build(req))
@@ -144,49 +128,29 @@ def test_a_tracked_request_is_not_rebuilt_at_each_step(hook_mod, runner, tmp_pat
     assert made == ["a"] and len(seam.link.tracked["a"].tokens) == 3 + 4
 
 
-def test_verified_disagreement_forces_the_verifier_token_and_repairs_the_column(hook_mod, runner, tmp_path,
-                                                                               monkeypatch):
-    def verify(row):
-        return P.StepDecision(rid=row.rid, token=(row.fast_token + 1) % VOCAB, verified=True, repair=True,
-                              slot=5, gen=9)
-
-    seam = make_seam(hook_mod, runner, verify, tmp_path, monkeypatch)
-    req = FakeReq("b", [7, 8, 9])
-    logits = torch.randn(1, VOCAB)
-    fast_tok = int(logits[0].argmax())
-    pool = runner.token_to_kv_pool
-    before = [b.clone() for b in pool.k_buffer]
-    seam(None, sampler_args([(req, True)], logits, [2]))
-    assert int(logits[0].argmax()) == (fast_tok + 1) % VOCAB
-    slot = 10 + 2  # position 2 of pool row 0
-    for layer in range(LAYERS):
-        assert torch.equal(pool.k_buffer[layer][slot], seam.link.slots.col[layer, 0])
-        assert torch.equal(pool.v_buffer[layer][slot], seam.link.slots.col[layer, 1])
-        changed = (pool.k_buffer[layer] != before[layer]).any(dim=(1, 2)).nonzero().flatten()
-        assert changed.tolist() == [slot]  # nothing else touched
-    assert req.to_finish is None
-
-
-def test_margin_mode_commits_high_margins_locally_and_waits_only_for_low_ones(hook_mod, runner, tmp_path,
-                                                                          monkeypatch):
-    seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch, policy=Policy("margin", 0.5))
+def test_every_step_is_committed_fast_and_reported_whatever_its_margin(hook_mod, runner, tmp_path, monkeypatch):
+    """The window commit: a low-margin step is committed fast too (checked behind by the
+    controller), with its margin and the request's epoch in the report."""
+    seam = make_seam(hook_mod, runner, tmp_path, monkeypatch, policy=Policy("margin", 0.5))
     req = FakeReq("m", [1, 2])
     logits = torch.zeros(1, VOCAB)
-    logits[0, 7], logits[0, 3] = 5.0, 1.0  # margin 4 >= tau: no round trip
+    logits[0, 7], logits[0, 3] = 5.0, 1.0  # margin 4 >= tau
     seam(None, sampler_args([(req, True)], logits, [1]))
-    assert seam.link.client.rows == [] and [r.fast_token for r in seam.link.client.reported] == [7]
     assert int(logits[0].argmax()) == 7 and torch.isinf(logits[0]).sum() == VOCAB - 1
     logits = torch.zeros(1, VOCAB)
-    logits[0, 9], logits[0, 4] = 1.1, 1.0  # margin 0.1 < tau: the controller decides
+    logits[0, 9], logits[0, 4] = 1.1, 1.0  # margin 0.1 < tau: committed fast as well
     seam(None, sampler_args([(req, True)], logits, [2]))
-    assert [r.pos for r in seam.link.client.rows] == [2] and len(seam.link.client.reported) == 1
-    assert seam.link.tracked["m"].tokens == [1, 2, 7, 9]
+    rows = seam.link.client.rows
+    assert [(r.pos, r.fast_token, r.epoch, r.released) for r in rows] == [(1, 7, 0, False), (2, 9, 0, False)]
+    assert [r.margin for r in rows] == pytest.approx([4.0, 0.1])
+    assert int(logits[0].argmax()) == 9 and seam.link.tracked["m"].tokens == [1, 2, 7, 9]
+    assert seam.link.tracked["m"].hold is not None  # its output is held until checked (rollback.py)
 
 
 def test_a_skipped_position_fails_the_request(hook_mod, runner, tmp_path, monkeypatch):
     from mg_server.sglang_ext.reasons import INTERNAL_REASON
 
-    seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch)
+    seam = make_seam(hook_mod, runner, tmp_path, monkeypatch)
     req = FakeReq("c", [1, 2])
     seam(None, sampler_args([(req, True)], torch.randn(1, VOCAB), [1]))
     seam(None, sampler_args([(req, True)], torch.randn(1, VOCAB), [3]))  # position 2 never sampled
@@ -195,26 +159,19 @@ def test_a_skipped_position_fails_the_request(hook_mod, runner, tmp_path, monkey
     assert "position" not in req.to_finish.message
 
 
-def test_controller_errors_and_unreachable_controller_fail_the_row(hook_mod, runner, tmp_path, monkeypatch):
-    seam = make_seam(hook_mod, runner, lambda r: P.StepDecision(rid=r.rid, error="verifier: [timeout] x"),
-                     tmp_path, monkeypatch)
-    req = FakeReq("d", [1])
+def test_an_unreachable_controller_fails_the_row(hook_mod, runner, tmp_path, monkeypatch):
+    seam = make_seam(hook_mod, runner, tmp_path, monkeypatch)
+    seam.link.client.down = TimeoutError("no reply")
+    req = FakeReq("e", [1])
     logits = torch.randn(1, VOCAB)
     before = logits.clone()
     seam(None, sampler_args([(req, True)], logits, [0]))
-    assert "verifier failed" in req.to_finish.message and torch.equal(logits, before)
+    assert req.to_finish.message == "deterministic decoding failed: mg controller unavailable"  # no socket path
+    assert torch.equal(logits, before)
     # the abort lands a step later (overlap look-ahead): that forward is ignored, the reason kept
-    n_rows = len(seam.link.client.rows)
+    seam.link.client.down = None
     seam(None, sampler_args([(req, True)], torch.randn(1, VOCAB), [1]))
-    assert len(seam.link.client.rows) == n_rows and "verifier failed" in req.to_finish.message
-
-    def down(row):
-        raise TimeoutError("no reply")
-
-    seam.link.client.decide = down
-    req2 = FakeReq("e", [1])
-    seam(None, sampler_args([(req2, True)], torch.randn(1, VOCAB), [0]))
-    assert req2.to_finish.message == "deterministic decoding failed: mg controller unavailable"  # no socket path
+    assert seam.link.client.rows == [] and req.to_finish.message.endswith("mg controller unavailable")
 
 
 @pytest.mark.parametrize("why,req_kw", [
@@ -228,7 +185,7 @@ def test_controller_errors_and_unreachable_controller_fail_the_row(hook_mod, run
 def test_what_the_verifier_does_not_model_fails_at_the_first_step(hook_mod, runner, tmp_path, monkeypatch, why,
                                                                      req_kw):
     # however mg's flag got there (the front refuses these with a 400): never a verdict on other tokens
-    seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch)
+    seam = make_seam(hook_mod, runner, tmp_path, monkeypatch)
     req = FakeReq("u", [1, 2], **{k: v for k, v in req_kw.items() if k not in ("grammar", "return_logprob")})
     req.grammar, req.return_logprob = req_kw.get("grammar"), req_kw.get("return_logprob", False)
     logits = torch.randn(1, VOCAB)
@@ -253,7 +210,7 @@ def test_seeded_rows_sample_by_the_shared_rule_and_send_it_with_the_prompt(hook_
     from mg_server.config import SEED_PARAM, TEMPERATURE_PARAM
     from mg_server.kernels import sampled_choice
 
-    seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch)
+    seam = make_seam(hook_mod, runner, tmp_path, monkeypatch)
     req = FakeReq("s", [1, 2, 3], custom_params={DETERMINISTIC_PARAM: True, TEMPERATURE_PARAM: 0.8, SEED_PARAM: 11})
     picked = set()
     for pos in (2, 3, 4, 5):
@@ -282,12 +239,6 @@ def test_off_mode_forces_seeded_rows_to_their_fast_sample(hook_mod, runner, tmp_
     assert int(logits[0].argmax()) == tok and torch.equal(logits[1], untouched)
 
 
-def test_repair_refuses_a_column_of_another_shape(hook_mod, runner):
-    with pytest.raises(RuntimeError, match="does not fit"):
-        hook_mod.write_kv_column(runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token, 0, 3,
-                                 torch.zeros(LAYERS + 1, 2, HEADS, DIM))
-
-
 def test_top2_margin(hook_mod):
     margin, arg = hook_mod.top2(torch.tensor([[1.0, 3.0, 2.5], [0.0, 0.0, -1.0]]))
     assert arg[0] == 1 and margin.tolist() == [0.5, 0.0]
@@ -296,34 +247,3 @@ def test_top2_margin(hook_mod):
 def test_factory_refuses_to_attach_without_sglangs_model_runner_in_reach(hook_mod):
     with pytest.raises(RuntimeError, match="model runner in reach"):
         hook_mod.make_hook({"metrics_dir": "/tmp/x"})
-
-
-def test_the_synchronous_seam_reports_resumable_low_margin_steps_without_waiting(hook_mod, runner, tmp_path,
-                                                                                 monkeypatch):
-    from mg_server.config import RESUME_PARAM
-
-    seam = make_seam(hook_mod, runner, fast, tmp_path, monkeypatch, policy=Policy("margin", 0.5))
-    req = FakeReq("r", [3, 4], custom_params={RESUME_PARAM: True}, stop_strs=None)
-    logits = torch.zeros(1, VOCAB)
-    logits[0, 7], logits[0, 8] = 1.0, 0.95  # margin 0.05 < tau
-    seam(None, sampler_args([(req, True)], logits, [1]))
-    assert seam.link.client.rows == [] and [r.resumable for r in seam.link.client.reported] == [True]
-    assert int(logits[0].argmax()) == 7 and seam.link.tracked["r"].tokens == [3, 4, 7]
-
-
-def test_a_diverged_resumable_request_ends_as_if_at_its_length_limit(hook_mod, tmp_path, monkeypatch):
-    from mg_server.config import RESUME_PARAM
-
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    link = object.__new__(hook_mod.ControllerLink)  # no controller: only the bookkeeping is used
-    link.lock, link.stopped = threading.Lock(), hook_mod.metrics.resume_stops()
-    lazy = FakeReq("a", [1], custom_params={RESUME_PARAM: True}, stop_strs=None)
-    lazy.output_ids = array("q", [4, 5, 6])
-    held, failed = FakeReq("b", [1]), FakeReq("c", [1], custom_params={RESUME_PARAM: True}, stop_strs=None)
-    seam = object.__new__(hook_mod.StepSeam)
-    seam.config = hook_mod.HookConfig(metrics_dir=str(tmp_path))
-    link.tracked = {"a": seam.new_tracked(lazy), "b": seam.new_tracked(held), "c": seam.new_tracked(failed)}
-    link.tracked["c"].failed = True
-    link.end_fast_path(["a", "b", "c", "gone"])
-    assert type(lazy.to_finish).__name__ == "FINISH_LENGTH" and lazy.to_finish.length == 3
-    assert held.to_finish is None and failed.to_finish is None  # not resumable; already failed

@@ -71,7 +71,7 @@ def test_seams_refuse_an_untested_version_unless_it_is_named():
 
 def test_seams_name_each_changed_internal():
     """A changed internal is refused with its name, whatever the version (here: the fact that the
-    scheduler adds a decode step's tokens with extend, which lag's swap and the window commit's
+    scheduler adds a decode step's tokens with extend, which the window commit's output hold and
     rollback rely on)."""
     r = _run(
         "from mg_server.sglang_ext import compat, seams\ncompat.install('cpu')\n"
@@ -83,7 +83,7 @@ def test_seams_name_each_changed_internal():
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "batch_result_processor no longer contains 'req.output_ids.extend(next_token_id)'" in r.stdout
-    # the window commit's rollback relies on the same fact (its own check, run with --mg-commit window)
+    # the window commit's rollback relies on the same fact (its own check, run whenever mg is on)
     assert "WINDOW SGLang seams of the window commit do not match" in r.stdout
 
 
@@ -152,8 +152,7 @@ def test_every_profiles_flags_are_the_installed_sglangs(profile):
         "from mg_server.config import ServeConfig\nfrom mg_server.sglang_ext.launch import sglang_argv\n"
         "from sglang.srt.server_args import ServerArgs\n"
         "p = argparse.ArgumentParser(exit_on_error=False)\nServerArgs.add_cli_args(p)\n"
-        f"cfg = ServeConfig(model_path='/m', host='h', port=1, profile={profile!r}, metrics_dir='/x', "
-        "verifier_in='scheduler')\n"
+        f"cfg = ServeConfig(model_path='/m', host='h', port=1, profile={profile!r}, metrics_dir='/x')\n"
         "ns, unknown = p.parse_known_args(sglang_argv(cfg))\nprint('UNKNOWN', json.dumps(unknown))\n"
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -171,51 +170,6 @@ def test_cpu_has_no_grammar_backend_and_refuses_xgrammar():
         refuse_on_host(SimpleNamespace(grammar_backend="xgrammar"), "cpu")
     refuse_on_host(SimpleNamespace(grammar_backend="none"), "cpu")
     refuse_on_host(SimpleNamespace(grammar_backend="xgrammar"), "cuda")
-
-
-def test_argv_scheduler_placement_sleeps_when_idle():
-    # the verifier thread starves while an idle scheduler loop polls without blocking (launch.py)
-    from dataclasses import replace
-
-    from mg_server.sglang_ext.launch import sglang_argv
-
-    sched = replace(_cfg(profile="cuda"), verifier_in="scheduler")
-    assert sglang_argv(sched).count("--sleep-on-idle") == 1
-    assert sglang_argv(replace(sched, sglang_args=("--sleep-on-idle",))).count("--sleep-on-idle") == 1
-    assert "--sleep-on-idle" not in sglang_argv(_cfg(profile="cuda"))  # the verifier's own process
-    assert "--sleep-on-idle" not in sglang_argv(replace(sched, mg_mode="off"))
-
-
-LLAMA3_8B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
-             "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0,
-             "max_position_embeddings": 8192, "tie_word_embeddings": False}
-
-
-def test_the_scheduler_placement_leaves_the_verifier_its_memory(tmp_path):
-    # the in-process verifier loads after SGLang took --mem-fraction-static of the card: unless the
-    # user chose that share, mg lowers SGLang's default by the verifier's weights + pool + workspace
-    import json
-    from dataclasses import replace
-
-    from mg_server.runtime.verifier.reference import WORKSPACE_BYTES
-    from mg_server.sglang_ext.launch import verifier_room
-
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA3_8B))
-    sched = replace(_cfg(profile="cuda"), model_path=str(tmp_path), verifier_in="scheduler")
-    card = 80 << 30
-    # Llama-3-8B has 8,030,261,248 parameters (bf16); pool: 2 x 8192 tokens of 32 layers x K,V x 8 x 128 bf16
-    need = 8_030_261_248 * 2 + 16384 * (32 * 2 * 8 * 128 * 2) + WORKSPACE_BYTES
-    assert verifier_room(sched, None, 0.874, 8192, card) == ("--mem-fraction-static", f"{0.874 - need / card:.3f}")
-    assert verifier_room(sched, 0.6, 0.874, 8192, card) == ()  # the user's share is kept
-    for other in (replace(sched, verifier_in="process"), replace(sched, mg_mode="off"),
-                  replace(sched, profile="cpu")):
-        assert verifier_room(other, None, 0.874, 8192, card) == ()
-    with pytest.raises(ValueError, match="--mg-verifier-in process"):  # a 24 GB card cannot hold both
-        verifier_room(sched, None, 0.6, 8192, 24 << 30)
-    # 128k tokens of context: the verifier's pool of two such requests (32 GB) fits beside its
-    # weights, but then SGLang's share (19 GB) no longer holds its own weights plus one request
-    with pytest.raises(ValueError, match="131072-token request"):
-        verifier_room(sched, None, 0.874, 131072, card)
 
 
 @pytest.mark.parametrize("flag", ["--forward-hooks", "--enable-custom-logit-processor"])

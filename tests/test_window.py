@@ -1,4 +1,4 @@
-"""Window commit on a real server (SmolLM2 on CPU, `--mg-commit window`): rollback in place.
+"""Window commit on a real server (SmolLM2 on CPU): rollback in place.
 
 Every deterministic step is committed fast and checked behind. The test-only fault
 MG_FAULT_MISSED_FLIP=3 makes every deterministic request's 4th answer token the fast path's
@@ -26,12 +26,18 @@ QUESTIONS = ("Explain in detail why the sky is blue, step by step.", "Write a sh
 H = {"X-Deterministic": "1"}
 
 
-@pytest.fixture(scope="module")
-def setup(prepared_model, tmp_path_factory):
-    # (the lagged seam's window rows run in tests/test_gpu_serving.py on CUDA)
-    yield from faulted_server(prepared_model, tmp_path_factory.mktemp("window") / "server.log",
-                              ["--mg-mode", "margin", "--mg-commit", "window", "--mg-window", "8"],
-                              {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0"}, QUESTIONS, MAX_NEW)
+@pytest.fixture(scope="module", params=["sync", "lagged"])
+def setup(request, prepared_model, tmp_path_factory):
+    """The synchronous seam (a CPU server's own), and the lagged seam on the CPU reference gate
+    (MG_LAGGED_ON_CPU=1: the rows read one forward late, a due rollback applied on the synchronous
+    path; on CUDA the lagged seam runs in tests/test_gpu_serving.py)."""
+    env = {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0"}
+    if request.param == "lagged":
+        env["MG_LAGGED_ON_CPU"] = "1"
+    for srv, *rest in faulted_server(prepared_model, tmp_path_factory.mktemp("window") / "server.log",
+                                     ["--mg-mode", "margin", "--mg-window", "8"], env, QUESTIONS, MAX_NEW):
+        assert ("mg: lagged commit on" in srv.log_path.read_text()) == (request.param == "lagged")
+        yield (srv, *rest)
 
 
 def _counter(url: str, name: str) -> float:
@@ -111,23 +117,35 @@ def test_seeded_answers_are_the_verifiers_samples(setup, prepared_model):
     assert got == [(r, "verified") for r in refs]
 
 
-@pytest.mark.parametrize("flags,why", [(["--mg-window", "8"], "needs --mg-commit window"),
-                                       (["--mg-commit", "window", "--mg-window", "0"], "must be >= 1")])
-def test_the_window_flag_reaches_the_config_and_is_checked(monkeypatch, prepared_model, capsys, flags, why):
+def test_the_window_flag_reaches_the_config_and_is_checked(monkeypatch, prepared_model, capsys):
     from mg_server import cli
     from mg_server.sglang_ext import launch
 
     seen = []
     monkeypatch.setattr(launch, "serve", seen.append)
     base = ["serve", "--model", str(prepared_model), "--device", "cpu"]
-    assert cli.main([*base, "--mg-commit", "window", "--mg-window", "32"]) == 0
-    assert cli.main([*base, "--mg-commit", "window"]) == 0
-    assert (seen[0].commit, seen[0].window, seen[1].window) == ("window", 32, 16)
+    assert cli.main([*base, "--mg-window", "32"]) == 0
+    assert cli.main(base) == 0
+    assert (seen[0].window, seen[1].window) == (32, 16)
     try:
-        rc = cli.main([*base, *flags])
+        rc = cli.main([*base, "--mg-window", "0"])
     except SystemExit as e:
         rc = e.code
-    assert rc == 2 and why in capsys.readouterr().err
+    assert rc == 2 and "must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--mg-commit", "--mg-lag-chain", "--mg-verifier-in", "--mg-controller-in",
+                                  "--mg-verify-ahead", "--mg-early-verify", "--mg-prefill-ahead", "--mg-ipc-spin-us"])
+def test_the_removed_commit_flags_are_not_mgs(monkeypatch, prepared_model, flag):
+    """The window commit is the only one: the flags of the others are no longer mg's, so they go
+    to SGLang's own parser as pass-through flags (which refuses them at start-up)."""
+    from mg_server import cli
+    from mg_server.sglang_ext import launch
+
+    seen = []
+    monkeypatch.setattr(launch, "serve", seen.append)
+    assert cli.main(["serve", "--model", str(prepared_model), "--device", "cpu", flag, "x"]) == 0
+    assert seen[0].sglang_args == (flag, "x")
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +153,7 @@ def early(prepared_model, tmp_path_factory):
     """A tiny tau: every step's margin is above it, so a stream's tokens leave before their check;
     the forced flip (a huge margin) goes out with them."""
     yield from faulted_server(prepared_model, tmp_path_factory.mktemp("window-early") / "server.log",
-                              ["--mg-mode", "margin", "--mg-commit", "window", "--mg-tau", "1e-6"],
+                              ["--mg-mode", "margin", "--mg-tau", "1e-6"],
                               {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "1e9"}, QUESTIONS, MAX_NEW)
 
 

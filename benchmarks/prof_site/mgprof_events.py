@@ -39,9 +39,7 @@ HOST = {  # module -> {"Class.method": name}: host intervals only
                                       "Scheduler.get_next_batch_to_run": "next_batch"},
     "mg_server.sglang_ext.lagged": {"LaggedControl.drain": "drain", "LaggedControl.launch": "mg_launch",
                                      "_wait": "wait_published"},
-    "mg_server.runtime.controller.inproc": {"DirectControllerClient.step": "step_call"},
-    "mg_server.runtime.controller.ahead": {"AheadMixin._verify_ahead": "ahead_call"},
-    "mg_server.runtime.controller.client": {"ControllerClient.step": "step_call"},
+    "mg_server.runtime.controller.client": {"ControllerClient.report": "step_call"},
     "mg_server.runtime.verifier.graphs": {"RowGraphs.run": "v_run"},
 }
 

@@ -29,7 +29,7 @@ from mg_server.config import DETERMINISTIC_PARAM
 
 MG_COUNTERS = ("mg_deterministic_steps_total", "mg_verify_total", "mg_repair_total",
                "mg_audit_mismatch_total", "mg_verify_errors_total", "mg_lookahead_steps_total",
-               "mg_corrections_total", "mg_resume_stops_total", "mg_rollbacks_total", "mg_stale_steps_total")
+               "mg_corrections_total", "mg_rollbacks_total", "mg_stale_steps_total")
 
 
 @dataclass(frozen=True)

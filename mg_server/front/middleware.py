@@ -21,11 +21,6 @@
   request is sent to SGLang as n single-sample requests, concurrently, and answered as one.
 - `system_fingerprint` (runtime.fingerprint) on deterministic answers: the JSON field of a
   non-streamed OpenAI answer, the `X-MG-System-Fingerprint` header on every one (streams too).
-- Resumable answers (`FrontConfig.resume`, policy.mark_resumable): a non-streamed deterministic
-  request ended by token rules is committed fast whatever its margins; if the controller finds
-  a divergence, the answer up to it plus the verifier's token there is completed by a
-  deterministic `/generate` continuation through this middleware (`_resume`: its own verdict,
-  its own divergences resumed in turn), and swapped into the response.
 """
 
 from __future__ import annotations
@@ -39,21 +34,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from mg_server import metrics
 from mg_server.config import DETERMINISTIC_PARAM, INSTANCE_PARAM, FrontConfig, instance_key
-from mg_server.front.policy import (OPENAI_PATHS, BadRequest, empty_answer_rids, mark_resumable, parse_flag,
-                                    rewrite_body, route)
+from mg_server.front.policy import OPENAI_PATHS, BadRequest, empty_answer_rids, parse_flag, rewrite_body, route
 from mg_server.front.redact import INFO_PATHS, bearer_ok, cleaning_sender
 from mg_server.front.samples import expand_generate, merge_openai, split_openai
 from mg_server.front.tokens import TOKEN_PATHS, bad_token_ids
 from mg_server.front.verdict import RuntimeView, verdict_sender
-from mg_server.runtime.protocol import Correction, VerdictState
+from mg_server.runtime.protocol import VerdictState
 
 HEADER = b"x-deterministic"
 HEALTH_PATHS = ("/health", "/health_generate")
-# A resumed answer's continuation may diverge and resume in turn; each adds at least one token,
-# and past this depth the answer stays as emitted (verdict `mismatch`).
-MAX_RESUMES = 32
-RESUME_DEPTH = "mg.resume_depth"  # ASGI scope key: how deep a continuation is
-SUB_SCOPE = ("type", "asgi", "http_version", "scheme", "server", "client", "root_path", "state")
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -171,8 +160,6 @@ class DeterministicMiddleware:
                     else:
                         parsed = expand_generate(parsed) if flag else parsed
                         parsed = rewrite_body(parsed, path, flag, self.config.noop_processor)
-                        if flag and self.config.resume and self.config.controller_ipc:
-                            mark_resumable(parsed, [parsed["rid"]] if isinstance(parsed["rid"], str) else parsed["rid"])
                 except BadRequest as e:
                     return await _respond(send, 400, error_body(str(e), param=e.param), b"application/json", [echo])
                 if parts is not None:
@@ -198,41 +185,8 @@ class DeterministicMiddleware:
                 await send(message)
 
             return await self.app(scope, receive, send_with_echo)
-        depth = scope.get(RESUME_DEPTH, 0)
-
-        async def resume(corr: Correction) -> Correction | None:
-            return await self._resume(scope, corr, depth + 1)
-
         await self.app(scope, receive, verdict_sender(send, echo, rids, self.runtime, self.config.kernel_config_id,
-                                                      settled, path=path, fingerprint=self.config.system_fingerprint,
-                                                      resume=resume))
-
-    async def _resume(self, scope: Scope, corr: Correction, depth: int) -> Correction | None:
-        """Complete a resumable correction (protocol.Correction.resume) with a deterministic
-        /generate continuation of its tokens, ended by the same token rules; None if that
-        continuation is not a verified answer."""
-        if depth > MAX_RESUMES:
-            return None
-        params: dict = {"max_new_tokens": corr.max_new, "stop_token_ids": corr.stop_ids,
-                        "ignore_eos": not corr.stop_ids, "temperature": corr.temperature}
-        if corr.temperature > 0:
-            params["sampling_seed"] = corr.seed
-        body = json.dumps({"input_ids": corr.resume_ids, "sampling_params": params}).encode()
-        keep = [(k, v) for k, v in scope["headers"] if k in (b"authorization", b"host")]
-        # a fresh request's scope: the original's routing results (endpoint, route) stay behind
-        sub = {k: scope[k] for k in SUB_SCOPE if k in scope}
-        sub.update({"method": "POST", "path": "/generate", "raw_path": b"/generate", "query_string": b"",
-                    RESUME_DEPTH: depth, "headers": keep + [(b"content-type", b"application/json"), (HEADER, b"1")]})
-        status, headers, data = await _capture(self, sub, body)
-        if status != 200 or dict(headers).get(b"x-mg-verdict") != VerdictState.VERIFIED.encode():
-            return None
-        try:
-            doc = json.loads(data)
-            ids, finish = doc["output_ids"], doc["meta_info"]["finish_reason"]["type"]
-        except (ValueError, KeyError, TypeError):
-            return None
-        return Correction(original=corr.original, output=corr.output + list(ids), first=corr.first,
-                          finish="stop" if finish == "stop" else "length")
+                                                      settled, path=path, fingerprint=self.config.system_fingerprint))
 
     async def _fan_out(self, scope: Scope, bodies: list[dict], send: Send, echo) -> None:
         """Seeded n > 1 (front.samples): each body is one sample; one merged answer, whose

@@ -26,7 +26,7 @@ import math
 import uuid
 from typing import Any
 
-from mg_server.config import DETERMINISTIC_PARAM, RESUME_PARAM, SEED_PARAM, TEMPERATURE_PARAM
+from mg_server.config import DETERMINISTIC_PARAM, SEED_PARAM, TEMPERATURE_PARAM
 
 _VALUES = {"1": True, "true": True, "0": False, "false": False}
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -140,9 +140,8 @@ def _mark_params(params: Any, flag: bool, where: str) -> dict:
     if not isinstance(custom, dict):
         raise BadRequest(f"{where}custom_params must be an object", param=f"{where}custom_params")
     out = dict(params)
-    # mg's own keys come from the checked temperature and seed below (and the front's
-    # mark_resumable), never from the client
-    custom = {k: v for k, v in custom.items() if k not in (TEMPERATURE_PARAM, SEED_PARAM, RESUME_PARAM)}
+    # mg's own keys come from the checked temperature and seed below, never from the client
+    custom = {k: v for k, v in custom.items() if k not in (TEMPERATURE_PARAM, SEED_PARAM)}
     out["custom_params"] = {**custom, DETERMINISTIC_PARAM: flag}
     if flag:
         check_params(out, where)
@@ -209,21 +208,6 @@ def empty_answer_rids(body: dict, rids: list[str]) -> set[str]:
     params = body.get("sampling_params")
     per = params if isinstance(params, list) else [params] * len(rids)
     return {rid for rid, p in zip(rids, per) if isinstance(p, dict) and p.get("max_new_tokens") == 0}
-
-
-def mark_resumable(body: dict, rids: list[str]) -> None:
-    """Mark a rewritten deterministic body's request resumable (config.RESUME_PARAM) where the
-    front can rewrite its answer: one request (a batch body's response waits for all its
-    requests, so a stopped one would resume only after the others end: measured 4x slower at
-    batch 8 on an H100), not streamed, and ended by token rules only (stop strings and regexes
-    are text rules a resumed answer cannot follow)."""
-    if body.get("stream") or len(rids) != 1:
-        return
-    params = body.get("sampling_params", body)  # /generate: one dict or a list; OpenAI: the body
-    for p in params if isinstance(params, list) else [params]:
-        custom = p.get("custom_params") if isinstance(p, dict) else None
-        if isinstance(custom, dict) and custom.get(DETERMINISTIC_PARAM) and not (p.get("stop") or p.get("stop_regex")):
-            custom[RESUME_PARAM] = True
 
 
 def rewrite_body(body: dict, path: str, flag: bool, noop_processor: str) -> dict:

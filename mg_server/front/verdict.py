@@ -121,19 +121,15 @@ def with_fingerprint(body: bytes, fingerprint: str) -> bytes:
     return json.dumps({**answer, "system_fingerprint": fingerprint}).encode()
 
 
-Resume = Callable[[Correction], Awaitable["Correction | None"]]
-
-
 def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view: RuntimeView,
                    kernel_config_id: str, settled: dict[str, str] | None = None, path: str = "",
-                   fingerprint: str = "", resume: Resume | None = None) -> Send:
+                   fingerprint: str = "") -> Send:
     """Wrap `send` so the response of deterministic request(s) `rids` carries its verdict
     (`settled`: verdicts known without the controller, e.g. empty answers) and `fingerprint`
     (OpenAI's system_fingerprint; "" for none). A non-streamed answer (one request, or each of
     a /generate batch) whose audit found a missed flip gets the corrected answer
     (front.correction) and the verdict `verified`, if its body can be rewritten: the verifier's
-    completion, or, for a resumable request, its answer up to the flip and the verifier's token
-    there, completed by `resume` (a deterministic continuation; None: it could not be)."""
+    completion."""
     held: dict | None = None  # the response start of a non-streamed answer, until its verdict
     parts: list[bytes] = []  # its body, until the last part
     streaming = False
@@ -147,16 +143,9 @@ def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view:
         got = dict(zip(ask, await view.verdicts(ask, correct))) if ask else {}
         return [(settled[r], None) if r in settled else got[r] for r in rids]
 
-    async def resumed(corr: Correction | None) -> Correction | None:
-        return corr if corr is None or not corr.resume or resume is None else await resume(corr)
-
     async def finish_held(body: bytes) -> tuple[dict, bytes]:
         got = await states(correct=len(rids) == 1 or path == "/generate")
         extra: list[tuple[bytes, bytes]] = []
-        corrs = await asyncio.gather(*(resumed(c) for _, c in got))
-        # a resumed answer whose continuation did not verify stays as SGLang emitted it: mismatch
-        got = [(st, n) if c is None or (n is not None and not n.resume) else (S.MISMATCH, None)
-               for (st, c), n in zip(got, corrs)]
         if any(n is not None for _, n in got):
             body, ok = correction.apply(body, path, [n for _, n in got], view.config.model_path)
             # where the body cannot take the rewrite the controller counted on: mismatch

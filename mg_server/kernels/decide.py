@@ -11,9 +11,10 @@ batch. One program per protected row here does the gather, top-2, position check
               need[k]   = 0 unless pos == meta[n + k] (the step mg expects); then by the row's
                           mode meta[2n + k]: HOLD (0) 1 if the policy verifies it (always, or
                           not margin >= tau in fp64: Policy.should_verify's comparison; a NaN
-                          margin is verified); LAZY (1, a resumable row, checked behind) 0;
-                          BEHIND (2, `--mg-commit lag`) 2 if the policy verifies it (verified
-                          one forward late: the gate never holds for it); MUST (3) 1.
+                          margin is verified); LAZY (1, a window row, checked behind) 0;
+                          BEHIND (2) 2 if the policy verifies it; MUST (3) 1. The seam sends
+                          LAZY rows only (the window commit): the other modes are the removed
+                          commit paths', kept with the gate's hold path and their GPU tests.
 `force`   : logits[row k] = -inf everywhere but 0 at chosen[k] (any sampler then picks it).
 
 `meta` is int64 [3n]: on CUDA it may be page-locked host memory (read through UVA, no copy).

@@ -1,13 +1,12 @@
 """Copies done by a kernel, never by a CUDA copy engine: page-locked host <-> device, device <-> device.
 
-Why: the verifier can run as a thread of SGLang's scheduler process (`serve --mg-verifier-in
-scheduler`). There its copies would share the process's copy-engine queues with SGLang's, and
-SGLang queues its copies behind a forward whose stream mg's step gate holds (kernels/gate.py).
-Measured on an H200: the verifier's host-to-device input copy, then its event sync, waited
-behind such a held forward, whose gate was waiting for that very verifier, until the verify call
-timed out. A kernel reads and writes page-locked host memory directly (UVA: a cudaHostAlloc'd
+Why: written when the verifier could run as a thread of SGLang's scheduler process (a placement
+since removed), where its copies shared the process's copy-engine queues with SGLang's and
+waited behind a forward held by mg's step gate (measured on an H200: until the verify call timed
+out). A kernel reads and writes page-locked host memory directly (UVA: a cudaHostAlloc'd
 buffer's pointer is valid on the device, as the step gate's mailboxes use it), so it depends on
-nothing but its own stream. The data is small (a verify call's inputs, its margins, K/V columns).
+nothing but its own stream; kept, as the verifier's graphs are built on it. The data is small (a
+verify call's inputs, its margins, K/V columns).
 
 Bits: a plain load and store of each element; the caller passes tensors of one dtype and size.
 """

@@ -22,17 +22,6 @@ from mg_server.runtime import protocol as P
 CHECK_PERIOD_S = 0.1  # how often a waiting call asks peer_check
 
 
-def wait_readable(sock, timeout_ms: int, spin_until: float = 0.0) -> bool:
-    """sock.poll(timeout_ms) for a message, but spinning (poll(0) in a loop) until the monotonic
-    time spin_until first. Why spin (experimental, `serve --mg-ipc-spin-us`): a process that
-    sleeps in a blocking poll wakes some tens of microseconds after the message arrives (its core
-    may have gone idle), and a held verify call crosses four such hops. Spinning burns that core."""
-    while time.monotonic() < spin_until:
-        if sock.poll(0):
-            return True
-    return bool(sock.poll(timeout_ms))
-
-
 class RpcError(RuntimeError):
     """A typed failure: `code` is one of protocol.ErrorCode."""
 
@@ -49,10 +38,9 @@ class RpcClient:
     error_cls: type[RpcError] = RpcError
 
     def __init__(self, ipc_path: str, timeout_s: float, client_name: str = "",
-                 peer_check: Callable[[], str] | None = None, spin_s: float = 0.0):
+                 peer_check: Callable[[], str] | None = None):
         self.endpoint = "ipc://" + ipc_path
         self.timeout_s = timeout_s
-        self.spin_s = spin_s  # a call spins this long for its reply before it polls (wait_readable)
         self.peer_check = peer_check  # "" while the serving process is alive, else why it is not
         self.client_name = client_name or f"pid{os.getpid()}"
         self.ctx = zmq.Context()
@@ -64,14 +52,12 @@ class RpcClient:
     def call(self, msg: P.Message, timeout_s: float | None = None) -> P.Message:
         msg.msg_id = next(self._ids)
         self.sock.send(P.encode(msg))
-        now = time.monotonic()
-        deadline = now + (self.timeout_s if timeout_s is None else timeout_s)
-        spin_until = min(now + self.spin_s, deadline)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise self.error_cls(P.ErrorCode.TIMEOUT, f"no reply to {type(msg).__name__} in time")
-            if not wait_readable(self.sock, max(1, int(min(left, CHECK_PERIOD_S) * 1000)), spin_until):
+            if not self.sock.poll(max(1, int(min(left, CHECK_PERIOD_S) * 1000))):
                 down = self.peer_check() if self.peer_check is not None else ""
                 if down:
                     raise self.error_cls(P.ErrorCode.PEER_DOWN, f"no reply to {type(msg).__name__}: {down}")
@@ -84,7 +70,7 @@ class RpcClient:
             return reply
 
     def send(self, msg: P.Message) -> None:
-        """One-way: the server sends nothing back for this message (e.g. Step with reply=False)."""
+        """One-way: the server sends nothing back for this message (e.g. Step)."""
         msg.msg_id = next(self._ids)
         self.sock.send(P.encode(msg))
 

@@ -58,12 +58,12 @@ def load_profile(model_name: str, profile_dir: Path = PROFILE_DIR) -> dict | Non
 
 
 def resolve_tau(model_path: str, tau: float | None, mode: str = "margin",
-                profile_path: str | None = None, window: bool = False) -> tuple[float, str]:
+                profile_path: str | None = None) -> tuple[float, str]:
     """(tau, where it came from): an explicit value wins, then a profile file given by the user
     (`serve --profile`), then the model's shipped profile. Only mode margin reads tau; the others
-    get 0 when no value is given (a given profile file is still checked). Under the window commit
-    a model without a profile serves with tau 0: tau only says which steps are checked early
-    there, and every token is checked before it leaves whatever tau is."""
+    get 0 when no value is given (a given profile file is still checked). A model without a
+    profile serves with tau 0: tau only says which steps are checked early, and every token is
+    checked before it leaves whatever tau is."""
     if tau is not None:
         return tau, "flag"
     name = Path(model_path).name
@@ -74,13 +74,8 @@ def resolve_tau(model_path: str, tau: float | None, mode: str = "margin",
         source = f"profile {profile_path}"
     else:
         profile = load_profile(name)
-        if profile is None and window:
-            return 0.0, "no profile: steps are checked in windows only"
         if profile is None:
-            raise ValueError(
-                f"no tau profile for model {name!r} in {PROFILE_DIR}; pass --mg-tau or --profile FILE "
-                "(or --mg-mode always)"
-            )
+            return 0.0, "no profile: steps are checked in windows only"
         source = f"profile {name}.json"
     if profile.get("model", name) != name:  # tau is per model: say so when the names differ
         source += f", calibrated for {profile['model']!r}, not {name!r}"

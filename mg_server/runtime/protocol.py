@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 10  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
-# 6: resumable rows (StepRow.resumable, Stops, Correction.resume); 7: StepRow.must (lagged corrections);
-# 8: StepRow.behind, VerifyItem.chain, VerifyResult.next (a lag correction's next step in the same call);
-# 9: VerifyAhead (--mg-verify-ahead); 10: window commit (StepRow.window/epoch, Rollback, CheckTail)
+PROTOCOL_VERSION = 11  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
+# 10: window commit (StepRow.epoch, Rollback, CheckTail); 11: the window commit is the only one: Step is
+# one-way (no StepReply), WindowNews replaces Stops, and the other commits' fields and messages are gone
 
 
 class ErrorCode:
@@ -102,15 +101,6 @@ class VerifyItem(msgspec.Struct, kw_only=True, omit_defaults=True):
     temperature: float = 0.0  # decoding rule of every position of this item: 0 greedy, > 0 seeded sampling
     seed: int = 0  # the sampling seed (mod 2**64), with temperature > 0
     deadline_ns: int = 0  # time.time_ns() after which the worker answers DEADLINE unstarted
-    # The caller's t_{pos+1} (a fast token verified one forward late, StepRow.behind), or -1. If
-    # the verifier's token differs, the same call also verifies pos + 1 with the verifier's token
-    # (VerifyResult.next): the caller's next step was computed from the wrong token and needs
-    # exactly that (StepRow.must). Why in the same call: that step's forward holds SGLang's stream.
-    chain: int = -1
-    # False: answer without the K/V column (VerifyResult.slot and gen -1): an answer verified ahead
-    # (--mg-verify-ahead) that no repair is expected to need. Why: copying every result's column
-    # to a slot took half of that thread's GIL time on an H100 (controller/ahead.py).
-    column: bool = True
 
 
 class Verify(Message):
@@ -124,8 +114,8 @@ class VerifyResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     pos: int
     token: int  # the verifier's token t_{pos+1} under the item's rule (argmax, ties -> lower id)
     margin: float  # top1 - top2 logit at pos, fp32 (sampling: T * (top1 - top2) of the scores)
-    slot: int  # slot of the shared buffer holding the K/V column of position pos (-1: not asked for)
-    gen: int  # generation stamped on that slot; the reader checks it after copying (-1: no column)
+    slot: int  # slot of the shared buffer holding the K/V column of position pos
+    gen: int  # generation stamped on that slot; the reader checks it after copying
     audit_tokens: list[int] = []  # verifier argmax at positions start .. pos-1 (predicts start+1..pos);
     #                               sampling: of the scores, except at positions < prompt_len - 1 (greedy)
     audit_margins: list[float] = []  # their margins
@@ -135,7 +125,6 @@ class VerifyResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     batch_rows: int = 0  # rows in the forward that served this item (for tests and metrics)
     batch_requests: int = 0  # requests in that forward
     forward_ms: float = 0.0
-    next: VerifyResult | None = None  # VerifyItem.chain: the result at pos + 1 (its own slot)
 
 
 class ErrorReply(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
@@ -216,60 +205,29 @@ class StepRow(msgspec.Struct, kw_only=True, omit_defaults=True):
     fast_token: int  # fast path's argmax at pos (sampling: of the perturbed scores)
     temperature: float = 0.0  # first step only, with the prompt: the request's decoding rule
     seed: int = 0  #            (see the module doc); 0 = greedy
-    # The request's answer can be resumed (a non-streamed answer the front can rewrite): the seam
-    # commits every step fast, the controller checks the low-margin ones behind, and a divergence
-    # ends the fast path early; the front then resumes the answer from the verifier's token.
-    resumable: bool = False
-    # The fast path computed this row from a wrong input token (`--mg-commit lag`: the previous
-    # token was corrected after the fast one had been fed back): verify it whatever its margin,
-    # and write the verifier's K/V column of pos (the fast one holds the wrong token's).
-    must: bool = False
-    # Verified one forward late (`--mg-commit lag`), whatever its margin: the fast token went through
-    # and is not emitted yet (with --mg-verify-ahead also a row above tau whose answer differs:
-    # LagCommit.promote_ahead). On a disagreement the controller has the verifier answer the
-    # request's next (must) step in the same call.
-    behind: bool = False
-    # Window commit: the row was committed fast and its request is rolled back in place where the
-    # verifier disagrees; `epoch` counts the request's rollbacks the seam has applied (a row of an
-    # older epoch belongs to a timeline the controller has cut already, and is dropped).
-    window: bool = False
+    # The row was committed fast and its request is rolled back in place where the verifier
+    # disagrees; `epoch` counts the request's rollbacks the seam has applied (a row of an older
+    # epoch belongs to a timeline the controller has cut already, and is dropped).
     epoch: int = 0
-    # Window commit, a streamed request: this step's token may leave before it is checked (every
-    # step since the last checked one had margin >= tau); a disagreement there is a missed flip.
+    # A streamed request: this step's token may leave before it is checked (every step since the
+    # last checked one had margin >= tau); a disagreement there is a missed flip.
     released: bool = False
 
 
 class Step(Message):
+    """One fast-path forward's protected rows, every one committed fast by the seam (one-way:
+    nothing is sent back; the controller checks them behind, controller/window.py)."""
+
     rows: list[StepRow]
-    reply: bool = True  # False: every row was fast-committed by the seam; nothing is sent back
-
-
-class AheadRow(msgspec.Struct, kw_only=True):
-    rid: str
-    pos: int  # the position of the input token t_pos of the request's coming step (t_pos is decided)
-    must: bool = False  # a MUST row (StepRow.must): its K/V column will be written to SGLang's pool
-
-
-class VerifyAhead(Message):
-    """`--mg-verify-ahead` (controller/ahead.py): have the verifier answer these requests' coming
-    steps now, while the fast path computes them; the controller keeps each result for the
-    request's Step at that position. One-way: nothing is sent back."""
-
-    rows: list[AheadRow]
 
 
 class StepDecision(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """The seam's decision for one step row (never sent: the seam decides, the controller checks)."""
+
     rid: str
-    token: int = -1  # the token t_{pos+1} to emit (the fast one, or the verifier's)
-    verified: bool = False  # the verifier computed this step
-    repair: bool = False  # verifier disagreed with the fast path: write its K/V column
-    slot: int = -1  # slot of the K/V column of position pos in the verifier's buffer
-    gen: int = -1
+    token: int = -1  # the token t_{pos+1} to emit (the fast one, or the verifier's at a rollback)
+    verified: bool = False  # the verifier computed this step (a rollback's token)
     error: str = ""  # non-empty: the step could not be served deterministically (fail it)
-
-
-class StepReply(Message):
-    decisions: list[StepDecision]  # one per row, in order
 
 
 class Finish(Message):
@@ -289,31 +247,21 @@ class Finish(Message):
 
 
 class Correction(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A missed flip's answer completed by the verifier: what the front puts in the response.
-
-    With `resume`, `output` ends at the verifier's token at the flip and the answer goes on: the
-    front completes it with a deterministic continuation of `resume_ids` (prompt + output) on
-    the fast path, ended by the same rules (`max_new` more tokens at most, `stop_ids`)."""
+    """A missed flip's answer completed by the verifier: what the front puts in the response."""
 
     original: list[int]  # the answer SGLang emitted (the front checks the response holds it)
     output: list[int]  # the corrected answer: SGLang's up to the missed flip, then the verifier's
     first: int  # index in the answer of the first replaced token
-    finish: str  # "stop" (a stop token ended it) or "length" (max_new tokens); "" while resuming
-    resume: bool = False
-    resume_ids: list[int] = []  # t_0 .. : the prompt, then `output` (the continuation's input)
-    max_new: int = 0  # tokens the continuation may add
-    stop_ids: list[int] = []  # token ids that end it (empty: none)
-    temperature: float = 0.0  # the request's decoding rule, for the continuation
-    seed: int = 0
+    finish: str  # "stop" (a stop token ended it) or "length" (max_new tokens)
 
 
-class Stops(Message):
-    """The seam asks which resumable requests diverged (their fast path should end now)."""
+class WindowNews(Message):
+    """The seam asks for the controller's news: rollbacks to apply, how much is checked."""
 
 
 class Rollback(msgspec.Struct, kw_only=True):
-    """A window request's disagreement: answer index `index` becomes the verifier's `token`, the
-    answer after it is dropped, and the request's later steps carry `epoch`."""
+    """A request's disagreement: answer index `index` becomes the verifier's `token`, the answer
+    after it is dropped, and the request's later steps carry `epoch`."""
 
     rid: str
     index: int
@@ -321,15 +269,14 @@ class Rollback(msgspec.Struct, kw_only=True):
     epoch: int
 
 
-class StopsReply(Message):
-    rids: list[str] = []  # each diverged request is named once
-    rollbacks: list[Rollback] = []  # window requests to roll back (each named once)
-    # window requests: rid -> [epoch, answer tokens the verifier checked in that epoch]
+class WindowNewsReply(Message):
+    rollbacks: list[Rollback] = []  # requests to roll back (each named once)
+    # live requests: rid -> [epoch, answer tokens the verifier checked in that epoch]
     verified: dict[str, list[int]] = {}
 
 
 class CheckTail(Message):
-    """The seam's finish barrier: check every decided token of a window request now."""
+    """The seam's finish barrier: check every decided token of a request now."""
 
     rid: str
 
@@ -374,8 +321,8 @@ class VerdictReply(Message):
 
 
 AnyMessage = (Hello | HelloReply | Verify | VerifyReply | Release | Stats | StatsReply | Shutdown
-              | Ack | Error | ControllerHello | ControllerInfo | Step | StepReply | Finish | Verdict
-              | VerdictReply | Stops | StopsReply | VerifyAhead | CheckTail | TailReply)
+              | Ack | Error | ControllerHello | ControllerInfo | Step | Finish | Verdict
+              | VerdictReply | WindowNews | WindowNewsReply | CheckTail | TailReply)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMessage)

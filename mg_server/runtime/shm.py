@@ -8,9 +8,8 @@ RoPE, 1 = V), plus a generation header gens [n_slots] int64 in CPU shared memory
 Writer protocol (seqlock): gens[s] = -1, write data, synchronise, gens[s] = gen. A reader copies
 the slot and then checks gens[s] == gen: a slot reused while it was read is detected, never
 silently returned. Messages carry (slot, gen) only.
-A verifier running inside its reader's process (`serve --mg-verifier-in scheduler`) registers
-its CUDA buffer here: CUDA cannot open an IPC handle in the process that made it, so a reader in
-that process gets the owner's tensor itself.
+A CUDA buffer is registered in its owner's process: CUDA cannot open an IPC handle in the process
+that made it, so a reader in that process (tests) gets the owner's tensor itself.
 """
 
 from __future__ import annotations

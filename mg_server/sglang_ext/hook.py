@@ -42,8 +42,8 @@ import torch
 from torch import Tensor
 
 from mg_server import metrics
-from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, RESUME_PARAM, SEED_PARAM, TEMPERATURE_PARAM,
-                              HookConfig, instance_key)
+from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig,
+                              instance_key)
 from mg_server.kernels import sampled_choice
 from mg_server.runtime import protocol as P
 from mg_server.sglang_ext.link import ControllerLink, Tracked
@@ -72,7 +72,7 @@ def protected_rows(sampling_info) -> list[tuple[int, object, str]]:
 
 def only_mg_processors(sampling_info) -> bool:
     """True if every custom logit processor of the batch is mg's no-op flag carrier (SGLang
-    applies it with index kernels only: no host wait behind a held gate)."""
+    applies it with index kernels only: no host wait)."""
     entries = getattr(sampling_info, "custom_logit_processor", None) or {}
     return bool(entries) and all(type(e.processor).__name__ == "MgFlagProcessor"
                                  and type(e.processor).__module__.startswith("mg_server") for e in entries.values())
@@ -96,14 +96,6 @@ def sampling_rule(req) -> tuple[float, int]:
     return (float(temperature), int(params.get(SEED_PARAM) or 0)) if temperature > 0 else (0.0, 0)
 
 
-def resumable(req) -> bool:
-    """Committed fast whatever its margin, checked behind (config.RESUME_PARAM; its answer is
-    resumed on a divergence, which needs token end rules: no stop strings, regexes, grammar)."""
-    sp = req.sampling_params
-    return bool((sp.custom_params or {}).get(RESUME_PARAM)) and not (
-        sp.stop_strs or getattr(sp, "stop_regex_strs", None) or req.grammar is not None)
-
-
 def force_tokens(logits: Tensor, rows: list[int], tokens: list[int]) -> None:
     """Make any sampler pick tokens[k] in rows[k] (in place): greedy argmax, and a one-hot
     softmax for the sampling path a mixed batch takes."""
@@ -111,24 +103,6 @@ def force_tokens(logits: Tensor, rows: list[int], tokens: list[int]) -> None:
     sel = torch.tensor(rows, dtype=torch.int64, device=dev)
     logits.index_fill_(0, sel, float("-inf"))
     logits[sel, torch.tensor(tokens, dtype=torch.int64, device=dev)] = 0.0
-
-
-def write_kv_column(token_to_kv_pool, req_to_token: Tensor, req_pool_idx: int, pos: int, column: Tensor) -> None:
-    """column: [layers, 2, kv_heads, head_dim] (K after RoPE, V) -> the request's slot of position pos.
-
-    The slot was allocated for the forward being sampled (SGLang always computes a request's
-    last position, even on a full prefix-cache hit), so the request owns it: it is not a radix
-    cache slot shared with another request.
-    """
-    pool = token_to_kv_pool
-    loc = req_to_token[req_pool_idx, pos].reshape(1)  # [1] int, device of the pool
-    n_layers = len(pool.k_buffer)
-    if column.shape[0] != n_layers or column.shape[2:] != pool.k_buffer[0].shape[1:]:
-        raise RuntimeError(f"verifier K/V column {tuple(column.shape)} does not fit the pool "
-                           f"({n_layers} layers of {tuple(pool.k_buffer[0].shape[1:])})")
-    column = column.to(device=pool.k_buffer[0].device)  # same dtype: check_dtype at start-up, no cast
-    for layer in range(n_layers):
-        pool.set_kv_buffer(None, loc, column[layer, 0][None], column[layer, 1][None], layer_id_override=layer)
 
 
 def find_model_runner():
@@ -157,13 +131,12 @@ class StepSeam(WindowSeam):
         self.steps, self.margin, self.control = metrics.hook_metrics(config.margin_buckets)
         self.link = ControllerLink(config) if config.controller_ipc else None
         self.lagged = None  # CUDA: the one-forward-late control path (lagged.py)
-        self._released_first: set[str] = set()  # window commit: first rows released early (window.py)
-        if self.link is not None and config.window:
+        self._released_first: set[str] = set()  # first rows released early (window.py)
+        if self.link is not None:
             from mg_server.sglang_ext import rollback
+            from mg_server.sglang_ext.lagged import attach
 
             rollback.install()
-        if self.link is not None:
-            from mg_server.sglang_ext.lagged import attach
 
             self.lagged = attach(self, config, runner)
 
@@ -177,11 +150,11 @@ class StepSeam(WindowSeam):
             return None
         # The lagged path needs a sampler that does not wait for the gated stream: only mg's
         # processor may be in the batch (a user's could read the logits on the host); seeded rows
-        # take the synchronous path.
+        # and a forward that carries a due rollback (window.py) take the synchronous path.
         if self.lagged is not None and only_mg_processors(args[1]) and (
                 self.config.fault_missed_flip < 0 or self.lagged.inline) and not any(
                 sampling_rule(req)[0] > 0 for _, req, _ in rows) and self.lagged.fits(rows) and not (
-                self.config.window and self._rollback_due(rows)):
+                self._rollback_due(rows)):
             t0 = time.perf_counter()
             self.lagged.launch(args[0].next_token_logits, args[5], rows)
             self.control.observe(time.perf_counter() - t0)
@@ -219,7 +192,7 @@ class StepSeam(WindowSeam):
         """Test-only fault (HookConfig.fault_missed_flip = k): the k-th answer token of every
         protected request is its runner-up, presented as the fast path's argmax with a huge
         margin (fault_flip_margin), so it is fast-committed and only the audit can find it: a
-        missed flip on demand. (With margin 0, a resumable request checks it behind.)"""
+        missed flip on demand. (With margin 0 it is a low-margin step, checked within a few forwards.)"""
         k, out = self.config.fault_missed_flip, []
         for i, req, pos, margin, fast, key in steps:
             if pos - len(req.origin_input_ids) + 1 == k:
@@ -256,52 +229,37 @@ class StepSeam(WindowSeam):
         return live, fails
 
     def _control(self, logits: Tensor, steps) -> bool:
-        """Decide every step row, force each decided token, repair where the verifier disagreed.
-        True if any row was verified.
-
-        The policy is a pure function of (margin, tau), so when no row needs the verifier the
-        seam commits the fast tokens itself and reports them one way; the controller applies the
-        same policy to the report. Only a forward with a low-margin row waits for the controller.
-        """
+        """Apply due rollbacks, commit every other step row fast and report it to the controller,
+        force each decided token. True if any row was rolled back (its token is the verifier's)."""
         link = self.link
         with link.lock:
             live, fails = self._classify(steps)
-            rolled = self._roll_back(live, fails) if self.config.window else []
+            rolled = self._roll_back(live, fails)
         self._count(live)
-        must = self.lagged.must_keys(live) if self.lagged is not None else ()  # (--mg-commit lag)
-        decisions = self.decide(live, bool(must) or any(
-            link.policy.should_verify(margin) and not (resumable(req) or self.config.window)
-            for _, req, _, margin, *_ in live), must)
-        repair = self.lagged.with_deferred(self.repair, live) if must else self.repair
-        done = self.commit(live, decisions, fails, repair) + rolled
+        done = self.commit(live, self.report(live), fails) + rolled
         if done:
             force_tokens(logits, [i for i, _ in done], [d.token for _, d in done])
         return any(d.verified for _, d in done)
 
-    def decide(self, live, verify: bool, must=(), behind=()) -> list[P.StepDecision]:
-        """The controller's decisions for classified step rows: a verify step if `verify`, else a
-        one-way report of the fast tokens (the controller applies the same pure policy). Rows of
-        the keys in `must` are verified whatever their margin (StepRow.must); those in `behind`
-        were let through already (StepRow.behind)."""
+    def report(self, live) -> list[P.StepDecision]:
+        """Report classified step rows to the controller, one way: every row is committed with its
+        fast token and checked behind (controller/window.py). An unreachable controller fails them."""
         link = self.link
         if not live:
             return []
-        rows = self.step_rows(live, must, behind)
-        if self.config.window:
-            self.mark_window_rows(rows, live)
+        rows = self.step_rows(live)
+        self.mark_window_rows(rows, live)
         try:
             with link.rpc_lock:
-                if verify:
-                    return link.client.step(rows)
                 link.client.report(rows)
             return [P.StepDecision(rid=r.rid, token=r.fast_token) for r in rows]
         except Exception as e:  # noqa: BLE001 - controller unreachable: fail these requests loudly
             return [P.StepDecision(rid=r.rid, error=f"mg controller unavailable: {e}") for r in rows]
 
-    def commit(self, live, decisions: list[P.StepDecision], fails: list, repair) -> list[tuple[int, P.StepDecision]]:
-        """Apply the decisions: mg's token lists, K/V repairs (`repair(req, pos, decision)`), and
-        the failures (`fails` plus errors here: marked in mg's state, the requests aborted).
-        Returns (batch row, decision) of every committed row."""
+    def commit(self, live, decisions: list[P.StepDecision], fails: list) -> list[tuple[int, P.StepDecision]]:
+        """Apply the decisions to mg's token lists, and the failures (`fails` plus errors here:
+        marked in mg's state, the requests aborted). Returns (batch row, decision) of every
+        committed row."""
         link, done = self.link, []
         with link.lock:
             for (i, req, pos, *_, key), d in zip(live, decisions):
@@ -313,11 +271,6 @@ class StepSeam(WindowSeam):
                     continue
                 t.tokens.append(d.token)
                 done.append((i, d))
-                if d.repair:
-                    try:
-                        repair(req, pos, d)
-                    except Exception as e:  # noqa: BLE001
-                        fails.append((req, key, f"deterministic K/V repair failed: {e}"))
         self.fail(fails)
         return done
 
@@ -334,29 +287,21 @@ class StepSeam(WindowSeam):
             self._fail(req, why)
 
     def new_tracked(self, req) -> Tracked:
-        t = Tracked(req, list(req.origin_input_ids), resumable=resumable(req) and not self.config.window)
-        if self.config.window:
-            self.hold(req, t)
+        t = Tracked(req, list(req.origin_input_ids))
+        self.hold(req, t)
         return t
 
     @staticmethod
-    def step_rows(live, must=(), behind=()) -> list[P.StepRow]:
+    def step_rows(live) -> list[P.StepRow]:
         """The controller's rows for classified step rows (the prompt and rule on a first step)."""
         rows = []
         for _, req, pos, margin, fast, first, key in live:
             r = P.StepRow(rid=key, pos=pos, prompt=list(req.origin_input_ids) if first else [],
-                          margin=margin, fast_token=fast, resumable=resumable(req), must=key in must,
-                          behind=key in behind)
+                          margin=margin, fast_token=fast)
             if first:  # the decoding rule travels with the prompt
                 r.temperature, r.seed = sampling_rule(req)
             rows.append(r)
         return rows
-
-    def repair(self, req, pos: int, d: P.StepDecision) -> None:
-        """Write the verifier's K/V column of pos (slot d.slot) into SGLang's pool, on the current
-        stream."""
-        write_kv_column(self.runner.token_to_kv_pool, self.runner.req_to_token_pool.req_to_token,
-                        pool_row(req), pos, self.link.slots.read(d.slot, d.gen))
 
     @staticmethod
     def _fail(req, why: str) -> None:

@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import threading
-from dataclasses import asdict, replace
 from pathlib import Path
 
 from mg_server import env
@@ -51,20 +50,6 @@ BARE_CUDA_ENGINE_ARGS = (
     "--disable-prefill-cuda-graph",
 )
 ENGINE_ARGS = {"cpu": CPU_ENGINE_ARGS, "cuda-bare": BARE_CUDA_ENGINE_ARGS, "cuda": ()}
-# With the verifier a thread of SGLang's scheduler process (`--mg-verifier-in scheduler`).
-# why: an idle scheduler loop polls its sockets without blocking, taking the GIL back within a
-# microsecond of each release, and CPython then never hands it to a waiting thread (a waiter asks
-# the holder to switch only if the GIL did not change hands for a whole switch interval): the
-# verifier thread, whose calls finish a request after SGLang is done with it, waited 100-1200 ms
-# per call on an H100 (benchmarks/results/gpu/HISTORY.md, "The scheduler placement's GIL, named").
-# SGLang's idle sleeper blocks in a socket poll instead, GIL released, until a request comes.
-IN_SCHEDULER_ARGS = ("--sleep-on-idle",)
-AHEAD_SLOTS = 256  # the verifier's K/V-column slots with --mg-verify-ahead (default 64)
-# The scheduler process's GIL switch interval with --mg-verify-ahead (CPython's default; else 200 µs).
-# why: the ahead thread then takes the GIL mostly where SGLang's scheduler thread waits, instead of
-# every 200 µs of its critical path: bs-8 lag +9 against +11 % and +12 against +19 % over plain
-# SGLang in two A/B sweeps on H100s (benchmarks/results/gpu/HISTORY.md, "Verified ahead")
-AHEAD_SWITCH_S = 5e-3
 OWNED_FLAGS = ("--forward-hooks", "--enable-custom-logit-processor")
 # SGLang's parallel widths (each 1, or unset, for a single scheduler process)
 PARALLEL_SIZES = ("tp_size", "pp_size", "dp_size", "attn_dp_size", "attn_cp_size", "dcp_size")
@@ -88,8 +73,6 @@ def sglang_argv(cfg: ServeConfig, hook: HookConfig | None = None) -> list[str]:
             raise ValueError(f"{flag} is set by mg-server itself and cannot be passed through")
     argv = ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(cfg.port)]
     argv += ENGINE_ARGS[cfg.profile]
-    if cfg.verifier_in == "scheduler" and cfg.mg_mode != "off":
-        argv += [a for a in IN_SCHEDULER_ARGS if a not in cfg.sglang_args]
     argv += list(cfg.sglang_args)
     hook = hook or HookConfig(metrics_dir=cfg.metrics_dir)
     argv += ["--enable-custom-logit-processor", "--forward-hooks", json.dumps(hook_spec(hook))]
@@ -138,17 +121,6 @@ def refuse_dtype_mismatch(server_args, mode: str, verifier_dtype: str = "bfloat1
                          f"pass --dtype {verifier_dtype}, or serve with --mg-mode off")
 
 
-def default_fraction(ns: argparse.Namespace) -> float:
-    """SGLang's own --mem-fraction-static for these flags on this card: it is resolved with the
-    rest of its arguments (SGLang launches a fresh record from the same flags)."""
-    from sglang.srt.arg_groups.overrides import resolution_result
-    from sglang.srt.server_args import ServerArgs
-
-    probe = ServerArgs.from_cli_args(ns)
-    probe.resolve_once()
-    return float(resolution_result(probe, "mem_fraction_static"))
-
-
 def refuse_on_host(server_args, profile: str) -> None:
     """Configurations that would let one request stop the server on this host (any mg mode)."""
     if profile == "cpu" and server_args.grammar_backend == "xgrammar":
@@ -180,46 +152,14 @@ def verifier_pool_tokens(context_len: int) -> int:
     return max(16384, 2 * context_len)
 
 
-def verifier_room(cfg: ServeConfig, user_fraction: float | None, default_fraction: float, context_len: int,
-                  card_bytes: int) -> tuple[str, ...]:
-    """SGLang flags that leave an in-process verifier its memory (`--mg-verifier-in scheduler` on
-    CUDA): that thread loads after SGLang took its static share of the card (weights + K/V pool,
-    `--mem-fraction-static`), so, unless the user set that share, SGLang's default is lowered by
-    what the verifier takes (its weights, K/V pool and workspace). A card too small for both (the
-    share left to SGLang must still hold its copy of the weights and one longest request's K/V) is
-    refused here, not by an out-of-memory error inside SGLang's scheduler later."""
-    if cfg.mg_mode == "off" or cfg.verifier_in != "scheduler" or cfg.cpu or user_fraction is not None:
-        return ()
-    from mg_server.runtime.verifier.reference import WORKSPACE_BYTES, checkpoint_bytes
-
-    weights, per_token = checkpoint_bytes(cfg.model_path)  # (bf16, the verifier's and SGLang's dtype)
-    need = weights + verifier_pool_tokens(context_len) * per_token + WORKSPACE_BYTES
-    fraction = round(default_fraction - need / card_bytes, 3)
-    gb = need / (1 << 30)
-    if fraction * card_bytes < weights + context_len * per_token:
-        raise ValueError(f"the verifier in SGLang's scheduler process needs {gb:.1f} GB of this card's "
-                         f"{card_bytes / (1 << 30):.0f} GB, leaving SGLang too little for its weights and one "
-                         f"{context_len}-token request: serve with --mg-verifier-in process, or choose the split "
-                         "yourself with --mem-fraction-static (and --context-length)")
-    log.info("mg: --mem-fraction-static %.3f (SGLang's default %.3f, less %.1f GB for the verifier in its scheduler "
-             "process; pass --mem-fraction-static to choose)", fraction, default_fraction, gb)
-    return ("--mem-fraction-static", f"{fraction:.3f}")
-
-
 def start_runtime(cfg: ServeConfig, context_len: int = 4096):
     """Start the controller (which starts the verifier) and wait until both report ready. The
     verifier accepts sequences as long as SGLang's (`context_len`), its pool holds two of them.
 
-    With `--mg-verifier-in scheduler` the controller does not start it: SGLang's scheduler does,
-    from the hook (the returned dict is its VerifierConfig), and this process works out what the
-    front reports (kernel configuration id, weights digest) itself. With `--mg-controller-in
-    scheduler` no controller process starts either: the hook hosts it (`_hosted_runtime`).
-
-    Returns (controller ipc path, ControllerInfo, the hook's verifier dict or None, the hook's
-    controller dict or None), or ("", None, None, None) in mode "off".
+    Returns (controller ipc path, ControllerInfo), or ("", None) in mode "off".
     """
     if cfg.mg_mode == "off":
-        return "", None, None, None
+        return "", None
     from mg_server.runtime.channel import RpcError
     from mg_server.runtime.cleanup import shm_base
     from mg_server.runtime.controller.client import ControllerClient
@@ -228,39 +168,17 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
     from mg_server.runtime.policy import resolve_tau
     from mg_server.runtime.verifier.server import VerifierConfig
 
-    tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile, cfg.commit == "window")
+    tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile)
     verifier = VerifierConfig(
         model_path=cfg.model_path, ipc_path=str(Path(cfg.run_dir) / "verifier.sock"),
         shm_name=shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),
         device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
         memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=verifier_pool_tokens(context_len),
-        ipc_spin_s=cfg.ipc_spin_s, trace_calls=env.trace_calls(),
-        switch_interval_s=env.gil_switch_s() or (AHEAD_SWITCH_S if cfg.verify_ahead
-                                                 else VerifierConfig.switch_interval_s),
-        # why more slots ahead: each protected row's result is kept one forward for its Step, and
-        # an answer whose slot may be reused before the seam copies it is verified again
-        n_slots=AHEAD_SLOTS if cfg.verify_ahead else VerifierConfig.n_slots,
+        trace_calls=env.trace_calls(),
     )
-    in_scheduler = cfg.verifier_in == "scheduler"
-    expect_kernels = ""
-    if in_scheduler:
-        import torch
-
-        from mg_server.runtime.fingerprint import weights_digest
-        from mg_server.runtime.verifier.ops import config_id
-
-        # why here: the front reports both before the thread exists; the thread takes this digest
-        # instead of reading the weights again, and its hello must match this kernel id
-        expect_kernels = config_id(torch.device(verifier.device))
-        # why num_threads 0: torch's thread count is the host process's, not the verifier's
-        verifier = replace(verifier, num_threads=0, weights_digest=weights_digest(cfg.model_path))
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
                             metrics_dir=cfg.metrics_dir, verifier=verifier, verify_timeout_s=cfg.verify_timeout_s,
-                            catchup_chunk=cfg.catchup_chunk, prefill_ahead=cfg.prefill_ahead, ipc_spin_s=cfg.ipc_spin_s,
-                            spawn_verifier=not in_scheduler, chain=cfg.lag_chain,
-                            expect_kernel_config_id=expect_kernels, window=cfg.window)
-    if cfg.controller_in == "scheduler":  # (the CLI makes sure the verifier is there too)
-        return _hosted_runtime(cfg, ccfg, tau, source, expect_kernels, verifier)
+                            catchup_chunk=cfg.catchup_chunk, window=cfg.window)
     proc = start_controller(ccfg)
 
     def controller_gone() -> str:  # a dead or stopped controller fails the start now, not after start_timeout_s
@@ -272,7 +190,7 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         with ControllerClient(ccfg.ipc_path, timeout_s=ccfg.start_timeout_s, client_name="launcher",
                               peer_check=controller_gone) as client:
             info = client.hello()
-        if not info.verifier_up and not in_scheduler:  # (in the scheduler: it starts with SGLang)
+        if not info.verifier_up:
             raise RuntimeError("the deterministic verifier did not start")
     except BaseException as e:
         # a controller that answered (its verifier failed) exits by itself, stopping the verifier
@@ -282,39 +200,16 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
         if isinstance(e, RpcError):
             raise RuntimeError(e.message) from None
         raise
-    if in_scheduler:
-        import msgspec
-
-        info = msgspec.structs.replace(info, kernel_config_id=expect_kernels, weights_digest=verifier.weights_digest)
-    log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s, --mg-commit %s", cfg.mg_mode, tau, source,
-             info.kernel_config_id, cfg.commit)
-    if in_scheduler:
-        log.info("mg verifier: a thread of SGLang's scheduler process (starts with it)")
-    else:
-        log.info("mg verifier: device %s, K/V pool %d tokens, %s", info.verifier_device, info.verifier_pool_tokens,
-                 f"{info.verifier_memory_bytes / (1 << 30):.2f} GB of device memory held"
-                 + (f" (budget {cfg.verifier_memory_gb:g} GB)" if cfg.verifier_memory_gb else "")
-                 if info.verifier_memory_bytes else "host memory")
+    log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s, window %d", cfg.mg_mode, tau, source,
+             info.kernel_config_id, cfg.window)
+    log.info("mg verifier: device %s, K/V pool %d tokens, %s", info.verifier_device, info.verifier_pool_tokens,
+             f"{info.verifier_memory_bytes / (1 << 30):.2f} GB of device memory held"
+             + (f" (budget {cfg.verifier_memory_gb:g} GB)" if cfg.verifier_memory_gb else "")
+             if info.verifier_memory_bytes else "host memory")
     # atexit runs last-registered first: the runtime stops, then its files go
     atexit.register(_stop_runtime, proc, ccfg.ipc_path)
     threading.Thread(target=_watch_runtime, args=(proc,), name="mg-runtime-watch", daemon=True).start()
-    return ccfg.ipc_path, info, asdict(verifier) if in_scheduler else None, None
-
-
-def _hosted_runtime(cfg: ServeConfig, ccfg, tau: float, source: str, kernels: str, verifier):
-    """`--mg-controller-in scheduler`: no controller process; SGLang's scheduler hosts it from the
-    hook (runtime/controller/inproc.py), with the verifier. What the front reports (kernel id,
-    weights digest) is known here already. Returns start_runtime's values plus the controller's
-    config for the hook (a dict; its verifier travels as the hook's own)."""
-    from mg_server.runtime import protocol as P
-
-    info = P.ControllerInfo(protocol_version=P.PROTOCOL_VERSION, mode=cfg.mg_mode, tau=tau, verifier_up=False,
-                            kernel_config_id=kernels, weights_digest=verifier.weights_digest)
-    log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s, --mg-commit %s", cfg.mg_mode, tau, source,
-             kernels, cfg.commit)
-    log.info("mg controller and verifier: in SGLang's scheduler process (start with it)")
-    controller = {k: v for k, v in asdict(ccfg).items() if k != "verifier"}
-    return ccfg.ipc_path, info, asdict(verifier), controller
+    return ccfg.ipc_path, info
 
 
 def _stop_runtime(proc, ipc_path: str) -> None:
@@ -370,7 +265,7 @@ def serve(cfg: ServeConfig) -> None:
     from mg_server.sglang_ext import seams
 
     version = seams.check(cfg.allow_sglang)
-    if cfg.commit == "window":
+    if cfg.mg_mode != "off":
         seams.check_window()
     if version not in seams.TESTED:
         log.warning("mg: SGLang %s is not a tested version (%s); starting because --mg-allow-sglang names it",
@@ -385,41 +280,27 @@ def serve(cfg: ServeConfig) -> None:
     ServerArgs.add_cli_args(parser)
     # Parsed once before mg's processes start, to refuse what mg cannot serve (hook: no controller yet).
     ns = parser.parse_args(sglang_argv(cfg))
-    user_fraction = ns.mem_fraction_static  # (None unless passed: SGLang resolves its default)
     parsed = ServerArgs.from_cli_args(ns)  # the flags as given (unresolved)
     refuse_on_host(parsed, cfg.profile)
     refuse_unsupported(parsed, cfg.mg_mode)
     refuse_dtype_mismatch(parsed, cfg.mg_mode)
     context_len = served_context(parsed, cfg.model_path)
-    if cfg.verifier_in == "scheduler" and not cfg.cpu and cfg.mg_mode != "off" and user_fraction is None:
-        from sglang.srt.utils import get_device_memory_capacity
-
-        card_mb = get_device_memory_capacity(parsed.device)  # (SGLang's own reading: nvidia-smi, MB)
-        if card_mb:
-            room = verifier_room(cfg, user_fraction, default_fraction(ns), context_len, int(card_mb * (1 << 20)))
-            cfg = replace(cfg, sglang_args=(*cfg.sglang_args, *room))
-        else:
-            log.warning("mg: the card's memory is unknown, so SGLang's default --mem-fraction-static leaves the "
-                        "verifier no room of its own; pass a lower one if it fails to load")
     from mg_server.sglang_ext import shutdown
 
     shutdown.install(cleanup, cfg.drain_timeout_s)
-    controller_ipc, info, hook_verifier, hook_controller = start_runtime(cfg, context_len)
+    controller_ipc, info = start_runtime(cfg, context_len)
 
     from mg_server.front.middleware import DeterministicMiddleware
     from mg_server.runtime.fingerprint import system_fingerprint
     from mg_server.sglang_ext.processor import serialized
 
-    # A step may wait for a whole context's catch-up, one verify timeout per chunk (a dead or
+    # The finish barrier may wait for a whole context's catch-up, one verify timeout per chunk (a dead or
     # stopped controller is noticed from its beat within seconds, whatever this bound).
     chunks = -(-context_len // cfg.catchup_chunk) + 1
     hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
                       step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
                       fault_missed_flip=env.fault_missed_flip(), fault_flip_margin=env.fault_flip_margin(),
-                      lagged_commit=cfg.lagged_commit, early_verify=cfg.early_verify,
-                      lag_commit=cfg.commit == "lag", verify_ahead=cfg.verify_ahead,
-                      lagged_on_cpu=env.lagged_on_cpu(), verifier=hook_verifier,
-                      controller=hook_controller, window=cfg.commit == "window")
+                      lagged_commit=cfg.lagged_commit, lagged_on_cpu=env.lagged_on_cpu())
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(
         DeterministicMiddleware,
@@ -427,8 +308,7 @@ def serve(cfg: ServeConfig) -> None:
                            kernel_config_id=info.kernel_config_id if info else "", model_path=cfg.model_path,
                            system_fingerprint=system_fingerprint(info.weights_digest, info.kernel_config_id)
                            if info else "", api_key=server_args.api_key or "",
-                           verdict_wait_s=cfg.verdict_wait_s, vocab_size=_vocab_size(cfg.model_path),
-                           resume=cfg.commit == "resume"),
+                           verdict_wait_s=cfg.verdict_wait_s, vocab_size=_vocab_size(cfg.model_path)),
     )
     log.info("mg-server: SGLang %s, model %s, http://%s:%d", version, cfg.model_path, cfg.host, cfg.port)
     launch_server(server_args)

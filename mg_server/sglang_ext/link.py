@@ -1,9 +1,9 @@
 """The step seam's link to mg's controller, in SGLang's scheduler process (hook.py's StepSeam
-owns one): one socket for steps, one-way reports and finishes; the finish watcher thread, which
-reports every finished deterministic request (and, on the lagged path, drains and watches the
-step gate first); and the stop watcher, which ends the fast path of resumable requests the
-controller found diverged. Also each tracked request's state (`Tracked`) and how SGLang ends a
-request (`end_rules`, sent with its Finish)."""
+owns one): one socket for one-way step reports and finishes; the finish watcher thread, which
+reports every finished deterministic request (draining the lagged path's forwards first); and
+the news watcher, which hands the controller's rollbacks and checked
+lengths to the tracked requests. Also each tracked request's state (`Tracked`) and how SGLang
+ends a request (`end_rules`, sent with its Finish)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from mg_server import env, metrics
+from mg_server import env
 from mg_server.config import HookConfig
 from mg_server.runtime import protocol as P
 from mg_server.runtime.liveness import BEAT_PERIOD_S, seam_beat_path, write_beat
@@ -41,60 +41,29 @@ class Tracked:
     req: object  # SGLang's Req (identity: a reused rid is another request)
     tokens: list[int]  # t_0 .. t_{n-1}: the prompt, then every token mg decided
     failed: bool = False  # aborted by mg: later forwards (the abort lands a step later) are ignored
-    resumable: bool = False  # see `resumable`: the stop watcher may end its fast path
-    hold: object = None  # window commit: its rollback.Hold (verified length, finish barrier)
-    epoch: int = 0  # window commit: rollbacks applied (StepRow.epoch)
-    rollback: object = None  # window commit: a protocol.Rollback to apply at its next forward
+    hold: object = None  # its rollback.Hold (verified length, finish barrier)
+    epoch: int = 0  # rollbacks applied (StepRow.epoch)
+    rollback: object = None  # a protocol.Rollback to apply at its next forward
 
 
 def _untrack(tracked: dict, rid: str) -> None:
-    """Forget a request (the caller holds its link's lock), and the window commit's hold on it."""
+    """Forget a request (the caller holds its link's lock), and the hold on it."""
     t = tracked.pop(rid)
     if getattr(t, "hold", None) is not None:
         rollback.release(t.req)
 
 
-def _start_verifier(cfg: dict, serve_socket: bool = True):
-    """`serve --mg-verifier-in scheduler`: the verifier worker as a thread of this process
-    (runtime/verifier/server.py, "Placement"). Loaded here, before the hello, so the controller
-    finds it serving; a load failure stops SGLang's start-up with the worker's own message.
-    serve_socket=False: the controller is hosted here too and calls it directly."""
-    from mg_server.runtime.verifier.server import VerifierConfig
-    from mg_server.runtime.verifier.thread import start_verifier_thread
-
-    log.warning("mg: starting the verifier inside SGLang's scheduler process (experimental: verify calls share "
-                "SGLang's GIL and its GPU; benchmarks/results/gpu/HISTORY.md)")
-    worker = start_verifier_thread(VerifierConfig(**cfg), serve_socket)
-    if worker.server.load_error:
-        raise RuntimeError(f"mg: {worker.server.load_error}")
-    return worker
-
-
-def _host_controller(cfg: dict, verifier: dict, worker):
-    """`serve --mg-controller-in scheduler`: the controller in this process, beside the verifier."""
-    from mg_server.runtime.controller.inproc import ControllerHost
-    from mg_server.runtime.controller.server import ControllerConfig
-    from mg_server.runtime.verifier.server import VerifierConfig
-
-    log.warning("mg: hosting the controller inside SGLang's scheduler process (experimental: the seam calls it "
-                "directly; benchmarks/results/gpu/HISTORY.md)")
-    return ControllerHost(ControllerConfig(**{**cfg, "verifier": VerifierConfig(**verifier)}), worker)
-
-
 class ControllerLink:
     """The seam's connection to the controller, plus the finish watcher thread.
 
-    One socket for steps, one-way step reports and finishes, used under `rpc_lock`: zmq keeps
-    one socket's messages in order, so a Finish never overtakes the report of the request's
-    last steps (two sockets would be read in either order). With the controller hosted here
-    (`--mg-controller-in scheduler`) steps and reports are direct calls, done when they return,
-    so a Finish sent over the socket after them cannot overtake them either.
+    One socket for one-way step reports, finish barrier checks and finishes, used under
+    `rpc_lock`: zmq keeps one socket's messages in order, so a Finish never overtakes the report
+    of the request's last steps (two sockets would be read in either order).
     """
 
     # the lagged control path's drain(wait) (lagged.py): a Finish follows the reports of every
     # forward launched before it (the overlap scheduler's look-ahead forward included)
     before_finish = None
-    gate_watchdog = None  # the lagged path's watchdog (LaggedControl.watchdog), run every round
 
     def __init__(self, config: HookConfig):
         from mg_server.runtime.controller.client import ControllerClient
@@ -107,16 +76,7 @@ class ControllerLink:
             import signal
 
             faulthandler.register(signal.SIGUSR1, all_threads=True)
-        # before the hello; with the controller hosted here too, no thread serves the verifier's socket
-        self.verifier = _start_verifier(config.verifier, config.controller is None) if config.verifier else None
-        self.controller = None
-        if config.controller is not None:  # --mg-controller-in scheduler (runtime/controller/inproc.py)
-            if self.verifier is None:
-                raise RuntimeError("mg: --mg-controller-in scheduler needs the verifier in this process too")
-            self.controller = _host_controller(config.controller, config.verifier, self.verifier)
-            self.client = self.controller.client(config.step_timeout_s)
-        else:
-            self.client = ControllerClient(config.controller_ipc, timeout_s=config.step_timeout_s, client_name="hook")
+        self.client = ControllerClient(config.controller_ipc, timeout_s=config.step_timeout_s, client_name="hook")
         self.info = self.client.hello()
         self.policy = Policy(self.info.mode, self.info.tau)  # the controller's own policy (pure)
         self.slots = SlotBuffer.attach(self.info.shm) if self.info.shm is not None else None
@@ -124,44 +84,39 @@ class ControllerLink:
         self.lock = threading.Lock()  # guards `tracked`
         self.rpc_lock = threading.Lock()  # guards `client`
         self.beat_path, self._last_beat, self.watch_error = seam_beat_path(config.controller_ipc), 0.0, ""
-        self.stopped = metrics.resume_stops()
         threading.Thread(target=self._watch_finished, name="mg-finish-watch", daemon=True).start()
-        threading.Thread(target=self._watch_stops, name="mg-stop-watch", daemon=True).start()
+        threading.Thread(target=self._watch_news, name="mg-news-watch", daemon=True).start()
 
-    def _watch_stops(self) -> None:
-        """End the fast path of resumable requests the controller found diverged (its `Stops`).
+    def _watch_news(self) -> None:
+        """Ask the controller for its news of the tracked requests (`WindowNews`): rollbacks to
+        apply, checked lengths the output hold may release.
 
         Own client and thread: the controller answers after a check in progress (milliseconds),
-        and neither the scheduler thread nor the finish watcher should wait for that. The request
-        ends as if it reached its length limit, with the tokens emitted so far (mg's decisions,
-        which the controller holds); its verdict then resumes the answer from the flip."""
+        and neither the scheduler thread nor the finish watcher should wait for that."""
         from mg_server.runtime.controller.client import ControllerClient
 
         client, failing = None, False
         while True:
             time.sleep(0.005)  # (each ask takes the GIL from the scheduler thread for a moment)
             with self.lock:
-                if not any((t.resumable or getattr(t, "hold", None) is not None) and not t.failed
-                           for t in self.tracked.values()):
+                if not any(getattr(t, "hold", None) is not None and not t.failed for t in self.tracked.values()):
                     continue
             try:
                 client = client or ControllerClient(self.config.controller_ipc, timeout_s=self.config.step_timeout_s,
-                                                    client_name="hook-stops")
-                reply, failing = client.stops(), False
-            except Exception as e:  # noqa: BLE001 - checks then end no request early; verdicts stay honest
+                                                    client_name="hook-news")
+                reply, failing = client.news(), False
+            except Exception as e:  # noqa: BLE001 - the hold then releases nothing; verdicts stay honest
                 if not failing:
-                    log.warning("mg: asking the controller for diverged requests failed: %s", e)
+                    log.warning("mg: asking the controller for its news failed: %s", e)
                 client, failing = None, True
                 time.sleep(0.1)
                 continue
-            if reply.rids:
-                self.end_fast_path(reply.rids)
             if reply.rollbacks or reply.verified:
                 self.window_news(reply.rollbacks, reply.verified)
 
     def window_news(self, rollbacks: list[P.Rollback], verified: dict[str, list[int]]) -> None:
-        """The controller's news of window requests: rollbacks to apply at their next forward, and
-        how much of each is checked (what the output hold may release; only for the seam's epoch)."""
+        """The controller's news: rollbacks to apply at their requests' next forward, and how much
+        of each request is checked (what the output hold may release; only for the seam's epoch)."""
         with self.lock:
             for rb in rollbacks:
                 t = self.tracked.get(rb.rid)
@@ -172,17 +127,6 @@ class ControllerLink:
                 if t is not None and t.hold is not None and epoch == t.epoch and t.rollback is None:
                     t.hold.verified = max(t.hold.verified, n)
 
-    def end_fast_path(self, rids: list[str]) -> None:
-        """End these resumable requests at their next token, as their length limit would."""
-        from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-
-        with self.lock:
-            for rid in rids:
-                t = self.tracked.get(rid)
-                if t is not None and t.resumable and not t.failed and t.req.to_finish is None and not t.req.finished():
-                    t.req.to_finish = FINISH_LENGTH(length=len(t.req.output_ids))
-                    self.stopped.inc()
-
     def _watch_finished(self) -> None:
         """A request's last token is never the input of a forward; report ends from here.
 
@@ -192,8 +136,6 @@ class ControllerLink:
         while True:
             time.sleep(0.005)
             try:
-                if self.gate_watchdog is not None:
-                    self.gate_watchdog()  # first: it takes no lock that a long verify may hold
                 if self.before_finish is not None:
                     self.before_finish(False)  # forwards whose values are ready (a gate may be holding)
                 self._report_finished()

@@ -62,7 +62,7 @@ def _missing(sources) -> list[str]:
 
 
 def check_window() -> None:
-    """The facts rollback.py (--mg-commit window) relies on: how a decode step adds a token and
+    """The facts rollback.py (the window commit) relies on: how a decode step adds a token and
     ends a request, how the next decode batch grows its lengths and slots, and how output reaches
     the detokenizer. Raise SeamMismatch unless they hold."""
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -111,7 +111,6 @@ def check(allow: str = "") -> str:
     from sglang.srt.layers.sampler import Sampler
     from sglang.srt.managers.schedule_batch import Req, ReqKvInfo
     from sglang.srt.managers.scheduler_components import batch_result_processor
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.model_executor import hook_manager
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.model_executor.model_runner_components import cuda_graph_setup
@@ -127,10 +126,6 @@ def check(allow: str = "") -> str:
           "token_ids_logprobs", "positions"]),
         ("register_forward_hooks args", _params(hook_manager.register_forward_hooks), ["model", "hook_specs"]),
         ("launch_server first arg", _params(http_server.launch_server)[:1], ["server_args"]),
-        ("MHATokenToKVPool.set_kv_buffer args", _params(MHATokenToKVPool.set_kv_buffer)[:5],
-         ["self", "layer", "loc_info", "cache_k", "cache_v"]),
-        ("MHATokenToKVPool.set_kv_buffer layer_id_override",
-         "layer_id_override" in _params(MHATokenToKVPool.set_kv_buffer), True),
     ]
     for what, got, want in expect:
         if got != want:
@@ -158,7 +153,7 @@ def check(allow: str = "") -> str:
         ("Req.update_finish_state", Req.update_finish_state,
          ("iflen(self.output_ids)>=self.sampling_params.max_new_tokens:", "self._check_token_based_finish(",
           "self._check_str_based_finish(")),
-        # --mg-commit lag swaps a corrected token as the scheduler adds it (lagcommit.Outputs)
+        # the window commit's output hold sees each token as the scheduler adds it (rollback.HeldOutputs)
         ("batch_result_processor", batch_result_processor,
          ("req.output_ids.append(next_token_id)", "req.output_ids.extend(next_token_id)")),
     ]
@@ -176,16 +171,12 @@ def check(allow: str = "") -> str:
         ("ServerArgs", {f.name for f in record_fields(ServerArgs)},
          ("forward_hooks", "enable_custom_logit_processor", "speculative_algorithm", "tp_size", "pp_size", "dp_size",
           "attn_dp_size", "attn_cp_size", "dcp_size", "enable_dp_attention", "kv_cache_dtype", "dtype",
-          "enable_hierarchical_cache", "grammar_backend", "mem_fraction_static", "device", "context_length",
-          "api_key")),
+          "enable_hierarchical_cache", "grammar_backend", "device", "context_length", "api_key")),
     ]
     for what, have, names in fields:
         problems += [f"{what} has no field {n!r}" for n in names if n not in have]
     if not callable(getattr(CustomLogitProcessor, "to_str", None)):
         problems.append("CustomLogitProcessor.to_str is missing")
-    if not callable(getattr(ServerArgs, "resolve_once", None)):  # launch.resolved reads SGLang's defaults
-        problems.append("ServerArgs.resolve_once is missing")
-    from sglang.srt import utils as sglang_utils
     from sglang.srt.managers.tokenizer_manager import SignalHandler
     from sglang.srt.utils import common
 
@@ -196,8 +187,6 @@ def check(allow: str = "") -> str:
     if not callable(getattr(SignalHandler, "sigterm_handler", None)):
         problems.append("SignalHandler.sigterm_handler is missing")
 
-    if not callable(getattr(sglang_utils, "get_device_memory_capacity", None)):  # launch.verifier_room's card size
-        problems.append("sglang.srt.utils.get_device_memory_capacity is missing")
     if not hasattr(http_server, "app"):
         problems.append("sglang.srt.entrypoints.http_server.app is missing")
     if problems:

@@ -1,4 +1,4 @@
-"""The step seam's window commit side (a mixin of hook.StepSeam; `--mg-commit window`).
+"""The step seam's window commit side (a mixin of hook.StepSeam).
 
 Every protected row is committed fast (the controller checks the tokens behind: runtime/
 controller/window.py). The controller's news (a rollback to apply, how much is checked) reaches
@@ -23,13 +23,13 @@ log = logging.getLogger(__name__)
 
 class WindowSeam:
     def mark_window_rows(self, rows: list[P.StepRow], live) -> None:
-        """StepRow.window and the seam's epoch of each row's request, and whether a stream's token
-        may leave before its check (StepRow.released: the margin gate's early release)."""
+        """The seam's epoch of each row's request (StepRow.epoch), and whether a stream's token may
+        leave before its check (StepRow.released: the margin gate's early release)."""
         policy = self.link.policy
         with self.link.lock:
             for r, (_, req, *_) in zip(rows, live):
                 t = self.link.tracked.get(r.rid)
-                r.window, r.epoch = True, t.epoch if t is not None else 0
+                r.epoch = t.epoch if t is not None else 0
                 # why: a high-margin stretch cannot flip (calibration), so a stream need not wait for
                 # its check; tau 0 releases nothing early, and a low-margin step stops the stretch
                 if not (req.stream and policy.mode == "margin" and policy.tau > 0 and r.margin >= policy.tau):
@@ -44,7 +44,7 @@ class WindowSeam:
                         self._released_first.add(r.rid)
 
     def _rollback_due(self, rows) -> bool:
-        """A window request of this forward has a rollback to apply (the synchronous path does it)."""
+        """A request of this forward has a rollback to apply (the synchronous path does it)."""
         with self.link.lock:
             return any(getattr(self.link.tracked.get(key), "rollback", None) is not None for _, _, key in rows)
 
@@ -115,7 +115,7 @@ class WindowSeam:
         req.finished_reason, req.to_finish = req.to_finish, None
 
     def hold(self, req, t: Tracked) -> None:
-        """Window commit: the request's output held until checked, its finish behind the barrier."""
+        """The request's output held until checked, its finish behind the barrier (rollback.py)."""
         key = instance_key(req.rid, (req.sampling_params.custom_params or {}).get(INSTANCE_PARAM))
         t.hold = rollback.hold(req, partial(self.check_tail, key), self.link.lock)
         if key in self._released_first:  # (its first row was released before it was tracked)

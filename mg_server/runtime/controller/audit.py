@@ -13,7 +13,7 @@ import logging
 import time
 
 from mg_server.runtime import protocol as P
-from mg_server.runtime.controller.correct import AnswerCompletion, can_correct, resume_point
+from mg_server.runtime.controller.correct import AnswerCompletion, can_correct
 from mg_server.runtime.controller.state import ReqState
 
 log = logging.getLogger("mg.controller")
@@ -29,8 +29,7 @@ CORRECTION_SLICE_S = 0.02
 
 class AuditMixin:
     def _missed_flip(self, rid: str, st: ReqState, pos: int, what: str, token: int, margin: float) -> None:
-        """t_{pos+1} is not the verifier's `token`, which it chose with `margin` (each position
-        once: a chained answer and the verifier's next catch-up both see the same flip)."""
+        """t_{pos+1} is not the verifier's `token`, which it chose with `margin` (each position once)."""
         if pos in st.mismatches:
             return
         if not st.mismatches or pos < min(st.mismatches):
@@ -64,46 +63,6 @@ class AuditMixin:
             self._missed_flip(rid, st, pos, what, res.token, res.margin)
         st.verifier_len = pos + 1
 
-    def _prefill_ahead(self) -> None:
-        """One idle turn's verifier call, catchup_chunk tokens in all (so the verify timeout bounds
-        it, and a Step that comes meanwhile waits for one chunk's forward at most): the waiting
-        requests' prompts and decided tokens in order, each up to the last position whose next
-        token is decided (that token is audited, as any catch-up's). A request leaves `ahead` once
-        its prompt is taught, or when it failed, finished or diverged, or when this call failed for
-        it: then its next check catches up itself, as without prefill ahead (and fails there if
-        the verifier does)."""
-        from mg_server.runtime.verifier.client import VerifierError
-
-        batch, budget = [], self.cfg.catchup_chunk
-        for rid in list(self.ahead):
-            st = self.reqs.get(rid)
-            last = len(st.tokens) - 2 if st is not None else -1  # t_{last+1} is decided
-            if st is None or st.error or st.finished_at or st.mismatches or st.verifier_len >= st.prompt_len:
-                del self.ahead[rid]
-            elif last >= st.verifier_len and budget > 0 and len(batch) < AUDIT_ITEMS:
-                pos = min(last, st.verifier_len + budget - 1)
-                budget -= pos + 1 - st.verifier_len
-                batch.append((rid, st, pos))
-        if not batch:
-            return
-        try:
-            if not self.verifier_up():
-                raise VerifierError(P.ErrorCode.PEER_DOWN, "the verifier is not running")
-            results = self.vclient.verify_many([self._item(rid, st, pos) for rid, st, pos in batch])
-        except VerifierError as e:  # (no retry: the idle loop would spin on a failing verifier)
-            log.warning("prefill ahead of %d request(s) failed: %s", len(batch), e)
-            results = [P.ErrorReply(code=e.code, message=e.message) for _ in batch]
-        for (rid, st, pos), res in zip(batch, results):
-            if not isinstance(res, P.ErrorReply):
-                self.m.prefill_ahead.inc(pos + 1 - st.verifier_len)
-                if pos >= st.prompt_len - 1:  # t_{pos+1} was decided: audit it too
-                    self._audit_through(rid, st, pos, res, "token after a prefill ahead")
-                else:  # t_{pos+1} is the prompt's: as a catch-up chunk (controller.catchup)
-                    self._audit(rid, st, res)
-                    st.verifier_len = pos + 1
-            if isinstance(res, P.ErrorReply) or st.verifier_len >= st.prompt_len:
-                del self.ahead[rid]
-
     def _finish(self, msg: P.Finish) -> None:
         st = self.reqs.get(msg.rid)
         if st is None:
@@ -114,7 +73,6 @@ class AuditMixin:
                 self.m.lookahead.inc(extra)
                 log.debug("request %s: %d look-ahead step(s) dropped", msg.rid, extra)
         st.aborted = (msg.reason or "aborted") if msg.aborted else ""
-        self.chained.pop(msg.rid, None)  # (its must row never came: the corrected token ended it)
         st.end = msg
         st.finished_at, st.audit_pending = time.monotonic(), True
         self.pending[msg.rid] = None
@@ -134,8 +92,7 @@ class AuditMixin:
             # t_{n-1} was chosen at position n-2; unless that step was verified, audit the tail
             # (if the request emitted a token at all: with max_new_tokens 0, t_{n-1} is the prompt's).
             emitted = n > st.prompt_len
-            diverged = st.resumable and st.mismatches  # resumed from its first flip: the rest is not audited
-            if (emitted and not st.aborted and not st.error and not diverged and self.cfg.mode != "off"
+            if (emitted and not st.aborted and not st.error and self.cfg.mode != "off"
                     and st.verifier_len < n - 1):
                 todo.append((rid, st, n))
         if todo:
@@ -181,17 +138,7 @@ class AuditMixin:
         st = self.reqs.get(rid)
         if st is None:
             return P.VerdictReply(rid=rid, state=P.VerdictState.UNKNOWN)
-        if correct and st.correction is None and can_correct(st, self.cfg.mode) and st.resumable:
-            st.correction = resume_point(st)
-            self.m.corrections.inc()
-            log.info("request %s: diverged at answer token %d; the front resumes it", rid, st.correction.first)
-        elif (correct and st.resumable and st.mismatches and st.correction is None
-              and st.state(self.cfg.mode) != P.VerdictState.RUNNING):
-            e = st.end
-            log.warning("request %s: diverged at position %d but cannot be resumed (error %r, aborted %r, end %s, "
-                        "flip token %d)", rid, min(st.mismatches), st.error, st.aborted,
-                        e and (e.max_new, e.correctable), st.flip_token)
-        elif correct and st.correction is None and can_correct(st, self.cfg.mode) and self.verifier_up():
+        if correct and st.correction is None and can_correct(st, self.cfg.mode) and self.verifier_up():
             job = self.completing.get(rid)
             if job is None:
                 job = self.completing[rid] = AnswerCompletion(rid, st, self.cfg.verify_timeout_s)

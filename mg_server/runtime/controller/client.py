@@ -17,9 +17,8 @@ from mg_server.runtime.liveness import beat_path, stale_reason
 
 class ControllerClient(RpcClient):
     def __init__(self, ipc_path: str, timeout_s: float = 60.0, client_name: str = "",
-                 peer_check: Callable[[], str] | None = None, spin_s: float = 0.0):
-        super().__init__(ipc_path, timeout_s, client_name,
-                         peer_check or partial(stale_reason, beat_path(ipc_path)), spin_s)
+                 peer_check: Callable[[], str] | None = None):
+        super().__init__(ipc_path, timeout_s, client_name, peer_check or partial(stale_reason, beat_path(ipc_path)))
 
     def hello(self, timeout_s: float | None = None) -> P.ControllerInfo:
         info = self.call(P.ControllerHello(protocol_version=P.PROTOCOL_VERSION, client=self.client_name), timeout_s)
@@ -27,17 +26,13 @@ class ControllerClient(RpcClient):
             raise RpcError(P.ErrorCode.PROTOCOL_MISMATCH, f"controller speaks protocol {info.protocol_version}")
         return info
 
-    def step(self, rows: list[P.StepRow], timeout_s: float | None = None) -> list[P.StepDecision]:
-        return self.call(P.Step(rows=rows), timeout_s).decisions
-
     def report(self, rows: list[P.StepRow]) -> None:
-        """Fast commits the seam decided itself (no reply; the controller applies the same policy)."""
-        self.send(P.Step(rows=rows, reply=False))
+        """Fast commits the seam decided itself (no reply; the controller checks them behind)."""
+        self.send(P.Step(rows=rows))
 
-    def stops(self, timeout_s: float | None = None) -> P.StopsReply:
-        """Resumable requests that diverged since the last ask (their fast path should end), window
-        requests to roll back, and how much of each window request is checked."""
-        return self.call(P.Stops(), timeout_s)
+    def news(self, timeout_s: float | None = None) -> P.WindowNewsReply:
+        """Requests to roll back, and how much of each live request is checked."""
+        return self.call(P.WindowNews(), timeout_s)
 
     def check_tail(self, rid: str, timeout_s: float | None = None) -> P.TailReply:
         return self.call(P.CheckTail(rid=rid), timeout_s)

@@ -81,25 +81,8 @@ class AnswerCompletion:
             pass
 
 
-def resume_point(st: ReqState) -> P.Correction:
-    """A resumable request's correction (server module doc): its answer up to the first missed
-    flip, then the verifier's token there (found by the check or audit that saw the flip). Unless
-    that token ends the answer by SGLang's rules, the front resumes it from there on the fast
-    path: no verifier decoding here, and the continuation is margin-gated like any request."""
-    end = st.end
-    q = min(st.mismatches)
-    out = st.tokens[st.prompt_len:q + 1] + [st.flip_token]
-    finish = "length" if len(out) >= end.max_new else "stop" if st.flip_token in set(end.stop_ids) else ""
-    corr = P.Correction(original=st.tokens[st.prompt_len:], output=out, first=q + 1 - st.prompt_len, finish=finish)
-    if not finish:
-        corr.resume, corr.resume_ids, corr.max_new = True, st.tokens[:q + 1] + [st.flip_token], end.max_new - len(out)
-        corr.stop_ids, corr.temperature, corr.seed = list(end.stop_ids), st.temperature, st.seed
-    return corr
-
-
 def can_correct(st: ReqState, mode: str) -> bool:
     """A complete answer with a missed flip whose end rules mg models."""
     e = st.end
     return (mode != "off" and bool(st.mismatches) and not st.error and not st.aborted and e is not None
-            and e.correctable and e.max_new > 0 and len(st.tokens) > st.prompt_len
-            and (st.flip_token >= 0 or not st.resumable))
+            and e.correctable and e.max_new > 0 and len(st.tokens) > st.prompt_len)

@@ -1,23 +1,14 @@
 """The controller process: MarginGate policy, verifier dispatch, audit, counters.
 
-It owns the verifier worker (spawned as its child, or a thread of SGLang's scheduler process:
-controller/worker.py), and watches its beat.
-Clients: mg's forward hook in SGLang's scheduler (one `Step` per fast-path forward holding every
-protected row, and `Finish` when a protected request ends) and the HTTP front (`Verdict`).
-For each row the policy decides fast commit or verified commit; verified rows of one forward go
-to the verifier in one message (it serves them in one batched, batch-invariant forward). Every
-verify call carries the tokens the verifier has not seen, so its catch-up also audits the steps
-that were not verified; `Finish` audits the tail. A request's verdict is `verified` only when
-its answer is complete (it was not aborted) and every emitted token has been checked against
-the verifier.
-
-Resumable rows (`StepRow.resumable`: a non-streamed answer the front can rewrite) are committed
-fast whatever their margin, so no forward waits for the verifier. Their low-margin steps are
-checked behind, when the controller is idle, all pending requests in one verifier call
-(`_run_checks`: each request's catch-up audits every token it decided so far). A divergence is
-told to the seam when it asks (`Stops`), which ends that request's fast path; its verdict then
-hands the front the answer up to the flip plus the verifier's token there, and the front resumes
-the answer from it (`controller.correct.resume_point`).
+It owns the verifier worker (spawned as its child: controller/worker.py), and watches its beat.
+Clients: mg's forward hook in SGLang's scheduler (one one-way `Step` per fast-path forward holding
+every protected row, `WindowNews` and `CheckTail` for its window commit, and `Finish` when a
+protected request ends) and the HTTP front (`Verdict`). Every row was committed fast; the policy
+only says how soon it is checked (controller/window.py): the pending rows of every request go to
+the verifier in one message (it serves them in one batched, batch-invariant forward), each
+carrying the tokens the verifier has not seen, so its catch-up audits every token decided so
+far; `Finish` audits the tail. A request's verdict is `verified` only when its answer is complete
+(it was not aborted) and every emitted token has been checked against the verifier.
 
 Faults: the controller beats and watches its parent from its first moment (runtime.liveness).
 A verify call gives up as soon as the verifier process exits or stops beating; the rows of that
@@ -32,15 +23,12 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
-import threading
 import time
 from dataclasses import dataclass, replace
 
 import zmq
 
 from mg_server.runtime import protocol as P
-from mg_server.runtime.channel import wait_readable
-from mg_server.runtime.controller.ahead import AheadMixin
 from mg_server.runtime.controller.audit import AuditMixin
 from mg_server.runtime.controller.catchup import catch_up
 from mg_server.runtime.controller.correct import AnswerCompletion
@@ -62,21 +50,15 @@ class ControllerConfig:
     tau: float
     metrics_dir: str  # prometheus multiprocess folder (set in the env before metrics exist)
     verifier: "object | None" = None  # VerifierConfig of the worker (None: mode "off")
-    spawn_verifier: bool = True  # False: SGLang's scheduler runs the worker as a thread (worker.py)
     verify_timeout_s: float = 30.0  # per verify call: a live, beating verifier that does not answer (wedged)
     catchup_chunk: int = 256  # tokens per catch-up call: verify_timeout_s bounds a chunk, not a long prompt
-    prefill_ahead: int = 0  # prompts >= this taught to the verifier in idle turns (0: off; --mg-prefill-ahead)
-    chain: bool = False  # StepRow.behind rows carry VerifyItem.chain (--mg-lag-chain)
-    # the kernel configuration id the launcher reported (scheduler placement): the hello refuses another
-    expect_kernel_config_id: str = ""
-    ipc_spin_s: float = 0.0  # experimental: spin for messages and replies first (channel.wait_readable)
     start_timeout_s: float = 300.0  # verifier model load
     verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept
     parent_pid: int = 0  # mg-server's pid: the controller exits once it is gone (0: no watch)
-    window: int = 16  # window commit: a request's unchecked tokens are checked once this many wait
+    window: int = 16  # a request's unchecked tokens are checked once this many wait (--mg-window)
 
 
-class Controller(AheadMixin, AuditMixin, WindowMixin, WorkerMixin):
+class Controller(AuditMixin, WindowMixin, WorkerMixin):
     def __init__(self, cfg: ControllerConfig, lifeline: Lifeline | None = None):
         from mg_server.metrics import controller_metrics
 
@@ -85,29 +67,18 @@ class Controller(AheadMixin, AuditMixin, WindowMixin, WorkerMixin):
         self.policy = Policy(cfg.mode, cfg.tau)
         self.m = controller_metrics()
         self.reqs: dict[str, ReqState] = {}
-        self.ahead: dict[str, None] = {}  # live requests whose prompt the verifier has not been taught yet
         # Finished requests whose tail audit waits until no Step is queued (or their verdict is
         # asked for): a Step holds up an SGLang forward, an audit holds up nobody yet.
         self.pending: dict[str, None] = {}
-        # Resumable requests with low-margin steps not checked yet (rid -> those positions), and
-        # the diverged ones whose fast path the seam has not been told to end yet.
+        # Requests with steps to check (rid -> their low-margin positions) (controller/window.py).
         self.checks: dict[str, list[int]] = {}
-        self.stops: dict[str, None] = {}
-        # Window requests' disagreements the seam has not been told yet (controller/window.py).
+        # Disagreements the seam has not been told yet (controller/window.py).
         self.rollbacks: dict[str, P.Rollback] = {}
-        self.forwards = 0  # Steps with window rows so far (a forward each)
+        self.forwards = 0  # Steps so far (a forward each)
         self.window_due: int | None = None  # the forward count at which the window checks are due
-        # Lag corrections' next steps, verified in the same call (VerifyItem.chain), and the steps
-        # verified ahead (controller/ahead.py): rid -> the result at the position of the request's
-        # coming step, answered without a verify call.
-        self.chained: dict[str, P.VerifyResult] = {}
         # Missed flips' completions in progress, one slice per verdict ask (audit._verdict).
         self.completing: dict[str, AnswerCompletion] = {}
         self.verifier_proc = None
-        self.direct_verifier = None  # inproc.py: the in-process verifier's direct client (no socket)
-        # Held while a message or an idle turn is handled: the controller's state is single-threaded,
-        # and a controller hosted by SGLang's scheduler process is also called directly (inproc.py).
-        self.lock = threading.RLock()
         self.vclient = None
         self.vinfo: P.HelloReply | None = None
         self.start_error: P.ErrorReply | None = None  # the verifier could not start: told to the launcher
@@ -127,24 +98,20 @@ class Controller(AheadMixin, AuditMixin, WindowMixin, WorkerMixin):
                 self.running = False
             return P.Error(error=self.start_error)
         if isinstance(msg, P.Step):
-            decisions = self._step(msg.rows)  # errors stay in the requests' states (verdicts)
-            return P.StepReply(decisions=decisions) if msg.reply else None
-        if isinstance(msg, P.VerifyAhead):
-            self._verify_ahead(msg.rows)  # (one-way: its results wait in `chained` for the Steps)
+            self._step(msg.rows)  # (one-way: errors stay in the requests' states, i.e. their verdicts)
             return None
         if isinstance(msg, P.Finish):
             self._finish(msg)
             return P.Ack()
         if isinstance(msg, P.Verdict):
             return self._verdict(msg.rid, msg.correct)
-        if isinstance(msg, P.Stops):
-            rids, self.stops = list(self.stops), {}
+        if isinstance(msg, P.WindowNews):
             rollbacks, self.rollbacks = list(self.rollbacks.values()), {}
-            return P.StopsReply(rids=rids, rollbacks=rollbacks, verified=self._window_progress())
+            return P.WindowNewsReply(rollbacks=rollbacks, verified=self._window_progress())
         if isinstance(msg, P.CheckTail):
             return self._check_tail(msg.rid)
         if isinstance(msg, P.ControllerHello):
-            up = self.verifier_up()  # first: it may connect a verifier that started in the scheduler
+            up = self.verifier_up()
             return P.ControllerInfo(
                 protocol_version=P.PROTOCOL_VERSION, mode=self.cfg.mode, tau=self.cfg.tau,
                 verifier_up=up,
@@ -161,52 +128,20 @@ class Controller(AheadMixin, AuditMixin, WindowMixin, WorkerMixin):
             return P.Ack()
         return P.Error(error=P.ErrorReply(code=P.ErrorCode.BAD_REQUEST, message=f"unexpected {type(msg).__name__}"))
 
-    def _step(self, rows: list[P.StepRow]) -> list[P.StepDecision]:
-        decisions: list[P.StepDecision] = []
-        if rows and rows[0].window:
+    def _step(self, rows: list[P.StepRow]) -> None:
+        if rows:
             self.forwards += 1
-        to_verify: list[tuple[int, P.StepRow, ReqState]] = []
         for row in rows:
             st = self._state_for(row)
-            d = P.StepDecision(rid=row.rid)
-            decisions.append(d)
-            if row.window and row.epoch != st.epoch and not st.error:  # a timeline cut already
+            if row.epoch != st.epoch and not st.error:  # a timeline cut already
                 self.m.stale_steps.inc()
-                d.token = row.fast_token
                 continue
             if not st.error and row.pos != len(st.tokens) - 1:
                 st.error = f"position mismatch: controller holds {len(st.tokens)} tokens, step at position {row.pos}"
             if not st.error and self.cfg.mode != "off" and not self.verifier_up():
                 st.error = "deterministic verifier is not running"
-            if st.error:
-                d.error = st.error
-            elif row.window:  # committed fast; checked in windows (controller/window.py)
+            if not st.error:  # committed fast; checked in windows (controller/window.py)
                 self._window_step(row, st)
-                d.token = row.fast_token
-            elif row.resumable:  # committed fast; a low-margin step is checked behind (_run_checks)
-                st.resumable = True
-                low = self.policy.should_verify(row.margin)
-                self.m.steps.labels(decision="verify" if low else "fast").inc()
-                if low and not st.mismatches:  # (after a divergence the rest is resumed anyway)
-                    self.checks.setdefault(row.rid, []).append(row.pos)
-                d.token = row.fast_token
-                st.tokens.append(d.token)
-            elif row.must or row.behind or self.policy.should_verify(row.margin):
-                to_verify.append((len(decisions) - 1, row, st))
-            else:
-                # a chained answer for this step goes unused: its token is the verifier's
-                # t_{pos+1}, so a different fast token is a missed flip (found now: the request
-                # may end before the verifier is sent anything again)
-                res = self.chained.pop(row.rid, None)
-                if res is not None and res.pos == row.pos and res.token != row.fast_token:
-                    self._missed_flip(row.rid, st, row.pos, "fast-path token differs from the verifier's", res.token,
-                                      res.margin)
-                self.m.steps.labels(decision="fast").inc()
-                d.token = row.fast_token
-                st.tokens.append(d.token)
-        if to_verify:
-            self._verify(to_verify, decisions)
-        return decisions
 
     def _state_for(self, row: P.StepRow) -> ReqState:
         """The request's state; its first step (the one carrying the prompt) creates it."""
@@ -221,59 +156,12 @@ class Controller(AheadMixin, AuditMixin, WindowMixin, WorkerMixin):
         self.pending.pop(row.rid, None)  # a finished request of the same id: its verdict is replaced
         st = self.reqs[row.rid] = ReqState(tokens=list(row.prompt), prompt_len=len(row.prompt),
                                            temperature=row.temperature, seed=row.seed)
-        if 0 < self.cfg.prefill_ahead <= len(row.prompt) and self.cfg.mode == "margin" and not row.resumable:
-            self.ahead[row.rid] = None
         return st
 
     def _catch_up(self, rid: str, st: ReqState, pos: int) -> str:
         """All but the last chunk of what the verifier has not seen before pos (controller.catchup)."""
         return catch_up(self.vclient, lambda end: self._item(rid, st, end), lambda res: self._audit(rid, st, res),
                         st, pos, self.cfg.catchup_chunk)
-
-    def _verify(self, batch, decisions: list[P.StepDecision]) -> None:
-        t0 = time.perf_counter()  # what the held forward waits for: the catch-up chunks too
-        ready = []  # (i, row, st, result known already: a chained one)
-        for i, row, st in batch:  # errors fail the row like a failed verify below
-            res = self.chained.pop(row.rid, None)
-            if res is not None and res.pos == row.pos:
-                ready.append((i, row, st, res))
-                continue
-            st.error = decisions[i].error = self._catch_up(row.rid, st, row.pos)
-            if not st.error:
-                ready.append((i, row, st, None))
-        rewind = self._drop_stale_chained(ready)
-        ask = [(row, st) for _, row, st, res in ready if res is None]
-        results = iter(self._call_verifier([self._item(row.rid, st, row.pos,
-                                                       row.fast_token if row.behind and self.cfg.chain else -1,
-                                                       row.rid in rewind)
-                                            for row, st in ask], t0) if ask else ())
-        for i, row, st, res in ready:
-            d = decisions[i]
-            known, res = res is not None, res or next(results)
-            if isinstance(res, P.ErrorReply):
-                st.error = d.error = f"verifier: [{res.code}] {res.message}"
-                self.m.verify_errors.inc()
-                continue
-            self.m.steps.labels(decision="verify").inc()
-            self.m.verify.inc()
-            if not known:  # (a chained or ahead answer was audited when it came)
-                self._audit(row.rid, st, res)
-            st.verifier_len = row.pos + 1
-            st.verified.append(row.pos)
-            d.verified, d.token, d.slot, d.gen = True, res.token, res.slot, res.gen
-            d.repair = row.must or res.token != row.fast_token
-            if d.repair:
-                st.repairs.append(row.pos)
-                self.m.repair.inc()
-            if res.token != row.fast_token and not row.must:  # (a must row's margin is not a flip's)
-                self.m.flip_margin.observe(row.margin)
-                if not self.policy.should_verify(row.margin):  # a behind row verify ahead caught
-                    self.m.flips_above_tau.inc()
-            st.tokens.append(d.token)
-            if res.next is not None:  # the verifier has also seen t_{pos+1}: it answered pos + 1
-                self._audit(row.rid, st, res.next)
-                st.verifier_len = row.pos + 2
-                self.chained[row.rid] = res.next
 
     def _call_verifier(self, items: list[P.VerifyItem], t0: float | None = None) -> list[P.VerifyResult | P.ErrorReply]:
         """One verify call (its items share one batched forward), timed from t0 (default: now);
@@ -285,6 +173,7 @@ class Controller(AheadMixin, AuditMixin, WindowMixin, WorkerMixin):
             results = self.vclient.verify_many(items)
         except VerifierError as e:
             results = [P.ErrorReply(code=e.code, message=e.message) for _ in items]
+            self.verifier_up()  # a verifier that died or stopped is reported down at once (/health, mg_verifier_up)
         self.m.verify_seconds.observe(time.perf_counter() - t0)
         if ok := [r for r in results if not isinstance(r, P.ErrorReply)]:  # one forward served them all
             self.m.verifier_forward_seconds.observe(ok[0].forward_ms / 1e3)
@@ -321,30 +210,27 @@ class Controller(AheadMixin, AuditMixin, WindowMixin, WorkerMixin):
             st.verified.extend(positions)
             if st.mismatches:
                 self._diverged(rid, st)
-            elif st.window:
+            else:
                 st.checked = pos + 2 - st.prompt_len
 
-    def _item(self, rid: str, st: ReqState, pos: int, chain: int = -1, rewind: bool = False,
-              column: bool = True) -> P.VerifyItem:
-        """Verify position pos after teaching the verifier every token it has not seen yet
-        (`chain`: VerifyItem.chain; `rewind`: VerifyItem.rewind; `column`: VerifyItem.column)."""
-        rewind, st.rewind = rewind or st.rewind, False
+    def _item(self, rid: str, st: ReqState, pos: int) -> P.VerifyItem:
+        """Verify position pos after teaching the verifier every token it has not seen yet (after a
+        rollback, with VerifyItem.rewind: it drops its positions past the cut first)."""
+        rewind, st.rewind = st.rewind, False
         return P.VerifyItem(rid=rid, pos=pos, tokens=st.tokens[st.verifier_len:pos + 1], rewind=rewind,
                             prompt_len=st.prompt_len if st.verifier_len == 0 else 0,
                             temperature=st.temperature, seed=st.seed,
-                            deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9), chain=chain,
-                            column=column)
+                            deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9))
 
     # ---- loop -----------------------------------------------------------------------------
     def serve_forever(self, idle_exit_s: float = 0.0) -> None:
         """Serve until Shutdown (or, if idle_exit_s, until that long without a message).
         Orphaning is the lifeline's job: it exits the process whatever this loop is doing."""
-        last = hot = time.monotonic()  # the last message's arrival; the end of its handling (spin from there)
+        last = time.monotonic()  # the last message's arrival
         while self.running:
-            busy = self.pending or self._checks_due() or self.ahead  # idle work waits: no blocking poll, no spin
-            if not wait_readable(self.sock, 0 if busy else 200, 0.0 if busy else hot + self.cfg.ipc_spin_s):
-                with self.lock:
-                    self._idle_turn()
+            busy = self.pending or self._checks_due()  # idle work waits: no blocking poll
+            if not self.sock.poll(0 if busy else 200):
+                self._idle_turn()
                 if idle_exit_s and time.monotonic() - last > idle_exit_s:
                     break
                 continue
@@ -356,27 +242,22 @@ class Controller(AheadMixin, AuditMixin, WindowMixin, WorkerMixin):
                 reply: P.Message = P.Error(error=P.ErrorReply(code=P.ErrorCode.BAD_REQUEST, message=str(e)))
             else:
                 try:
-                    with self.lock:
-                        reply = self.handle(msg)
+                    reply = self.handle(msg)
                 except Exception as e:  # noqa: BLE001 - the controller survives a bad request
                     log.exception("controller error")
                     reply = P.Error(error=P.ErrorReply(code=P.ErrorCode.INTERNAL, message=repr(e)))
                 if reply is None:  # a one-way report
-                    hot = time.monotonic()
                     continue
                 reply.msg_id = msg.msg_id
             self.sock.send_multipart([ident, P.encode(reply)])
-            hot = time.monotonic()
 
     def _idle_turn(self) -> None:
-        if self._checks_due():  # idle: check resumable and window requests first
+        if self._checks_due():  # idle: due checks first
             if self.window_due is not None:
                 self._all_window_checks()
             self._run_checks()
         elif self.pending:  # idle: run deferred tail audits, a few at a time (a Step may come)
             self._complete(list(self.pending)[:IDLE_AUDITS])
-        elif self.ahead:  # idle: teach the verifier new requests' prompts (one call)
-            self._prefill_ahead()
         else:  # idle: notice a dead verifier without traffic (health, metric)
             self.verifier_up()
 

@@ -33,16 +33,14 @@ class ReqState:
     audit_pending: bool = False  # finished, tail audit not run yet
     end: Finish | None = None  # how SGLang ended it (max_new, stop ids), from its Finish
     correction: Correction | None = None  # the verifier's completion after a missed flip
-    resumable: bool = False  # committed fast and checked behind; a divergence resumes the answer (protocol)
     pred: int = -1  # the verifier's latest prediction: its token t_{verifier_len} (-1: none yet)
     pred_margin: float = 0.0  # and the margin it chose it with
     flip_token: int = -1  # the verifier's token at the first missed flip (t_{min(mismatches)+1})
-    window: bool = False  # window commit: rolled back in place on a disagreement (protocol.StepRow)
     epoch: int = 0  # rollbacks so far (its Step rows carry the epoch the seam applied)
-    checked: int = 0  # window: answer tokens checked by the verifier
-    released: int = 0  # window, a stream: answer tokens the seam let leave before their check
+    checked: int = 0  # answer tokens checked by the verifier
+    released: int = 0  # a stream: answer tokens the seam let leave before their check
     rewind: bool = False  # the verifier holds positions past a rollback: the next item drops them
-    last_rollback: object = None  # window: the latest protocol.Rollback (the finish barrier re-tells it)
+    last_rollback: object = None  # the latest protocol.Rollback (the finish barrier re-tells it)
 
     @property
     def steps(self) -> int:

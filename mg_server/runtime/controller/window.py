@@ -1,6 +1,6 @@
 """The controller's window commit side (a mixin of `server.Controller`).
 
-A window request's every step is committed fast. Its tokens are checked behind, every window
+A protected request's every step is committed fast. Its tokens are checked behind, every live
 request's pending tokens in one verify call (`_run_checks`, whose catch-up audits every token):
 within CHECK_DELAY_FORWARDS forwards of a low-margin step, or once `window` tokens wait unchecked. Where the
 verifier disagrees at answer index p, the controller cuts its own copy of the answer there, puts
@@ -27,7 +27,6 @@ UNHELD = 1 << 30  # `checked` of a request after a missed flip: the seam holds n
 
 class WindowMixin:
     def _window_step(self, row: P.StepRow, st: ReqState) -> None:
-        st.window = True
         low = self.policy.should_verify(row.margin)
         self.m.steps.labels(decision="verify" if low else "fast").inc()
         st.tokens.append(row.fast_token)
@@ -41,30 +40,23 @@ class WindowMixin:
             self.checks.setdefault(row.rid, []).append(row.pos)
 
     def _checks_due(self) -> bool:
-        """Idle work waits for it: resumable checks at once, window checks when due."""
-        if not self.checks:
-            return False
-        if self.window_due is None or self.forwards >= self.window_due:
-            return True
-        return any(not self.reqs[rid].window for rid in self.checks if rid in self.reqs)
+        """Idle work waits for it: checks once due."""
+        return bool(self.checks) and (self.window_due is None or self.forwards >= self.window_due)
 
     def _all_window_checks(self) -> None:
-        """A window check covers every live window request with unchecked tokens: one verifier
-        forward reads the weights once whatever rows it carries."""
+        """A window check covers every live request with unchecked tokens: one verifier forward
+        reads the weights once whatever rows it carries."""
         self.window_due = None
         for rid, st in self.reqs.items():
-            if st.window and not st.finished_at and not st.error and st.checked < st.steps:
+            if not st.finished_at and not st.error and st.checked < st.steps:
                 self.checks.setdefault(rid, [])
 
     def _diverged(self, rid: str, st: ReqState) -> None:
-        """The check found the verifier disagreeing: roll a window request back, end a resumable
-        one's fast path (its verdict resumes it)."""
-        if st.window and min(st.mismatches) + 1 - st.prompt_len >= st.released:
+        """The check found the verifier disagreeing: roll the request back."""
+        if min(st.mismatches) + 1 - st.prompt_len >= st.released:
             self._roll_back(rid, st)
-        elif st.window:  # a token a stream let leave early was wrong: a missed flip (verdict mismatch)
+        else:  # a token a stream let leave early was wrong: a missed flip (verdict mismatch)
             self._missed_release(rid, st)
-        else:
-            self.stops[rid] = None
 
     def _roll_back(self, rid: str, st: ReqState) -> None:
         q = min(st.mismatches)  # t_{q+1} is the first token the verifier would not have chosen
@@ -89,8 +81,7 @@ class WindowMixin:
         st.checked = UNHELD
 
     def _window_progress(self) -> dict[str, list[int]]:
-        return {rid: [st.epoch, st.checked] for rid, st in self.reqs.items()
-                if st.window and not st.finished_at and not st.error}
+        return {rid: [st.epoch, st.checked] for rid, st in self.reqs.items() if not st.finished_at and not st.error}
 
     def _check_tail(self, rid: str) -> P.TailReply:
         """The finish barrier: every decided token of the request checked now, in one verify call

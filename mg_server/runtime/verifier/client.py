@@ -20,24 +20,14 @@ class VerifierError(RpcError):
     """A typed failure of a verifier call: `code` is one of protocol.ErrorCode."""
 
 
-def newest_gen(results: list, last_gen: int) -> int:
-    """The newest slot generation among a reply's results and `last_gen` (the worker stamps
-    results in order; a chained result's `next` is newer than the result itself)."""
-    for r in results:
-        if isinstance(r, P.VerifyResult):
-            last_gen = max(last_gen, r.gen if r.next is None else r.next.gen)
-    return last_gen
-
-
 class VerifierClient(RpcClient):
     error_cls = VerifierError
 
     def __init__(self, ipc_path: str, timeout_s: float = 30.0, client_name: str = "",
-                 peer_check: Callable[[], str] | None = None, spin_s: float = 0.0):
-        super().__init__(ipc_path, timeout_s, client_name, peer_check, spin_s)
+                 peer_check: Callable[[], str] | None = None):
+        super().__init__(ipc_path, timeout_s, client_name, peer_check)
         self.info: P.HelloReply | None = None
         self.slots: SlotBuffer | None = None
-        self.last_gen = 0  # the newest slot generation in a reply (the worker stamps results in order)
 
     # ---- API ----------------------------------------------------------------------------
     def connect(self, timeout_s: float | None = None, expect_model_id: str = "",
@@ -63,7 +53,6 @@ class VerifierClient(RpcClient):
         """Send items in one message (served in one batched forward where rids differ)."""
         reply = self.call(P.Verify(items=list(items)), timeout_s)
         assert isinstance(reply, P.VerifyReply)
-        self.last_gen = newest_gen(reply.results, self.last_gen)
         return reply.results
 
     def verify(self, rid: str, pos: int, tokens: list[int], *, rewind: bool = False,

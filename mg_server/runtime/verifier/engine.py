@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -49,7 +48,7 @@ class StepOutput:
     pos: int
     token: int
     margin: float
-    kv_column: Tensor | None  # [L, 2, Hkv, D] model dtype, device: K/V of position pos (0 = K, 1 = V); None: not asked
+    kv_column: Tensor  # [L, 2, Hkv, D] model dtype, device: K/V of position pos (0 = K, 1 = V)
     logits: Tensor  # [V] fp32, device: the logits row of position pos (a view: valid until the next forward)
     audit_tokens: list[int]
     audit_margins: list[float]
@@ -57,7 +56,6 @@ class StepOutput:
     batch_rows: int
     batch_requests: int
     forward_ms: float
-    next: StepOutput | None = None  # VerifyItem.chain: the result at pos + 1
     digest: bytes = b""  # VerifyItem.want_digest: blake2b of `logits`, taken before any later forward
 
 
@@ -182,7 +180,6 @@ class VerifierEngine:
                         out[i] = ErrorReply(code=ErrorCode.INTERNAL, rid=items[i].rid,
                                             message=f"{type(e).__name__}: {e}")
             pending = later
-        self._chain(items, out)
         return out  # type: ignore[return-value]
 
     def _admit(self, items: list[VerifyItem]) -> tuple[list[int], dict[int, ErrorReply]]:
@@ -197,30 +194,6 @@ class VerifierEngine:
             else:
                 errors[k] = got
         return ok, errors
-
-    def _chain(self, items: list[VerifyItem], out: list) -> None:
-        """VerifyItem.chain: where the verifier's token differs from the caller's, verify pos + 1
-        with the verifier's token now, in one more batched forward (attached as `next`). A follow
-        item that fails leaves no `next` and the request as its own item left it (the caller then
-        asks for pos + 1 itself). Not with want_digest: a digest item is a diagnostic of its own
-        result alone."""
-        once = {rid for rid, n in Counter(it.rid for it in items).items() if n == 1}  # (one forward)
-        ks = [k for k, it in enumerate(items)
-              if it.chain >= 0 and not it.want_digest and it.rid in once and isinstance(out[k], StepOutput)
-              and out[k].token != it.chain]
-        follows = [VerifyItem(rid=items[k].rid, pos=items[k].pos + 1, tokens=[out[k].token],
-                              temperature=items[k].temperature, seed=items[k].seed) for k in ks]
-        admitted, _ = self._admit(follows)
-        ok = [(ks[j], follows[j]) for j in admitted]
-        if not ok:
-            return
-        try:
-            for (k, _), res in zip(ok, self._forward([f for _, f in ok])):
-                out[k].next = res
-        except Exception:  # noqa: BLE001 - the main results stand; drop the half-written positions
-            for k, f in ok:
-                out[k].next = None
-                self._truncate(self.seqs[f.rid], f.pos)
 
     def _forward(self, items: list[VerifyItem]) -> list[StepOutput]:
         t0 = time.perf_counter()
@@ -279,7 +252,7 @@ class VerifierEngine:
             st.last_pred = preds[last]
             results.append(StepOutput(
                 rid=it.rid, pos=it.pos, token=preds[last], margin=margins[last],
-                kv_column=self.pool.column(st.slots[it.pos]) if it.column else None, logits=logits[last],
+                kv_column=self.pool.column(st.slots[it.pos]), logits=logits[last],
                 audit_tokens=audit_t, audit_margins=audit_m, first_mismatch=first_mm,
                 batch_rows=len(tokens), batch_requests=len(items), forward_ms=ms,
                 digest=_digest(logits[last]) if it.want_digest else b""))
@@ -295,7 +268,7 @@ class VerifierEngine:
         long catch-up's rows are never read, and R x V fp32 would be ~1 GB for an 8B vocabulary).
         Sampled rows are decided after their own replay, before the next overwrites them.
         Nothing here allocates device or page-locked memory, and every copy is a kernel
-        (kernels.zerocopy): in the scheduler placement either would wait for a held SGLang stream.
+        (kernels.zerocopy).
         Why chunks keep every row's bits: a row reads only K/V of its own request's positions
         <= its own, and chunks go in row order, so those are written (by an earlier replay or this
         one) exactly as one forward would write them; each row's arithmetic does not depend on

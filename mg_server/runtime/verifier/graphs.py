@@ -8,8 +8,7 @@ in a bucket are padding: they read and write only a scratch slot, and since ever
 batch-invariant (a row's bits never depend on the other rows) they change nothing for the real
 rows. The graph also computes the top-2 of every row's logits. Its inputs and that top-2 move
 through page-locked host buffers that the graph's own kernels read and write (kernels.zerocopy:
-no copy engine, so a held SGLang stream in the same process cannot hold a verify call up), so a
-step costs one replay and one event sync.
+no copy engine), so a step costs one replay and one event sync.
 """
 
 from __future__ import annotations
@@ -47,9 +46,8 @@ class RowGraphs:
         # an 8B vocabulary. A run's logits are valid until the next run either way.
         self.logits = torch.empty((n, model.spec.vocab), dtype=torch.float32, device=dev)
         # The answer rows' logits of a forward longer than one replay, copied out before the next
-        # replay overwrites them: [one per request, V] fp32, made now because in the scheduler
-        # placement a device allocation while serving can wait for a held SGLang stream (see
-        # engine._graph_rows and server._warm_up).
+        # replay overwrites them: [one per request, V] fp32, made now: a verify call makes no device
+        # allocation (engine._graph_rows, server._warm_up).
         self.kept = torch.empty((scratch_table_row, model.spec.vocab), dtype=torch.float32, device=dev)
         self.pad = (0, 0, scratch_slot, scratch_table_row)  # a padding row's token, position, slot, table row
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, Tensor, Tensor]] = {}

@@ -7,14 +7,6 @@ cause) instead of vanishing. From its first moment it beats and watches the proc
 started it (runtime.liveness): if that one dies, the worker removes its shared memory and exits.
 Messages are served in arrival order; consecutive Verify messages are coalesced into one batched
 step (batch-invariant kernels make that safe); control messages flush pending verifies first.
-
-Placement (`serve --mg-verifier-in`): a process of its own (`start_verifier`, the default), or
-a thread of SGLang's scheduler process (`thread.start_verifier_thread`, experimental). Why the thread:
-two processes' kernels on one GPU take turns (time slices) unless CUDA MPS runs, so a verify
-call made while SGLang's next forward runs (`--mg-commit lag`) adds its whole GPU time to the
-step; one process's streams run their kernels side by side. Same messages, same kernels, same
-bits: only where the engine's kernels are launched changes. With the controller there too
-(`--mg-controller-in scheduler`) no thread serves the socket: the controller calls `call`.
 """
 
 from __future__ import annotations
@@ -32,7 +24,6 @@ import torch
 import zmq
 
 from mg_server.runtime import protocol as P
-from mg_server.runtime.channel import wait_readable
 from mg_server.runtime.shm import SlotBuffer
 
 
@@ -52,10 +43,7 @@ class VerifierConfig:
     memory_gb: float = 0.0  # CUDA memory budget (weights + K/V pool + workspace); 0: pool_tokens as given
     shm_name: str = ""  # shared-memory name; "" derives one from ipc_path
     poll_ms: int = 50  # receive poll period
-    ipc_spin_s: float = 0.0  # experimental: spin this long for the next message after each one (channel.wait_readable)
     parent_pid: int = 0  # the process that started the worker: it exits once that one is gone (0: no watch)
-    switch_interval_s: float = 2e-4  # thread placement: the host process's GIL switch interval (at most)
-    weights_digest: str = ""  # the launcher's digest of model_path (scheduler placement: read once); "": here
     trace_calls: int = 0  # diagnostics (env.trace_calls): 1 log each call's phases and GC pauses, 2 + CUDA allocations
 
     def __post_init__(self):
@@ -111,7 +99,7 @@ class VerifierServer:
             self.shm = SlotBuffer.create(cfg.shm_base, cfg.n_slots, s.n_layers, s.n_kv_heads, s.head_dim,
                                          dtype, model.device)
             self.model_id = model_identity(cfg.model_path, dtype)
-            self.weights_digest = cfg.weights_digest or weights_digest(cfg.model_path)  # once: system_fingerprint
+            self.weights_digest = weights_digest(cfg.model_path)  # once: system_fingerprint
             self.kernel_config_id = ops.config_id(model.device)  # the backend that serves the device
             if model.device.type == "cuda":
                 self._warm_up()
@@ -127,9 +115,7 @@ class VerifierServer:
 
     def _warm_up(self) -> None:
         """Compile and load every kernel a verify call launches, now: compiled on a first request,
-        they would take it past its deadline; and in the thread placement a kernel's first launch
-        (its module load) or a new device allocation would wait for any held SGLang stream, whose
-        gate may be waiting for that very call (measured: 9 s, until the stream was released)."""
+        they would take it past its deadline."""
         from mg_server.kernels import zerocopy
 
         t0 = time.perf_counter()
@@ -175,7 +161,7 @@ class VerifierServer:
             device=str(eng.model.device), max_seq_len=eng.max_seq_len, max_requests=eng.max_requests,
             shm=self.shm.spec, pool_tokens=eng.pool.n_tokens, memory_bytes=self.memory_bytes)
 
-    def _verify(self, batch: list[tuple[bytes, P.Verify]], send=None) -> None:
+    def _verify(self, batch: list[tuple[bytes, P.Verify]]) -> None:
         items, owners = [], []
         now = time.time_ns()
         late: dict[int, P.ErrorReply] = {}
@@ -187,9 +173,6 @@ class VerifierServer:
                 else:
                     items.append(it)
                 owners.append(k)
-        if len(items) > self.cfg.n_slots // 2:  # a chained result needs a live slot of its own too
-            for it in items:
-                it.chain = -1
         trace = self.cfg.trace_calls > 0 and self.engine.model.device.type == "cuda"
         t = [time.perf_counter()]
         allocs = self._alloc_count() if trace else -1
@@ -209,7 +192,7 @@ class VerifierServer:
         self.shm.write_many(writes)
         t.append(time.perf_counter())
         for (ident, m), results in zip(batch, replies):
-            (send or self._send)(ident, P.VerifyReply(msg_id=m.msg_id, results=results))
+            self._send(ident, P.VerifyReply(msg_id=m.msg_id, results=results))
         if trace:
             self._trace(items, now, t + [time.perf_counter()], allocs)
 
@@ -228,11 +211,9 @@ class VerifierServer:
                   f"{threading.current_thread().name}", flush=True)
 
     def _trace(self, items: list[P.VerifyItem], now_ns: int, t: list[float], before: int) -> None:
-        """cfg.trace_calls: one line per call. Why allocations: in the scheduler placement a device
-        allocation by any thread of the process orders the verifier's next kernels after a held
-        SGLang stream (kernels.zerocopy); the counts say whether and whose. Why the deadline: the
-        controller stamps each item's deadline as its send time + verify_timeout_s, so the time
-        left says how long the call waited before this thread took it."""
+        """cfg.trace_calls: one line per call. Why the deadline: the controller stamps each item's
+        deadline as its send time + verify_timeout_s, so the time left says how long the call
+        waited before this worker took it."""
         after = self._alloc_count()
         left = min((it.deadline_ns - now_ns) / 1e6 for it in items) if items else 0.0
         ms = [1e3 * (b - a) for a, b in zip(t, t[1:])]
@@ -243,20 +224,16 @@ class VerifierServer:
         self._allocs = after
 
     def _result(self, res, writes: list[tuple], digest: bool) -> P.VerifyResult:
-        """The wire form of an engine result (and of its chained `next`), each with a slot of its own
-        (none for a result without its column: VerifyItem.column)."""
-        slot = gen = -1
-        if res.kv_column is not None:
-            slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.cfg.n_slots
-            self.gen += 1
-            gen = self.gen
-            writes.append((slot, res.kv_column, gen))
+        """The wire form of an engine result, with a slot of its own for its K/V column."""
+        slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.cfg.n_slots
+        self.gen += 1
+        gen = self.gen
+        writes.append((slot, res.kv_column, gen))
         return P.VerifyResult(
             rid=res.rid, pos=res.pos, token=res.token, margin=res.margin, slot=slot, gen=gen,
             audit_tokens=res.audit_tokens, audit_margins=res.audit_margins,
             first_mismatch=res.first_mismatch, digest=res.digest if digest else b"",
-            batch_rows=res.batch_rows, batch_requests=res.batch_requests, forward_ms=res.forward_ms,
-            next=self._result(res.next, writes, False) if res.next is not None else None)
+            batch_rows=res.batch_rows, batch_requests=res.batch_requests, forward_ms=res.forward_ms)
 
     def _control(self, m: P.Message) -> P.Message:
         if isinstance(m, P.Hello):
@@ -272,20 +249,6 @@ class VerifierServer:
             self.running = False
             return P.Ack(msg_id=m.msg_id)
         return _err(P.ErrorCode.BAD_REQUEST, f"unexpected message {type(m).__name__}", m.msg_id)
-
-    def call(self, m: P.Message) -> P.Message:
-        """One request served in the caller's thread, without the socket: the reply the socket
-        would carry (`--mg-controller-in scheduler`: thread.DirectVerifierClient). The caller
-        serialises calls and makes the verifier's stream current."""
-        if self.load_error and not isinstance(m, P.Shutdown):
-            return _err(P.ErrorCode.LOAD_FAILED, self.load_error, m.msg_id)
-        if not isinstance(m, P.Verify):
-            return self._control(m)
-        if not 0 < len(m.items) <= self.cfg.n_slots:  # each result needs its own live slot
-            return _err(P.ErrorCode.BAD_REQUEST, f"{len(m.items)} items; 1..{self.cfg.n_slots} per message", m.msg_id)
-        out: list[P.Message] = []
-        self._verify([(b"", m)], send=lambda _ident, reply: out.append(reply))
-        return out[0]
 
     # ---- loop ---------------------------------------------------------------------------
     def _send(self, ident: bytes, msg: P.Message) -> None:
@@ -334,10 +297,9 @@ class VerifierServer:
         flush()
 
     def serve_forever(self) -> None:
-        last = 0.0
         try:
             while self.running:
-                if not wait_readable(self.sock, self.cfg.poll_ms, last + self.cfg.ipc_spin_s):
+                if not self.sock.poll(self.cfg.poll_ms):
                     continue
                 frames = []
                 while len(frames) < self.cfg.max_batch_items:  # drain what is queued: one batch
@@ -346,7 +308,6 @@ class VerifierServer:
                     except zmq.Again:
                         break
                 self._handle_batch(frames)
-                last = time.monotonic()  # replies sent: spin for the next request from here
         finally:
             self.close()
 
