@@ -443,8 +443,8 @@ def test_the_finish_barrier_checks_every_window_request_in_one_call(make_ctl):
     toks = {"a": [3, 1], "b": [4, 1, 5]}
     for k in range(5):  # high margins, fewer than a window: nothing checked yet
         for rid in ("a", "b"):
-            (d,) = ctl._step([_window_row(toks[rid], k, ref_next(toks[rid]), 9.0, rid=rid)])
-            toks[rid].append(d.token)
+            ctl._step([_window_row(toks[rid], k, ref_next(toks[rid]), 9.0, rid=rid)])
+            toks[rid].append(ref_next(toks[rid]))
     assert ctl.vclient.calls == [] and not ctl._checks_due()
     tail = ctl._check_tail("a")
     assert not tail.error and tail.verified == 5 and ctl.reqs["b"].checked == 5

@@ -40,7 +40,9 @@ class AuditMixin:
         # repairs tell a near-tie above tau from a fast path that went wrong after a repair
         last_rep = max((p for p in st.repairs if p <= pos), default=-1)
         last_ver = max((p for p in st.verified if p <= pos), default=-1)
-        log.warning("missed flip: request %s position %d (%s); answer token %d, verifier margin %.4g (tau %.4g); "
+        # (debug: a disagreement is usually rolled back before anyone sees it; window.py warns
+        # where a released token was wrong)
+        log.debug("disagreement: request %s position %d (%s); answer token %d, verifier margin %.4g (tau %.4g); "
                     "last verified step %d, last repair %d (repairs %d, verified %d)", rid, pos, what,
                     pos - st.prompt_len + 1, margin, self.policy.tau, last_ver, last_rep, len(st.repairs),
                     len(st.verified))

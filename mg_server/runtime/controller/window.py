@@ -13,6 +13,8 @@ tokens, and its output hold releases what `checked` says.
 
 from __future__ import annotations
 
+import logging
+
 from mg_server.runtime import protocol as P
 from mg_server.runtime.controller.state import ReqState
 
@@ -22,6 +24,7 @@ from mg_server.runtime.controller.state import ReqState
 # rollback throws away the tokens decoded after it. Measured on the 8B shape at a 0.7 % flip rate
 # (docs/history/window-verification.md): 4 -> +16 % at bs 8, 8 -> +10 %, 16 -> -2 %.
 CHECK_DELAY_FORWARDS = 16
+log = logging.getLogger("mg.controller")
 UNHELD = 1 << 30  # `checked` of a request after a missed flip: the seam holds nothing back any more
 
 
@@ -78,6 +81,8 @@ class WindowMixin:
     def _missed_release(self, rid: str, st: ReqState) -> None:
         """Nothing to roll back: the client has the wrong token. The request runs on unheld and
         unchecked (its answer no longer follows the verifier's), and its verdict is `mismatch`."""
+        log.warning("missed flip: request %s answer token %d left in a stream before its check and the verifier "
+                    "disagrees (verdict mismatch)", rid, min(st.mismatches) + 1 - st.prompt_len)
         st.checked = UNHELD
 
     def _window_progress(self) -> dict[str, list[int]]:
