@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU device machine ($OUT set): install the carried SGLang wheels (.whl), run the
 # GPU serving tests, then the deterministic-traffic sweep; logs, JSON and PNG into $OUT.
-#   TESTS="-k resume" SWEEP="--models smol --rates 0.1 --reps 1" bash benchmarks/device_serving.sh
+#   TESTS="-k lagged" SWEEP="--models smol --rates 0.1 --reps 1" bash benchmarks/device_serving.sh
 # TESTS=skip / SWEEP=skip leave a part out. Needs .whl/ (benchmarks/pack_device.sh) and
 # .cache/gpu-tokenizer/ (the embedded model's tokenizer files) in the carried tree.
 set -o pipefail

@@ -12,8 +12,9 @@ alternately in the same minutes. A deterministic request answered in several run
 so other batch neighbours) must give the same tokens every time: the run reports any that differ.
 
 Streams: --stream-batch requests at once, half deterministic, streamed one token per chunk;
-time to first token and inter-token gaps (p50, p99) of each half, at tau for --tau-rate and at
-tau 0 (every token held until checked). JSON after each part and a table (OUT/throughput.{json,md}).
+time to first token and inter-token gaps (p50, p99) of each half, at tau for --tau-rate (or a
+given tau) and at tau 0 (nothing released before its check). A chunk of k tokens counts as k gaps
+of its share of the wait, so a held burst shows as its average: the first hold shows in TTFT. JSON after each part and a table (OUT/throughput.{json,md}).
 """
 
 from __future__ import annotations

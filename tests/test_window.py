@@ -124,9 +124,9 @@ def test_the_window_flag_reaches_the_config_and_is_checked(monkeypatch, prepared
     seen = []
     monkeypatch.setattr(launch, "serve", seen.append)
     base = ["serve", "--model", str(prepared_model), "--device", "cpu"]
-    assert cli.main([*base, "--mg-window", "32"]) == 0
+    assert cli.main([*base, "--mg-window", "8"]) == 0
     assert cli.main(base) == 0
-    assert (seen[0].window, seen[1].window) == (32, 16)
+    assert (seen[0].window, seen[1].window) == (8, 32)
     try:
         rc = cli.main([*base, "--mg-window", "0"])
     except SystemExit as e:
