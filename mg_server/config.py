@@ -67,6 +67,9 @@ class FrontConfig:
     model_path: str = ""  # its tokenizer spells a corrected answer's text ("" = no text rewrite)
     vocab_size: int = 0  # the model's: token ids in request bodies are checked against it (0: unchecked)
     api_key: str = ""  # SGLang's --api-key: /metrics (served by mg, ahead of SGLang's auth) needs it too
+    # a larger request body is a 413 before anything parses or tokenizes it (a 20 MB prompt took
+    # 64 s to be refused by SGLang's tokenizer); 16 MiB holds a 128k-token prompt many times over
+    max_body_bytes: int = 16 << 20
 
 
 @dataclass(frozen=True)

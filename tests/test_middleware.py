@@ -109,10 +109,68 @@ def test_conflicting_custom_processor_and_bad_params_are_400(client):
     assert r.status_code == 400
 
 
-def test_non_json_body_is_left_to_the_app(client):
+def test_a_plain_requests_non_json_body_is_left_to_the_app(client):
     # passed on byte for byte, for SGLang to answer with its own error; no crash, no hang
-    r = client.post("/generate", content=b"not json", headers={"X-Deterministic": "1"})
-    assert r.json()["raw"] == "not json" and r.headers["x-deterministic"] == "1"
+    r = client.post("/generate", content=b"not json", headers={"X-Deterministic": "0"})
+    assert r.json()["raw"] == "not json" and r.headers["x-deterministic"] == "0"
+
+
+def _refused_as_failed(r, words: str) -> None:
+    assert r.status_code == 400 and words in r.json()["message"], (r.status_code, r.text)
+    assert r.headers["x-mg-verdict"] == "failed" and r.headers["x-deterministic-verified"] == "false"
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/chat/completions"])
+@pytest.mark.parametrize("body,words", [
+    (b"not json", "is not valid JSON"),
+    (b"[" * 1000 + b"]" * 1000, "nested too deeply"),  # (json's recursion limit: a 500 before)
+    (b"[]", "must be a JSON object"), (b'"str"', "must be a JSON object"), (b"123", "must be a JSON object"),
+    (b"null", "must be a JSON object"), (b"", "must be a JSON object")])
+def test_a_deterministic_requests_malformed_body_is_a_400_with_verdict_failed(client, path, body, words):
+    _refused_as_failed(client.post(path, content=body, headers={"X-Deterministic": "1"}), words)
+
+
+def test_deep_nesting_in_a_plain_token_path_body_is_no_500(tmp_path):
+    client = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path), vocab_size=100))
+    r = client.post("/generate", content=b"[" * 1000 + b"]" * 1000)
+    assert r.status_code < 500  # left to the app (SGLang answers a 400)
+
+
+def test_a_body_over_the_size_limit_is_a_413_before_it_is_read(tmp_path):
+    client = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path), max_body_bytes=1000, vocab_size=100))
+    big = {"input_ids": list(range(50)) * 40}
+    r = client.post("/generate", json=big, headers={"X-Deterministic": "1"})
+    assert r.status_code == 413 and "larger than 1000 bytes" in r.json()["message"]
+    assert r.headers["x-mg-verdict"] == "failed"
+    r = client.post("/v1/chat/completions", content=(b"x" * 600 for _ in range(2)))  # chunked: no length
+    assert r.status_code == 413 and "x-mg-verdict" not in r.headers
+    assert client.post("/generate", json={"input_ids": [1, 2]}).status_code == 200  # under it: served
+
+
+def test_a_rid_that_is_not_utf8_text_is_a_400(client):
+    # a lone surrogate survives JSON but no encoder: an encoding error, not an outage (a 503 before)
+    body = b'{"text": "x", "rid": "a\\ud800b"}'
+    _refused_as_failed(client.post("/generate", content=body, headers={"X-Deterministic": "1"}), "UTF-8")
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "rid": "\\udfff"}'
+    _refused_as_failed(client.post("/v1/chat/completions", content=body, headers={"X-Deterministic": "1"}), "UTF-8")
+
+
+def test_a_header_sent_twice_is_a_400(client):
+    for values in (["1", "0"], ["0", "1"], ["1", "1"]):
+        r = client.post("/v1/chat/completions", json=CHAT, headers=[("X-Deterministic", v) for v in values])
+        _refused_as_failed(r, "sent 2 times")
+
+
+def test_every_refusal_of_a_deterministic_request_says_failed(client):
+    cases = [({**CHAT, "temperature": 0.8}, "seed"), ({**CHAT, "logprobs": True, "top_logprobs": 2}, "logprobs"),
+             ({**CHAT, "frequency_penalty": 0.5}, "frequency_penalty")]
+    for body, words in cases:
+        _refused_as_failed(client.post("/v1/chat/completions", json=body, headers={"X-Deterministic": "1"}), words)
+    _refused_as_failed(client.post("/abort_request", json={}, headers={"X-Deterministic": "1"}), "served on")
+    _refused_as_failed(client.post("/v1/chat/completions", json=CHAT, headers={"X-Deterministic": "yes"}), "one of")
+    # a refusal of a request that asked for a plain answer has no deterministic verdict
+    r = client.post("/abort_request", json={}, headers={"X-Deterministic": "0"})
+    assert r.status_code == 400 and "x-mg-verdict" not in r.headers and r.headers["x-deterministic"] == "0"
 
 
 def test_parse_flag():
@@ -261,7 +319,7 @@ def test_error_responses_are_failed_without_asking_the_controller(verified_clien
     assert '"states": ["verified"]' in r.text and len(asked) == 1
 
 
-def test_an_empty_answer_is_verified_without_the_controller(verified_client, monkeypatch):
+def test_an_empty_answer_is_verified_without_the_controller(verified_client, monkeypatch, tmp_path):
     from mg_server.front.verdict import RuntimeView
 
     async def never(self, rids, correct=False):
@@ -271,6 +329,13 @@ def test_an_empty_answer_is_verified_without_the_controller(verified_client, mon
     client, _ = verified_client
     r = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0}}, headers={"X-Deterministic": "1"})
     assert '"states": ["verified"]' in r.text
+    # the same on the OpenAI endpoints (the verdict was `unknown` there before)
+    for limit in ({"max_tokens": 0}, {"max_completion_tokens": 0}, {"max_tokens": 5, "max_completion_tokens": 0}):
+        r = client.post("/v1/completions", json={"prompt": "x", **limit}, headers={"X-Deterministic": "1"})
+        assert r.headers["x-mg-verdict"] == "failed"  # (this fixture's /v1/completions answers an error)
+    plain = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path)))
+    r = plain.post("/v1/chat/completions", json={**CHAT, "max_tokens": 0}, headers={"X-Deterministic": "1"})
+    assert r.status_code == 200 and r.headers["x-mg-verdict"] == "verified"
 
 
 # ---- health -----------------------------------------------------------------------------------

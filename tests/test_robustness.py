@@ -77,3 +77,51 @@ def test_server_info_and_metrics_keep_the_api_key(server, http):
     assert requests.get(server.url + "/metrics", timeout=10).status_code == 401
     r = http.get(server.url + "/metrics", timeout=10)
     assert r.status_code == 200 and "mg_deterministic_steps_total" in r.text
+
+
+
+def post_raw(url: str, body: bytes, headers: list[tuple[str, str]]) -> tuple[int, dict, dict]:
+    """POST with header lines exactly as given (a name twice stays two lines) -> (status, headers, JSON)."""
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=120)
+    conn.putrequest("POST", u.path)
+    for k, v in [("Authorization", f"Bearer {KEY}"), ("Content-Type", "application/json"),
+                 ("Content-Length", str(len(body))), *headers]:
+        conn.putheader(k, v)
+    conn.endheaders(body)
+    resp = conn.getresponse()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, json.loads(resp.read())
+
+
+def test_every_malformed_deterministic_request_is_a_400_with_verdict_failed(server):
+    """Each was a 500, a 503 or a plain answer before; every refusal says `failed`; the server
+    serves on."""
+    det = [("X-Deterministic", "1")]
+    cases = [  # (path, body, header lines, status, words in the message)
+        ("/v1/chat/completions", b"[" * 1000 + b"]" * 1000, det, 400, "nested too deeply"),
+        *[("/generate", b, det, 400, "JSON object") for b in (b"[]", b'"str"', b"123", b"null")],
+        ("/generate", b'{"text": "x", "rid": "a\\ud800"}', det, 400, "UTF-8"),
+        ("/v1/chat/completions", b'{"model": "default", "messages": [{"role": "user", "content": "x"}]}',
+         [("X-Deterministic", "1"), ("X-Deterministic", "0")], 400, "sent 2 times"),
+        ("/v1/chat/completions", b'{"model": "default", "messages": [{"role": "user", "content": "x"}], '
+         b'"temperature": 0.7}', det, 400, "seed"),  # mg's own refusal: a temperature without a seed
+        ("/generate", b'{"text": "' + b"x" * (17 << 20) + b'"}', det, 413, "larger than"),
+    ]
+    for path, body, lines, status, words in cases:
+        got, headers, answer = post_raw(server.url + path, body, lines)
+        assert got == status and words in answer["message"], (path, got, answer)
+        assert headers.get("x-mg-verdict") == "failed", (path, headers)
+
+
+def test_an_empty_answers_verdict_is_the_same_on_every_endpoint(server, http):
+    chat = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 0}
+    r = http.post(server.url + "/v1/chat/completions", headers=DET, json=chat, timeout=120)
+    g = http.post(server.url + "/generate", headers=DET, json={"text": "x", "sampling_params": {"max_new_tokens": 0}},
+                  timeout=120)
+    assert (r.status_code, g.status_code) == (200, 200), (r.text, g.text)
+    assert r.headers["x-mg-verdict"] == g.headers["x-mg-verdict"] == "verified"
+    assert generate(server, http, None)[:2] == (200, "verified")  # still serving

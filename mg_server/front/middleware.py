@@ -49,13 +49,21 @@ Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
 
-async def _read_body(receive: Receive) -> bytes:
-    chunks = []
+class BodyTooLarge(Exception):
+    pass
+
+
+async def _read_body(receive: Receive, limit: int = 0) -> bytes:
+    """The whole request body; BodyTooLarge once it passes `limit` bytes (0: no limit)."""
+    chunks, size = [], 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ConnectionError("client disconnected")
         chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if limit and size > limit:
+            raise BodyTooLarge
         if not message.get("more_body", False):
             return b"".join(chunks)
 
@@ -79,6 +87,17 @@ async def _respond(send: Send, status: int, body: bytes, content_type: bytes, ex
     await send({"type": "http.response.body", "body": body})
 
 
+def _utf8(text: object) -> bool:
+    """A request id mg can pass on: text without lone surrogates (JSON's \\ud800 decodes to one)."""
+    if not isinstance(text, str):
+        return True  # (the body's other checks own its types)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _stamp_instance(body: dict) -> str:
     """Give this request's flagged parameter sets a fresh instance id (see config.INSTANCE_PARAM)."""
     inst = uuid.uuid4().hex[:16]
@@ -90,8 +109,21 @@ def _stamp_instance(body: dict) -> str:
     return inst
 
 
+def _refusal_headers(raws: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """What mg's own refusal of a request that carried X-Deterministic says: the echo and, unless
+    the request asked for a plain answer, the verdict `failed` (every error response has one)."""
+    try:
+        flag = parse_flag(raws[0]) if len(raws) == 1 else None
+    except BadRequest:
+        flag = None  # an unreadable flag: the client may have meant 1
+    if flag is False:
+        return [(HEADER, b"0")]
+    return ([(HEADER, b"1")] if flag else []) + [(b"x-deterministic-verified", b"false"), (b"x-mg-verdict", b"failed")]
+
+
 def error_body(message: str, status: int = 400, param: str = "X-Deterministic") -> bytes:
-    kind = {400: "BadRequestError", 401: "AuthenticationError"}.get(status, "ServiceUnavailableError")
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 413: "BadRequestError"}.get(
+        status, "ServiceUnavailableError")
     return json.dumps({"object": "error", "message": message, "type": kind, "param": param, "code": status}).encode()
 
 
@@ -117,6 +149,23 @@ class DeterministicMiddleware:
             if problem:
                 return await _respond(send, 503, error_body(problem, 503, "mg"), b"application/json")
 
+        raws = [v for k, v in scope["headers"] if k == HEADER]
+        limit = self.config.max_body_bytes
+        if method in ("POST", "PUT") and limit:
+            async def too_big() -> None:
+                await _respond(send, 413, error_body(f"the request body is larger than {limit} bytes", 413, "body"),
+                               b"application/json", _refusal_headers(raws) if raws else [])
+
+            length = dict(scope["headers"]).get(b"content-length", b"")
+            if length.isdigit() and int(length) > limit:  # refused before a byte of it is read
+                return await too_big()
+            try:
+                body = await _read_body(receive, limit)
+            except ConnectionError:
+                return
+            except BodyTooLarge:  # (a chunked body names no length)
+                return await too_big()
+            receive = _replay(body, receive)
         if path in TOKEN_PATHS and method in ("POST", "PUT") and self.config.vocab_size:
             try:
                 body = await _read_body(receive)
@@ -124,20 +173,26 @@ class DeterministicMiddleware:
                 return
             try:
                 problem = bad_token_ids(json.loads(body), path, self.config.vocab_size)
-            except ValueError:
-                problem = ""  # not JSON: SGLang answers it
+            except (ValueError, RecursionError):
+                problem = ""  # not JSON, or too deep for it: the checks below or SGLang answer it
             if problem:
                 return await _respond(send, 400, error_body(problem, param=problem.partition(":")[0]),
                                       b"application/json")
             receive = _replay(body, receive)
-        raw = dict(scope["headers"]).get(HEADER)
-        if raw is None:
+        if not raws:
             return await self.app(scope, receive, send)
+        refused = _refusal_headers(raws)
+
+        async def refuse(e: BadRequest) -> None:
+            await _respond(send, 400, error_body(str(e), param=e.param), b"application/json", refused)
+
         try:
-            flag = parse_flag(raw)
+            if len(raws) > 1:  # (two header lines would otherwise be read as the last one)
+                raise BadRequest(f"X-Deterministic was sent {len(raws)} times; send it once")
+            flag = parse_flag(raws[0])
             kind = route(method, path)
         except BadRequest as e:
-            return await _respond(send, 400, error_body(str(e), param=e.param), b"application/json")
+            return await refuse(e)
         echo = (HEADER, b"1" if flag else b"0")
         rids: list[str] = []
         settled: dict[str, str] = {}
@@ -149,8 +204,13 @@ class DeterministicMiddleware:
                 return
             try:
                 parsed = json.loads(body) if body else None
-            except ValueError:
-                parsed = None  # not JSON: SGLang answers it with its own error
+            except (ValueError, RecursionError) as e:
+                if flag:  # a deterministic request's refusal carries its verdict: mg answers it
+                    why = "is nested too deeply" if isinstance(e, RecursionError) else "is not valid JSON"
+                    return await refuse(BadRequest(f"the request body {why}", param="body"))
+                parsed = None  # a plain request: SGLang answers it with its own error
+            if flag and not isinstance(parsed, dict):
+                return await refuse(BadRequest("the request body must be a JSON object", param="body"))
             if isinstance(parsed, dict):
                 parts = None
                 try:
@@ -161,12 +221,14 @@ class DeterministicMiddleware:
                         parsed = expand_generate(parsed) if flag else parsed
                         parsed = rewrite_body(parsed, path, flag, self.config.noop_processor)
                 except BadRequest as e:
-                    return await _respond(send, 400, error_body(str(e), param=e.param), b"application/json", [echo])
+                    return await refuse(e)
                 if parts is not None:
                     return await self._fan_out(scope, parts, send, echo)
                 if flag:
                     rid = parsed["rid"]
                     rids = [rid] if isinstance(rid, str) else list(rid)
+                    if bad := next((r for r in rids if not _utf8(r)), None):
+                        return await refuse(BadRequest(f"rid {bad!r} is not valid UTF-8 text", param="rid"))
                     empty = empty_answer_rids(parsed, rids)
                     if self.config.controller_ipc:  # verdicts are asked per request instance
                         inst = _stamp_instance(parsed)

@@ -202,9 +202,13 @@ def _assign_rids(body: dict, path: str) -> list[str]:
 
 
 def empty_answer_rids(body: dict, rids: list[str]) -> set[str]:
-    """The prompts of a deterministic /generate body that ask for no token (max_new_tokens 0):
-    SGLang only prefills them, so mg sees no step; their empty answer is complete and has no
-    token left unchecked, so their verdict is `verified` without asking the controller."""
+    """The prompts of a deterministic body that ask for no token (/generate `max_new_tokens` 0,
+    OpenAI `max_tokens` or `max_completion_tokens` 0): SGLang only prefills them, so mg sees no
+    step; their empty answer is complete and has no token left unchecked, so their verdict is
+    `verified` without asking the controller, on every endpoint."""
+    if "sampling_params" not in body and ("max_tokens" in body or "max_completion_tokens" in body):
+        limit = body.get("max_completion_tokens", body.get("max_tokens"))  # (OpenAI: the newer name wins)
+        return set(rids) if limit == 0 and not isinstance(limit, bool) else set()
     params = body.get("sampling_params")
     per = params if isinstance(params, list) else [params] * len(rids)
     return {rid for rid, p in zip(rids, per) if isinstance(p, dict) and p.get("max_new_tokens") == 0}
