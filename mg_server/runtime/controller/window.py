@@ -20,10 +20,11 @@ from mg_server.runtime.controller.state import ReqState
 
 # A low-margin step is checked at most this many forwards later. Why not at once: every check
 # reads all the verifier's weights, and at batch 8 and a 10 % trigger rate almost every forward has
-# a low-margin row, so checks of many forwards are coalesced into one call; why not later: a flip's
-# rollback throws away the tokens decoded after it. Measured on the 8B shape at a 0.7 % flip rate
-# (docs/history/window-verification.md): 4 -> +16 % at bs 8, 8 -> +10 %, 16 -> -2 %.
-CHECK_DELAY_FORWARDS = 16
+# a low-margin row, so checks of several forwards are coalesced into one call; why not later: a
+# flip's rollback throws away the tokens decoded after it. On the 8B shape at a 0.7 % flip rate
+# 16 measured best (docs/history/window-verification.md), but a request aborted while its check
+# waits can end with step rows the controller has not seen yet and fail: 4 until that is fixed.
+CHECK_DELAY_FORWARDS = 4
 log = logging.getLogger("mg.controller")
 UNHELD = 1 << 30  # `checked` of a request after a missed flip: the seam holds nothing back any more
 
