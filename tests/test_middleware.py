@@ -161,12 +161,15 @@ def test_a_header_sent_twice_is_a_400(client):
         _refused_as_failed(r, "sent 2 times")
 
 
-def test_every_refusal_of_a_deterministic_request_says_failed(client):
+def test_every_refusal_of_a_deterministic_request_says_failed(client, tmp_path):
     cases = [({**CHAT, "temperature": 0.8}, "seed"), ({**CHAT, "logprobs": True, "top_logprobs": 2}, "logprobs"),
              ({**CHAT, "frequency_penalty": 0.5}, "frequency_penalty")]
     for body, words in cases:
         _refused_as_failed(client.post("/v1/chat/completions", json=body, headers={"X-Deterministic": "1"}), words)
     _refused_as_failed(client.post("/abort_request", json={}, headers={"X-Deterministic": "1"}), "served on")
+    tokens = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path), vocab_size=100))
+    _refused_as_failed(tokens.post("/generate", json={"input_ids": [5, 100]}, headers={"X-Deterministic": "1"}),
+                       "not in the model's vocabulary")
     _refused_as_failed(client.post("/v1/chat/completions", json=CHAT, headers={"X-Deterministic": "yes"}), "one of")
     # a refusal of a request that asked for a plain answer has no deterministic verdict
     r = client.post("/abort_request", json={}, headers={"X-Deterministic": "0"})

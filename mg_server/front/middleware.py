@@ -150,11 +150,12 @@ class DeterministicMiddleware:
                 return await _respond(send, 503, error_body(problem, 503, "mg"), b"application/json")
 
         raws = [v for k, v in scope["headers"] if k == HEADER]
+        refused = _refusal_headers(raws) if raws else []  # on every refusal of mg's own
         limit = self.config.max_body_bytes
         if method in ("POST", "PUT") and limit:
             async def too_big() -> None:
                 await _respond(send, 413, error_body(f"the request body is larger than {limit} bytes", 413, "body"),
-                               b"application/json", _refusal_headers(raws) if raws else [])
+                               b"application/json", refused)
 
             length = dict(scope["headers"]).get(b"content-length", b"")
             if length.isdigit() and int(length) > limit:  # refused before a byte of it is read
@@ -177,11 +178,10 @@ class DeterministicMiddleware:
                 problem = ""  # not JSON, or too deep for it: the checks below or SGLang answer it
             if problem:
                 return await _respond(send, 400, error_body(problem, param=problem.partition(":")[0]),
-                                      b"application/json")
+                                      b"application/json", refused)
             receive = _replay(body, receive)
         if not raws:
             return await self.app(scope, receive, send)
-        refused = _refusal_headers(raws)
 
         async def refuse(e: BadRequest) -> None:
             await _respond(send, 400, error_body(str(e), param=e.param), b"application/json", refused)
