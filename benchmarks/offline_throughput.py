@@ -32,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_e2e as E  # noqa: E402 - the sibling script is the shared harness
 from gpu_sweep import tau_for_rate_quantized  # noqa: E402
 
+# mg's counters read around each share: rollbacks, and where the verifier's time went
+DIAG = ("mg_rollbacks_total", "mg_verify_seconds_sum", "mg_verify_seconds_count", "mg_verify_rows_sum",
+        "mg_verifier_forward_seconds_sum", "mg_control_seconds_sum", "mg_control_seconds_count", "mg_stale_steps_total")
 LENGTHS = E.REPO / "benchmarks" / "data" / "sharegpt_lengths.json"
 
 
@@ -151,6 +154,9 @@ def table(res: dict) -> str:
     for s in res["throughput"]:
         lines.append(f"| {s['share']:.0%} | {s['plain_tok_s']:.0f} | {s['mg_tok_s']:.0f} | {s['ratio']:.3f} | "
                      f"{s['verdicts']} | {s['errors']} | {s['rollbacks']:.0f} |")
+    if res.get("sglang_det"):
+        d = res["sglang_det"]
+        lines.append(f"| SGLang deterministic mode (all) | | {d['tok_s']:.0f} | {d['ratio']:.3f} | | | |")
     if res["throughput"]:
         lines += ["", f"Deterministic answers that differed between runs: {res['differing_answers']} of "
                   f"{res['repeated_answers']} answered more than once.", ""]
@@ -180,6 +186,8 @@ def main() -> int:
     ap.add_argument("--tau-rate", type=float, default=0.1, help="tau: this share of the reference bf16 margins below it")
     ap.add_argument("--stream-batch", type=int, default=16)
     ap.add_argument("--stream-taus", default="target,0", help="'target' (--tau-rate's tau) and/or numbers; '' skips")
+    ap.add_argument("--sglang-det", action="store_true",
+                    help="also time SGLang's --enable-deterministic-inference (mg off) on the same requests")
     ap.add_argument("--verifier-memory-gb", type=float, default=22.0)
     args = ap.parse_args()
     sys.path.insert(0, str(E.REPO / "tests"))
@@ -222,8 +230,8 @@ def main() -> int:
             run_offline(srv.url, work[:16], set(range(16)), 16)
         for share in shares:
             det = det_indices(len(work), share)
-            plain, mine = [], []
-            before = scrape(srv.url, ("mg_rollbacks_total",))["mg_rollbacks_total"]
+            plain, mine, mg_wall = [], [], []
+            before = scrape(srv.url, DIAG)
             verdicts: dict[str, int] = {}
             errors = 0
             for rep in range(args.reps):
@@ -231,6 +239,8 @@ def main() -> int:
                 for kind, s, d in (order if rep % 2 == 0 else order[::-1]):
                     r = run_offline(s.url, work, d, args.concurrency)
                     (plain if kind == "plain" else mine).append(r["tokens_per_s"])
+                    if kind == "mg":
+                        mg_wall.append(r["wall_s"])
                     errors += len(r["errors"])
                     if r["errors"]:
                         E.log(f"share {share}: {kind} errors {r['errors'][:3]}")
@@ -243,15 +253,29 @@ def main() -> int:
                         else:
                             seen[i] = ans
             p, m = statistics.median(plain), statistics.median(mine)
-            rb = scrape(srv.url, ("mg_rollbacks_total",))["mg_rollbacks_total"] - before
+            diag = {k: v - before[k] for k, v in scrape(srv.url, DIAG).items()}
             res["throughput"].append({"share": share, "plain_tok_s": p, "mg_tok_s": m, "ratio": m / p,
                                       "plain_all": plain, "mg_all": mine, "verdicts": verdicts, "errors": errors,
-                                      "rollbacks": rb})
+                                      "rollbacks": diag["mg_rollbacks_total"], "mg_wall_s": sum(mg_wall),
+                                      "diagnostics": diag})
             E.log(f"share {share:.0%}: plain {p:.0f} tok/s, mg {m:.0f} tok/s ({m / p:.3f}), {verdicts}, errors {errors}")
             res.update(differing_answers=differing, repeated_answers=repeated)
             (args.out / "throughput.json").write_text(json.dumps(res, indent=2))
         if base:
             base.stop()
+            base = None
+        if args.sglang_det and shares:  # SGLang's own deterministic mode (every request), mg off
+            det_srv = E.start(mdir, name, "off", args.out, ["--enable-deterministic-inference", *mem], "cuda", graph_bs)
+            try:
+                run_offline(det_srv.url, work[:16], set(), 16)
+                runs = [run_offline(det_srv.url, work, set(), args.concurrency)["tokens_per_s"] for _ in range(args.reps)]
+            finally:
+                det_srv.stop()
+            plain_all = [x for s in res["throughput"] for x in s["plain_all"]]
+            res["sglang_det"] = {"tok_s": statistics.median(runs), "all": runs,
+                                 "ratio": statistics.median(runs) / statistics.median(plain_all)}
+            E.log(f"SGLang deterministic mode: {res['sglang_det']}")
+            (args.out / "throughput.json").write_text(json.dumps(res, indent=2))
         for t in stream_taus:
             if t != srv_tau:
                 srv.stop()

@@ -422,6 +422,29 @@ def test_a_window_request_is_rolled_back_where_the_verifier_disagrees(make_ctl):
     assert ctl._verdict("w").state == "verified" and toks[2:] == ref[:8]
 
 
+def test_an_abort_before_the_seam_applied_a_rollback_ends_aborted_not_failed(make_ctl):
+    # the check cut the answer at a flip; SGLang aborted the request before its next forward, so
+    # its answer still holds the old timeline past the cut (Finish.epoch 0 < the controller's 1)
+    ctl = make_ctl("margin", 0.5)
+    prompt, flip = [2, 9], 2
+    toks = list(prompt)
+    for k in range(6):
+        fast = ref_next(toks) if k != flip else (ref_next(toks) + 1) % 50
+        ctl._step([_window_row(toks, k, fast, 0.1)])
+        toks.append(fast)
+    ctl.forwards = ctl.window_due
+    ctl._idle_turn()
+    st = ctl.reqs["w"]
+    assert st.epoch == 1 and st.steps == flip + 1 and "w" in ctl.rollbacks
+    ctl._finish(P.Finish(rid="w", output=toks[2:], aborted=True, reason="client gone", epoch=0))
+    v = ctl._verdict("w")
+    assert v.state == "aborted" and not st.error and ctl.rollbacks == {}
+    # the same answer with the rollback applied (epoch 1) must agree with mg's tokens: it fails
+    ctl._step([_window_row([5, 5], 0, 1, 9.0, rid="x")])
+    ctl._finish(P.Finish(rid="x", output=[1, 2, 3], aborted=True, reason="cut", epoch=0))
+    assert ctl._verdict("x").state == "failed"
+
+
 def test_a_window_request_is_checked_every_window_and_at_its_finish_barrier(make_ctl):
     ctl = make_ctl("margin", 0.5)
     prompt = [3, 1]

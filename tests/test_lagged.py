@@ -123,7 +123,7 @@ def test_the_finish_watcher_drains_before_it_reports_an_end(hook_mod, runner, tm
     seam(None, sampler_args([(req, True)], logits_with(6, 4.0), [1]))
     order = []
     seam.link.client.report = lambda rows: order.append(("report", rows[0].pos))
-    link = SimpleNamespace(tracked={"w": SimpleNamespace(req=req)}, lock=seam.link.lock, before_finish=seam.lagged.drain,
+    link = SimpleNamespace(tracked={"w": SimpleNamespace(req=req, epoch=0)}, lock=seam.link.lock, before_finish=seam.lagged.drain,
                            _finish=lambda rid, *rest: order.append(("finish", rid)))
     req.finished = lambda: True
     req.finished_reason, req.output_ids = None, [6]

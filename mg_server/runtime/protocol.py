@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 11  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
+PROTOCOL_VERSION = 12  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
 # 10: window commit (StepRow.epoch, Rollback, CheckTail); 11: the window commit is the only one: Step is
-# one-way (no StepReply), WindowNews replaces Stops, and the other commits' fields and messages are gone
+# one-way (no StepReply), WindowNews replaces Stops, and the other commits' fields and messages are gone;
+# 12: Finish.epoch
 
 
 class ErrorCode:
@@ -239,6 +240,7 @@ class Finish(Message):
     output: list[int]
     aborted: bool = False  # ended by an abort (client, /abort_request, shutdown, mg): a cut answer
     reason: str = ""  # the abort's message, for the verdict
+    epoch: int = 0  # the rollbacks the seam applied: an abort can land before it applied the latest
     # How SGLang ends this request (its check_finished, token rules only), so the controller can
     # complete a missed flip's answer from the verifier the way SGLang would have ended it.
     max_new: int = 0  # max_new_tokens (0: unknown, no correction)

@@ -155,8 +155,9 @@ class ControllerLink:
             except OSError:  # run folder removed at shutdown
                 pass
 
-    def _finish(self, rid: str, output: list[int], aborted: bool, reason: str, end: dict | None = None) -> None:
-        msg = P.Finish(rid=rid, output=output, aborted=aborted, reason=reason, **(end or {}))
+    def _finish(self, rid: str, output: list[int], aborted: bool, reason: str, end: dict | None = None,
+                epoch: int = 0) -> None:
+        msg = P.Finish(rid=rid, output=output, aborted=aborted, reason=reason, epoch=epoch, **(end or {}))
         # rpc_lock may be held by a long verify step: keep beating while waiting for it
         while not self.rpc_lock.acquire(timeout=BEAT_PERIOD_S):
             self._beat(force=True)
@@ -183,15 +184,17 @@ class ControllerLink:
             # the lagged path's forwards launched before these requests finished (the last
             # steps, the look-ahead one) are processed first, while mg still tracks them
             self.before_finish(True)
+        epochs = {}
         with self.lock:
             for rid, req in done:
                 if rid in self.tracked and self.tracked[rid].req is req:
+                    epochs[rid] = self.tracked[rid].epoch
                     _untrack(self.tracked, rid)
         for rid, req in done:
             try:
                 aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
                 reason = str(getattr(req.finished_reason, "message", "")) if aborted else ""
-                self._finish(rid, list(req.output_ids), aborted, reason, end_rules(req))
+                self._finish(rid, list(req.output_ids), aborted, reason, end_rules(req), epochs.get(rid, 0))
             except Exception as e:  # noqa: BLE001 - the verdict then stays "running" and says so
                 log.error("mg: could not report the end of %s: %s", rid, e)
         for rid in broken:

@@ -69,7 +69,12 @@ class AuditMixin:
         st = self.reqs.get(msg.rid)
         if st is None:
             st = self.reqs[msg.rid] = ReqState(error="request finished without a step the controller saw")
-        if not st.error and st.tokens:
+        if not st.error and st.tokens and msg.aborted and msg.epoch < st.epoch:
+            # cut before the seam applied the latest rollback: SGLang's answer left mg's timeline at
+            # the cut, and an aborted answer is never verified, so only the part before it must agree
+            st.reconcile_cut(msg.output, st.last_rollback.index)
+            self.rollbacks.pop(msg.rid, None)
+        elif not st.error and st.tokens:
             extra = st.reconcile(msg.output)
             if extra:  # the overlap scheduler's look-ahead forward(s) after the last token
                 self.m.lookahead.inc(extra)

@@ -57,6 +57,12 @@ class ReqState:
             return S.ABORTED
         return S.VERIFIED if mode != "off" else S.UNVERIFIED
 
+    def reconcile_cut(self, output: list[int], index: int) -> None:
+        """An aborted answer's emitted tokens against the decided ones up to answer index `index`,
+        where a rollback the seam never applied cut mg's copy (a difference sets `error`)."""
+        if self.tokens[self.prompt_len:self.prompt_len + index] != output[:index]:
+            self.error = "an aborted answer differs from mg's before its last rollback"
+
     def reconcile(self, output: list[int]) -> int:
         """Check SGLang's emitted tokens against the decided ones (a difference sets `error`);
         returns how many decided steps it dropped: the overlap scheduler's look-ahead forward(s)

@@ -22,9 +22,8 @@ from mg_server.runtime.controller.state import ReqState
 # reads all the verifier's weights, and at batch 8 and a 10 % trigger rate almost every forward has
 # a low-margin row, so checks of several forwards are coalesced into one call; why not later: a
 # flip's rollback throws away the tokens decoded after it. On the 8B shape at a 0.7 % flip rate
-# 16 measured best (docs/history/window-verification.md), but a request aborted while its check
-# waits can end with step rows the controller has not seen yet and fail: 4 until that is fixed.
-CHECK_DELAY_FORWARDS = 4
+# 16 measured best of 4, 8 and 16 (docs/history/window-verification.md).
+CHECK_DELAY_FORWARDS = 16
 log = logging.getLogger("mg.controller")
 UNHELD = 1 << 30  # `checked` of a request after a missed flip: the seam holds nothing back any more
 
