@@ -67,13 +67,18 @@ def run_offline(url: str, work, det: set[int], concurrency: int) -> dict:
     errors: list[str] = []
     lock = threading.Lock()
 
+    latency: list[float] = []
+
     def one(i: int) -> None:
         ids, new = work[i]
+        t_req = time.perf_counter()
         headers = {"X-Deterministic": "1"} if i in det else {}
         body = {"input_ids": ids, "sampling_params": {"max_new_tokens": new, "ignore_eos": True, "temperature": 0}}
         try:
             r = requests.post(url + "/generate", json=body, headers=headers, timeout=900)
             r.raise_for_status()
+            with lock:
+                latency.append(time.perf_counter() - t_req)
             got = r.json()
             got = got[0] if isinstance(got, list) else got
             with lock:
@@ -91,7 +96,8 @@ def run_offline(url: str, work, det: set[int], concurrency: int) -> dict:
     wall = time.perf_counter() - t0
     tokens = sum(new for _, new in work)
     return {"tokens_per_s": tokens / wall, "wall_s": wall, "tokens": tokens, "verdicts": verdicts,
-            "errors": errors, "answers": answers}
+            "errors": errors, "answers": answers, "latency_s_p50": pct(latency, 0.5) if latency else 0.0,
+            "latency_s_p99": pct(latency, 0.99) if latency else 0.0}
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -230,7 +236,7 @@ def main() -> int:
             run_offline(srv.url, work[:16], set(range(16)), 16)
         for share in shares:
             det = det_indices(len(work), share)
-            plain, mine, mg_wall = [], [], []
+            plain, mine, mg_wall, mg_latency = [], [], [], []
             before = scrape(srv.url, DIAG)
             verdicts: dict[str, int] = {}
             errors = 0
@@ -241,6 +247,7 @@ def main() -> int:
                     (plain if kind == "plain" else mine).append(r["tokens_per_s"])
                     if kind == "mg":
                         mg_wall.append(r["wall_s"])
+                        mg_latency.append([r["latency_s_p50"], r["latency_s_p99"]])
                     errors += len(r["errors"])
                     if r["errors"]:
                         E.log(f"share {share}: {kind} errors {r['errors'][:3]}")
@@ -257,6 +264,7 @@ def main() -> int:
             res["throughput"].append({"share": share, "plain_tok_s": p, "mg_tok_s": m, "ratio": m / p,
                                       "plain_all": plain, "mg_all": mine, "verdicts": verdicts, "errors": errors,
                                       "rollbacks": diag["mg_rollbacks_total"], "mg_wall_s": sum(mg_wall),
+                                      "mg_latency_s_p50_p99": mg_latency,
                                       "diagnostics": diag})
             E.log(f"share {share:.0%}: plain {p:.0f} tok/s, mg {m:.0f} tok/s ({m / p:.3f}), {verdicts}, errors {errors}")
             res.update(differing_answers=differing, repeated_answers=repeated)

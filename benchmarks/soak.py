@@ -13,6 +13,14 @@ exits non-zero if any check fails:
   warm-up, open files with a small slack for connection churn).
 
     python benchmarks/soak.py --minutes 5 --out benchmarks/results/soak_cpu.json
+
+`--burst N` runs a burst instead of Locust: N deterministic requests at once (the prompt set's
+prompts in turn), then N more and a SIGTERM while they run. Checks: every request ends with an
+HTTP status (none lost to a reset connection), every `verified` answer equals its reference,
+/health answers within 1 s at every sample (a 503 once the drain began), the server stops within
+its drain bound. Reports throughput and latency percentiles of the first burst.
+
+    python benchmarks/soak.py --burst 200 --out benchmarks/results/burst_cpu.json
 """
 
 from __future__ import annotations
@@ -72,6 +80,9 @@ def main() -> int:
     ap.add_argument("--max-new", type=int, default=12)
     ap.add_argument("--server-args", default="")
     ap.add_argument("--out", type=Path, default=Path("bench-out/soak.json"))
+    ap.add_argument("--burst", type=int, default=0, help="a burst of N deterministic requests and a SIGTERM "
+                                                         "under load instead of the Locust soak")
+    ap.add_argument("--drain", type=float, default=30.0, help="--burst: the server's --mg-drain-timeout")
     args = ap.parse_args()
 
     from mg_server.evaluation.determinism import build_workload
@@ -88,6 +99,10 @@ def main() -> int:
                               "other_texts": sharegpt_prompts(16, seed=3)}))
     print(f"references of {args.prompts} prompts in {time.monotonic() - t0:.0f}s", flush=True)
 
+    if args.burst:
+        from soak_burst import run_burst
+
+        return run_burst(args, w, work)
     srv = ServerProcess(args.server_args.split(), Path(work) / "server.log")
     samples: list[dict] = []
     stop = threading.Event()

@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--mg-window", type=int, default=32, metavar="W",
                    help="the unchecked tokens a deterministic request may run ahead of the verifier's checks "
                         "(default 32)")
+    s.add_argument("--mg-queue", type=int, default=256, metavar="N",
+                   help="deterministic requests that wait for a verifier slot when it holds all it can (64 "
+                        "completions); past N waiting, a 429 with Retry-After (default 256)")
     s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
                    help="longest wait of a response for its verdict (the final audit; default 120)")
     s.add_argument("--mg-allow-sglang", default="", metavar="VERSION",
@@ -165,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("--mg-drain-timeout must be >= 0")
     if not (args.mg_verify_timeout > 0 and args.mg_verdict_wait > 0 and args.mg_catchup_chunk >= 1):
         _parser().error("--mg-verify-timeout and --mg-verdict-wait must be > 0, --mg-catchup-chunk >= 1")
+    if args.mg_queue < 0:
+        _parser().error(f"--mg-queue must be >= 0, got {args.mg_queue}")
     if args.mg_window < 1:
         _parser().error(f"--mg-window must be >= 1, got {args.mg_window}")
     if args.mg_verifier_memory_gb is not None and not args.mg_verifier_memory_gb > 0:
@@ -197,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         verdict_wait_s=args.mg_verdict_wait,
         lagged_commit=args.mg_seam == "lagged",
         window=args.mg_window,
+        queue_size=args.mg_queue,
         verifier_memory_gb=args.mg_verifier_memory_gb,
         allow_sglang=args.mg_allow_sglang,
     )

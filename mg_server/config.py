@@ -70,6 +70,8 @@ class FrontConfig:
     # a larger request body is a 413 before anything parses or tokenizes it (a 20 MB prompt took
     # 64 s to be refused by SGLang's tokenizer); 16 MiB holds a 128k-token prompt many times over
     max_body_bytes: int = 16 << 20
+    max_deterministic: int = 64  # deterministic completions in SGLang at once: the verifier's shadow caches
+    queue_size: int = 256  # deterministic requests waiting for one of them before a 429 (front.admission)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,7 @@ class ServeConfig:
     verdict_wait_s: float = 120.0  # a response's longest wait for its verdict
     lagged_commit: bool = True  # CUDA + overlap: the one-forward-late seam (sglang_ext/lagged.py; --mg-seam)
     window: int = 32  # unchecked tokens a deterministic request may run ahead of its checks (--mg-window)
+    queue_size: int = 256  # deterministic requests that wait for the verifier before a 429 (--mg-queue)
     allow_sglang: str = ""  # an untested SGLang version the user accepts (--mg-allow-sglang; seams.check)
 
     @property

@@ -40,3 +40,24 @@ def test_each_call_gets_its_own_reply(tmp_path, delay_s):
             reply = c.call(P.WindowNews())
             assert isinstance(reply, P.Ack) and reply.n == k  # its own answer, in order
     th.join(5)
+
+
+def test_a_finish_report_never_waits_for_a_busy_controller(tmp_path):
+    # the seam's finish watcher sends Finish one way: a controller busy in a long verify call
+    # (here: one that reads but never answers) cannot hold the watcher, whose beat /health reads
+    from mg_server.runtime.controller.client import ControllerClient
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind(f"ipc://{tmp_path}/c.sock")
+    try:
+        with ControllerClient(str(tmp_path / "c.sock"), timeout_s=30, peer_check=lambda: "") as c:
+            t0 = time.monotonic()
+            for k in range(3):
+                c.finish(P.Finish(rid=f"r{k}", output=[1, 2]))
+            assert time.monotonic() - t0 < 1.0
+        got = []
+        while sock.poll(1000) and len(got) < 3:
+            got.append(P.decode(sock.recv_multipart()[1]).rid)
+        assert got == ["r0", "r1", "r2"]  # delivered, in order
+    finally:
+        sock.close(0)

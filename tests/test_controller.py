@@ -491,3 +491,21 @@ def test_a_wrong_token_a_stream_let_leave_early_is_a_missed_flip_not_a_rollback(
     assert tail.rollback is None and tail.verified >= 1 << 30 and st.epoch == 0 and ctl.rollbacks == {}
     ctl._finish(P.Finish(rid="w", output=toks[2:], max_new=5, stop_ids=[]))
     assert ctl._verdict("w").state == "mismatch"
+
+
+def test_a_check_of_many_requests_is_split_into_calls_the_verifier_accepts(make_ctl):
+    # 70 requests due together: at most 64 items (the verifier's slots) and, beyond one item,
+    # at most catchup_chunk rows per call, so the verify timeout bounds each call
+    ctl = make_ctl("margin", 0.5)
+    toks = {f"r{i}": [i % 40 + 1, 2] for i in range(70)}
+    for k in range(5):
+        for rid, t in toks.items():
+            ctl._step([_window_row(t, k, ref_next(t), 0.1, rid=rid)])
+            t.append(ref_next(t))
+    ctl.forwards = ctl.window_due
+    ctl._idle_turn()
+    calls = [[it for it in ctl.vclient.items[sum(len(c) for c in ctl.vclient.calls[:j]):][:len(c)]]
+             for j, c in enumerate(ctl.vclient.calls)]
+    assert len(calls) >= 2 and sum(len(c) for c in calls) == 70
+    assert all(len(c) <= 64 and sum(len(it.tokens) for it in c) <= ctl.cfg.catchup_chunk for c in calls)
+    assert all(ctl.reqs[rid].checked == 5 and not ctl.reqs[rid].error for rid in toks)

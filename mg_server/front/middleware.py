@@ -34,6 +34,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from mg_server import metrics
 from mg_server.config import DETERMINISTIC_PARAM, INSTANCE_PARAM, FrontConfig, instance_key
+from mg_server.front import admission
+from mg_server.front.admission import Admission, Guard, Refused, refusal_body
 from mg_server.front.policy import OPENAI_PATHS, BadRequest, empty_answer_rids, parse_flag, rewrite_body, route
 from mg_server.front.redact import INFO_PATHS, bearer_ok, cleaning_sender
 from mg_server.front.samples import expand_generate, merge_openai, split_openai
@@ -132,6 +134,10 @@ class DeterministicMiddleware:
         self.app = app
         self.config = config
         self.runtime = RuntimeView(config)
+        # deterministic requests in SGLang at once, and a queue (front.admission); mode off: none
+        self.admission = Admission(config.max_deterministic, config.queue_size) \
+            if config.controller_ipc and config.max_deterministic else None
+        admission.register(self.admission)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -145,7 +151,8 @@ class DeterministicMiddleware:
             data = metrics.render(self.config.metrics_dir)
             return await _respond(send, 200, data, CONTENT_TYPE_LATEST.encode())
         if path in HEALTH_PATHS and method == "GET":
-            problem = self.runtime.problem()
+            problem = "the server is shutting down" if self.admission and self.admission.stopping else \
+                self.runtime.problem()
             if problem:
                 return await _respond(send, 503, error_body(problem, 503, "mg"), b"application/json")
 
@@ -195,6 +202,7 @@ class DeterministicMiddleware:
             return await refuse(e)
         echo = (HEADER, b"1" if flag else b"0")
         rids: list[str] = []
+        what = "batch"  # what the request asks for several of (a 400 names it when it asks too many)
         settled: dict[str, str] = {}
 
         if kind == "rewrite":
@@ -218,12 +226,14 @@ class DeterministicMiddleware:
                     if parts is not None:
                         parts = [rewrite_body(p, path, flag, self.config.noop_processor) for p in parts]
                     else:
-                        parsed = expand_generate(parsed) if flag else parsed
+                        if flag and (expanded := expand_generate(parsed)) is not parsed:
+                            parsed, what = expanded, "sampling_params.n"
                         parsed = rewrite_body(parsed, path, flag, self.config.noop_processor)
                 except BadRequest as e:
                     return await refuse(e)
                 if parts is not None:
-                    return await self._fan_out(scope, parts, send, echo)
+                    return await self._admitted(len(parts), "n", refused, send,
+                                                lambda s: self._fan_out(scope, parts, s, echo))
                 if flag:
                     rid = parsed["rid"]
                     rids = [rid] if isinstance(rid, str) else list(rid)
@@ -247,8 +257,26 @@ class DeterministicMiddleware:
                 await send(message)
 
             return await self.app(scope, receive, send_with_echo)
-        await self.app(scope, receive, verdict_sender(send, echo, rids, self.runtime, self.config.kernel_config_id,
-                                                      settled, path=path, fingerprint=self.config.system_fingerprint))
+        await self._admitted(len(rids), what, refused, send, lambda s: self.app(scope, receive, verdict_sender(
+            s, echo, rids, self.runtime, self.config.kernel_config_id, settled, path=path,
+            fingerprint=self.config.system_fingerprint)))
+
+    async def _admitted(self, slots: int, what: str, refused, send: Send, call) -> None:
+        """Run `call(send)` once the verifier has room for `slots` more completions (front.admission):
+        refused with 400 / 429 / 503 and verdict failed, or cut at the end of a shutdown's drain."""
+        if self.admission is None:
+            return await call(send)
+        try:
+            ticket = await self.admission.enter(slots, what)
+        except Refused as e:
+            extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
+            return await _respond(send, e.status, refusal_body(e), b"application/json", refused + extra)
+        guard = Guard(send, refused)
+        self.admission.on_cut(ticket, guard.cut)
+        try:
+            await guard.run(call(guard.tracked))
+        finally:
+            self.admission.leave(ticket, slots)
 
     async def _fan_out(self, scope: Scope, bodies: list[dict], send: Send, echo) -> None:
         """Seeded n > 1 (front.samples): each body is one sample; one merged answer, whose

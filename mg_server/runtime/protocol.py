@@ -22,7 +22,7 @@ import msgspec
 PROTOCOL_VERSION = 12  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
 # 10: window commit (StepRow.epoch, Rollback, CheckTail); 11: the window commit is the only one: Step is
 # one-way (no StepReply), WindowNews replaces Stops, and the other commits' fields and messages are gone;
-# 12: Finish.epoch
+# 12: Finish.epoch, Finish one-way, ControllerInfo.verifier_max_requests
 
 
 class ErrorCode:
@@ -192,6 +192,7 @@ class ControllerInfo(Message):
     shm: ShmSpec | None = None  # the verifier's K/V slot buffer (None in mode "off")
     verifier_device: str = ""
     verifier_pool_tokens: int = 0
+    verifier_max_requests: int = 0  # shadow caches the verifier holds at once (the front admits that many)
     verifier_memory_bytes: int = 0
 
 

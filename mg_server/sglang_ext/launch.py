@@ -285,9 +285,10 @@ def serve(cfg: ServeConfig) -> None:
     refuse_unsupported(parsed, cfg.mg_mode)
     refuse_dtype_mismatch(parsed, cfg.mg_mode)
     context_len = served_context(parsed, cfg.model_path)
+    from mg_server.front import admission
     from mg_server.sglang_ext import shutdown
 
-    shutdown.install(cleanup, cfg.drain_timeout_s)
+    shutdown.install(cleanup, cfg.drain_timeout_s, (admission.stop, admission.drained, admission.cut))
     controller_ipc, info = start_runtime(cfg, context_len)
 
     from mg_server.front.middleware import DeterministicMiddleware
@@ -308,7 +309,8 @@ def serve(cfg: ServeConfig) -> None:
                            kernel_config_id=info.kernel_config_id if info else "", model_path=cfg.model_path,
                            system_fingerprint=system_fingerprint(info.weights_digest, info.kernel_config_id)
                            if info else "", api_key=server_args.api_key or "",
-                           verdict_wait_s=cfg.verdict_wait_s, vocab_size=_vocab_size(cfg.model_path)),
+                           verdict_wait_s=cfg.verdict_wait_s, vocab_size=_vocab_size(cfg.model_path),
+                           max_deterministic=info.verifier_max_requests if info else 0, queue_size=cfg.queue_size),
     )
     log.info("mg-server: SGLang %s, model %s, http://%s:%d", version, cfg.model_path, cfg.host, cfg.port)
     launch_server(server_args)

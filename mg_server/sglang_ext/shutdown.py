@@ -4,9 +4,16 @@ SGLang ends its server with `kill_process_tree(own pid)`: SIGKILL to every child
 itself, so no atexit handler runs (after SIGTERM's drain, after SIGQUIT, which a crashing child
 sends, and on launch failures). mg wraps that function where SGLang's modules hold it: for the
 server's own pid it first kills the children (the controller and verifier among them), then runs
-mg's clean-up, then lets SGLang finish. SIGTERM's drain waits until no request id is left in the
-tokenizer manager, and some requests never leave it (a context-length 400, an `n > 1` request
-in this SGLang), so mg bounds the drain: `drain_timeout_s` after SIGTERM the server stops anyway.
+mg's clean-up, then lets SGLang finish.
+
+SIGTERM: mg's front admits no more deterministic requests (the queued ones get a 503), and its
+running ones are answered before SGLang hears the signal. Why first: SGLang's drain ends when
+its own requests are gone and then stops the controller, but a deterministic answer leaves only
+after its verdict, which needs the controller. Then SGLang's drain (it waits until no request
+id is left in the tokenizer manager). Some requests never leave it (a context-length 400, an
+`n > 1` request in this SGLang), so the drain is bounded: `drain_timeout_s` after SIGTERM the
+deterministic requests still running are answered with a 503 (or an error event ending their
+stream) and the server stops.
 """
 
 from __future__ import annotations
@@ -24,7 +31,12 @@ _HOLDERS = ("sglang.srt.managers.tokenizer_manager", "sglang.srt.entrypoints.htt
             "sglang.srt.entrypoints.engine")
 
 
-def install(cleanup: Callable[[], None], drain_timeout_s: float) -> None:
+# After the drain's bound: the cut answers' last bytes leave before the processes stop.
+CUT_FLUSH_S = 1.0
+
+
+def install(cleanup: Callable[[], None], drain_timeout_s: float, front: tuple[Callable, Callable, Callable]) -> None:
+    """`front`: the HTTP front's (stop admitting, drained?, cut the running) for SIGTERM."""
     import importlib
 
     from sglang.srt.managers.tokenizer_manager import SignalHandler
@@ -51,14 +63,30 @@ def install(cleanup: Callable[[], None], drain_timeout_s: float) -> None:
 
     sigterm = SignalHandler.sigterm_handler
 
-    def bounded_sigterm(self, signum=None, frame=None):
-        sigterm(self, signum, frame)
+    stop_admitting, drained, cut = front
+    started: list[float] = []
 
-        def stop_after_drain() -> None:
-            time.sleep(drain_timeout_s)
-            log.warning("mg: requests still draining %.0fs after SIGTERM; stopping now", drain_timeout_s)
+    def bounded_sigterm(self, signum=None, frame=None):
+        if started:  # a second SIGTERM: the drain runs already
+            return
+        started.append(time.monotonic())
+        log.warning("mg: SIGTERM: draining (at most %.0fs); no new deterministic requests", drain_timeout_s)
+        stop_admitting()
+        deadline = started[0] + drain_timeout_s
+
+        def drain() -> None:
+            while not drained() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            sigterm(self, signum, frame)  # SGLang's own drain (its watchdog then stops the server)
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
+            n = cut()
+            log.warning("mg: requests still draining %.0fs after SIGTERM; %d deterministic answer(s) cut with a 503, "
+                        "stopping now", drain_timeout_s, n)
+            if n:
+                time.sleep(CUT_FLUSH_S)
             kill_process_tree(me, include_parent=True)
 
-        threading.Thread(target=stop_after_drain, name="mg-drain-bound", daemon=True).start()
+        threading.Thread(target=drain, name="mg-drain", daemon=True).start()
 
     SignalHandler.sigterm_handler = bounded_sigterm

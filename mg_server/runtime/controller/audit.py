@@ -129,10 +129,13 @@ class AuditMixin:
                 ready.append((rid, st, n))
         for k in range(0, len(ready), AUDIT_ITEMS):
             part = ready[k:k + AUDIT_ITEMS]
-            try:
-                results = self.vclient.verify_many([self._item(rid, st, n - 2) for rid, st, n in part])
-            except VerifierError as e:
-                results = [P.ErrorReply(code=e.code, message=e.message) for _ in part]
+            results = []
+            for call in self._calls([self._item(rid, st, n - 2) for rid, st, n in part]):  # (rows bounded)
+                self._fresh_deadlines(call)
+                try:
+                    results += self.vclient.verify_many(call)
+                except VerifierError as e:
+                    results += [P.ErrorReply(code=e.code, message=e.message) for _ in call]
             for (rid, st, n), res in zip(part, results):
                 if isinstance(res, P.ErrorReply):
                     st.error = f"verifier (final audit): {VerifierError.of(res)}"

@@ -37,8 +37,10 @@ class ControllerClient(RpcClient):
     def check_tail(self, rid: str, timeout_s: float | None = None) -> P.TailReply:
         return self.call(P.CheckTail(rid=rid), timeout_s)
 
-    def finish(self, msg: P.Finish, timeout_s: float | None = None) -> None:
-        self.call(msg, timeout_s)
+    def finish(self, msg: P.Finish) -> None:
+        """One way, like `report`: the finish watcher never waits on a busy controller (its
+        verify calls can take seconds), and one socket keeps it behind the request's last rows."""
+        self.send(msg)
 
     def verdict(self, rid: str, correct: bool = False, timeout_s: float | None = None) -> P.VerdictReply:
         return self.call(P.Verdict(rid=rid, correct=correct), timeout_s)

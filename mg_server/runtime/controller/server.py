@@ -2,8 +2,8 @@
 
 It owns the verifier worker (spawned as its child: controller/worker.py), and watches its beat.
 Clients: mg's forward hook in SGLang's scheduler (one one-way `Step` per fast-path forward holding
-every protected row, `WindowNews` and `CheckTail` for its window commit, and `Finish` when a
-protected request ends) and the HTTP front (`Verdict`). Every row was committed fast; the policy
+every protected row, `WindowNews` and `CheckTail` for its window commit, and a one-way `Finish`
+when a protected request ends) and the HTTP front (`Verdict`). Every row was committed fast; the policy
 only says how soon it is checked (controller/window.py): the pending rows of every request go to
 the verifier in one message (it serves them in one batched, batch-invariant forward), each
 carrying the tokens the verifier has not seen, so its catch-up audits every token decided so
@@ -40,6 +40,7 @@ from mg_server.runtime.policy import Policy
 
 log = logging.getLogger("mg.controller")
 
+CHECK_ITEMS = 64  # checks per verify call without a verifier config (VerifierConfig.n_slots, its default)
 IDLE_AUDITS = 8  # finished requests' tail audits per idle turn (one verify call; a Step waits at most that long)
 
 
@@ -55,7 +56,7 @@ class ControllerConfig:
     start_timeout_s: float = 300.0  # verifier model load
     verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept
     parent_pid: int = 0  # mg-server's pid: the controller exits once it is gone (0: no watch)
-    window: int = 16  # a request's unchecked tokens are checked once this many wait (--mg-window)
+    window: int = 32  # a request's unchecked tokens are checked once this many wait (--mg-window)
 
 
 class Controller(AuditMixin, WindowMixin, WorkerMixin):
@@ -101,8 +102,8 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
             self._step(msg.rows)  # (one-way: errors stay in the requests' states, i.e. their verdicts)
             return None
         if isinstance(msg, P.Finish):
-            self._finish(msg)
-            return P.Ack()
+            self._finish(msg)  # (one-way, like Step)
+            return None
         if isinstance(msg, P.Verdict):
             return self._verdict(msg.rid, msg.correct)
         if isinstance(msg, P.WindowNews):
@@ -121,6 +122,7 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
                 shm=self.vinfo.shm if self.vinfo else None,
                 verifier_device=self.vinfo.device if self.vinfo else "",
                 verifier_pool_tokens=self.vinfo.pool_tokens if self.vinfo else 0,
+                verifier_max_requests=self.vinfo.max_requests if self.vinfo else 0,
                 verifier_memory_bytes=self.vinfo.memory_bytes if self.vinfo else 0,
             )
         if isinstance(msg, P.Shutdown):
@@ -169,6 +171,7 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         from mg_server.runtime.verifier.client import VerifierError
 
         t0 = time.perf_counter() if t0 is None else t0
+        self._fresh_deadlines(items)
         try:
             results = self.vclient.verify_many(items)
         except VerifierError as e:
@@ -199,7 +202,9 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
                 self._diverged(rid, st)
         if not batch:
             return
-        results = self._call_verifier([self._item(rid, st, pos) for rid, st, pos, _ in batch])
+        results = []
+        for part in self._calls([self._item(rid, st, pos) for rid, st, pos, _ in batch]):
+            results += self._call_verifier(part)
         for (rid, st, pos, positions), res in zip(batch, results):
             if isinstance(res, P.ErrorReply):
                 st.error = f"verifier: [{res.code}] {res.message}"
@@ -212,6 +217,29 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
                 self._diverged(rid, st)
             else:
                 st.checked = pos + 2 - st.prompt_len
+
+    def _fresh_deadlines(self, items: list[P.VerifyItem]) -> None:
+        """The verify timeout counts from this call (items of a split check wait for the calls before)."""
+        deadline = time.time_ns() + int(self.cfg.verify_timeout_s * 1e9)
+        for it in items:
+            it.deadline_ns = deadline
+
+    def _calls(self, items: list[P.VerifyItem]) -> list[list[P.VerifyItem]]:
+        """Items in verify calls of at most the verifier's slots (each result needs one) and, beyond
+        one item, at most `catchup_chunk` rows on a CPU verifier (16 x on a GPU, where such a forward
+        takes ~0.1 s): the verify timeout bounds a call whatever the number of requests checked."""
+        v = self.cfg.verifier
+        slots = v.n_slots if v else CHECK_ITEMS
+        budget = self.cfg.catchup_chunk * (1 if v is None or v.device == "cpu" else 16)
+        calls: list[list[P.VerifyItem]] = []
+        rows = 0
+        for it in items:
+            if not calls or len(calls[-1]) >= slots or rows + len(it.tokens) > budget:
+                calls.append([])
+                rows = 0
+            calls[-1].append(it)
+            rows += len(it.tokens)
+        return calls
 
     def _item(self, rid: str, st: ReqState, pos: int) -> P.VerifyItem:
         """Verify position pos after teaching the verifier every token it has not seen yet (after a
