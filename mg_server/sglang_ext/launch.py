@@ -228,7 +228,11 @@ def _stop_runtime(proc, ipc_path: str) -> None:
 
 def _watch_runtime(proc) -> None:
     """If the controller dies, stop the whole server: deterministic requests have no home."""
+    from mg_server.sglang_ext.shutdown import STOPPING
+
     proc.join()
+    if STOPPING.is_set():  # a stop in progress ends it: not news
+        return
     log.error("mg controller exited (code %s); shutting the server down", proc.exitcode)
     os.kill(os.getpid(), signal.SIGTERM)
 
@@ -256,7 +260,15 @@ def serve(cfg: ServeConfig) -> None:
     from mg_server.sglang_ext import compat
 
     def cleanup() -> None:
+        from mg_server.sglang_ext.shutdown import STOPPING
+
         remove_instance(*_instance_files(cfg))
+        if STOPPING.is_set():  # a stop that was asked for, its drain done: say so, and end here
+            log.info("mg-server stopped cleanly")
+            logging.shutdown()
+            # why os._exit: every child is gone and every file removed; the interpreter's own
+            # finalization adds only third-party noise (Triton's nanobind reports ~50 "leaked" lines)
+            os._exit(0)
 
     atexit.register(cleanup)  # registered first, so it runs after the runtime has stopped
     log.info("SGLang compatibility: %s", compat.install(cfg.profile).summary())

@@ -33,6 +33,8 @@ _HOLDERS = ("sglang.srt.managers.tokenizer_manager", "sglang.srt.entrypoints.htt
 
 # After the drain's bound: the cut answers' last bytes leave before the processes stop.
 CUT_FLUSH_S = 1.0
+# Set once a stop was asked for (SIGTERM, or SGLang's own stop): children that exit now are expected.
+STOPPING = threading.Event()
 
 
 def install(cleanup: Callable[[], None], drain_timeout_s: float, front: tuple[Callable, Callable, Callable]) -> None:
@@ -47,6 +49,7 @@ def install(cleanup: Callable[[], None], drain_timeout_s: float, front: tuple[Ca
 
     def kill_process_tree(parent_pid, include_parent: bool = True, **kwargs):  # (skip_pid, wait_timeout, ...)
         if parent_pid is None or parent_pid == me:
+            STOPPING.set()
             original(me, include_parent=False, **kwargs)  # children first: nothing writes any more
             try:
                 cleanup()
@@ -70,6 +73,7 @@ def install(cleanup: Callable[[], None], drain_timeout_s: float, front: tuple[Ca
         if started:  # a second SIGTERM: the drain runs already
             return
         started.append(time.monotonic())
+        STOPPING.set()
         log.warning("mg: SIGTERM: draining (at most %.0fs); no new deterministic requests", drain_timeout_s)
         stop_admitting()
         deadline = started[0] + drain_timeout_s
