@@ -13,8 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from server_util import ServerProcess  # noqa: E402
+from mg_server.evaluation.server_process import ServerProcess
 
 from mg_server.evaluation.determinism import DeterminismConfig, build_workload, noop_processor, run  # noqa: E402
 from mg_server.model.prepare import prepare_model  # noqa: E402

@@ -1,4 +1,4 @@
-# Sourced by benchmarks/device_{serving,seam,timeline}.sh on the GPU device machine: $OUT, the
+# Sourced by benchmarks/device_serving.sh and device_real_smol.sh on the GPU device machine: $OUT, the
 # carried SGLang packages (.whl/site.tar.xz from benchmarks/pack_device.sh, else wheels in .whl/)
 # installed into /tmp/mg-site (not with NO_INSTALL=1: a CPU smoke run that uses the local venv),
 # and the environment of the run.

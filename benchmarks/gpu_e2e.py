@@ -104,7 +104,7 @@ def write_model(name: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
     # Every matrix N(0, std) with std = 0.02 * sqrt(576 / hidden): the SmolLM2 shape keeps the
     # usual 0.02, and every shape gets its per-matmul gain (std * sqrt(hidden) = 0.48). Why: at
     # 0.02 the 8B shape's gain is 1.28, and over 32 layers rounding noise then moves logits as
-    # far as a typical margin, so flips are not near-ties (benchmarks/init_gain.py: flips up to
+    # far as a typical margin, so flips are not near-ties (docs/history/gpu-measurements.md: flips up to
     # 0.6x the median margin at gain 1.28, up to 0.12x at 0.48; the H100 8B sweep at 0.02 repaired
     # 6 % of steps and completed 84 missed flips, SmolLM2 0.8 % and none).
     std = 0.02 * (576 / shape["hidden_size"]) ** 0.5
@@ -274,7 +274,7 @@ def server_settings(log_text: str) -> dict:
 
 
 def start(model: Path, name: str, mode: str, out: Path, extra: list[str], device: str, graph_bs: int = 32):
-    from server_util import ServerProcess
+    from mg_server.evaluation.server_process import ServerProcess
 
     gpu = ["--cuda-graph-max-bs-decode", str(graph_bs)] if device == "cuda" else []
     args = ["--model", str(model), "--device", device, "--mg-mode", mode, *gpu, *MODEL_FLAGS[name], *extra]
@@ -537,7 +537,6 @@ def main() -> int:
     ap.add_argument("--refs", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    sys.path.insert(0, str(REPO / "tests"))
     if args.make_prompts:
         make_prompts(args.tokenizer or _default_tokenizer(), PROMPTS_FILE)
         return 0

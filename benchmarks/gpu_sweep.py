@@ -1,5 +1,5 @@
 """Deterministic-request cost on a GPU host across trigger rates, next to plain SGLang and
-SGLang's own deterministic mode (issue 10's benchmark), in one command per model:
+SGLang's own deterministic mode, in one command per model:
 
     python benchmarks/gpu_sweep.py --out DIR --wheels .whl --tokenizer DIR --models smol \
         --rates 0.05,0.1,0.2,always [--sglang-det] [--configs 0.1:w8,always]
@@ -29,9 +29,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_e2e as E  # noqa: E402 - the sibling script is the shared harness
-from stream_timing import post_all, stream_batch  # noqa: E402
+import gpu_e2e as E  # the sibling script is the shared harness (its folder is on sys.path when run)
+from stream_timing import post_all, stream_batch
 
 MIXED = 0.25  # share of deterministic rows in mixed batches
 
@@ -138,7 +137,7 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
     which the long run batches into its verify calls, so mg's ms/step can come out too small
     (bs 32 all-deterministic 18-33 % below plain SGLang on the H100). short=new/2 was meant to
     cancel that (greedy answers are deterministic: both runs make the same first decisions) but
-    measured noisier (H100, benchmarks/results/gpu/HISTORY.md: per-run stalls of ~1 s over half
+    measured noisier (H100, docs/history/gpu-measurements.md: per-run stalls of ~1 s over half
     the steps), so it is an option.
     stream > 0: one streamed run per rep instead, a chunk every `stream` tokens, ms/step from the
     chunks' arrival times (stream_timing.py: prefill, first steps and the verdict's wait left out)."""
@@ -411,7 +410,6 @@ def main() -> int:
     args.rates = args.rates.split(",")
     args.configs = ([tuple(c.split(":")) for c in args.configs.split(",")] if args.configs
                     else [(r,) for r in args.rates])
-    sys.path.insert(0, str(E.REPO / "tests"))
     E.setup_python(args.wheels)
     args.tokenizer = args.tokenizer or E._default_tokenizer()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -28,9 +28,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_e2e as E  # noqa: E402 - the sibling script is the shared harness
-from gpu_sweep import tau_for_rate_quantized  # noqa: E402
+import gpu_e2e as E  # the sibling script is the shared harness (its folder is on sys.path when run)
+from gpu_sweep import tau_for_rate_quantized
 
 # mg's counters read around each share: rollbacks, and where the verifier's time went
 DIAG = ("mg_rollbacks_total", "mg_verify_seconds_sum", "mg_verify_seconds_count", "mg_verify_rows_sum",
@@ -196,7 +195,6 @@ def main() -> int:
                     help="also time SGLang's --enable-deterministic-inference (mg off) on the same requests")
     ap.add_argument("--verifier-memory-gb", type=float, default=22.0)
     args = ap.parse_args()
-    sys.path.insert(0, str(E.REPO / "tests"))
     E.setup_python(args.wheels)
     args.tokenizer = args.tokenizer or E._default_tokenizer()
     args.out.mkdir(parents=True, exist_ok=True)

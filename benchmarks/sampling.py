@@ -21,8 +21,7 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from server_util import ServerProcess  # noqa: E402
+from mg_server.evaluation.server_process import ServerProcess
 
 from mg_server.evaluation.determinism import settled  # noqa: E402
 from mg_server.model.prepare import prepare_model  # noqa: E402

@@ -25,8 +25,7 @@ from pathlib import Path
 
 import requests
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from server_util import ServerProcess  # noqa: E402
+from mg_server.evaluation.server_process import ServerProcess
 
 PROMPTS = [
     "Explain how a hash table works.", "Write a short story about a robot.", "List the planets.",

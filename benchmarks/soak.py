@@ -39,10 +39,9 @@ from pathlib import Path
 import psutil
 import requests
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+from mg_server.evaluation.server_process import ServerProcess
 
-from mg_server.evaluation.server_process import ServerProcess  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 FD_SLACK = 16  # open files may differ by in-flight connections at the moment of sampling
 

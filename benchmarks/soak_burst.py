@@ -1,5 +1,5 @@
-"""soak.py --burst N: N deterministic requests at once, then N more and a SIGTERM under them
-(soak.py's docstring says what is checked)."""
+"""`python benchmarks/soak.py --burst N`: N deterministic requests at once, then N more and a
+SIGTERM under them; a module of soak.py (its docstring says what is checked), no command of its own."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
-"""Locust users of the soak benchmark (benchmarks/soak.py starts the server and runs this file).
+"""Locust users of the soak benchmark: `python benchmarks/soak.py --minutes 5 --out FILE` starts
+the server and runs this file (no command of its own).
 
 Mixed traffic against one mg-server, each request classified by what it may answer:
 - DetUser: deterministic /generate of a fixed prompt set (token ids, ignore_eos) whose
   verifier-alone references come in MG_SOAK_WORKLOAD; every `verified` answer is compared with
   its reference (a difference is the one result that must never happen). Half of them reuse a
-  per-user request id (issue 12, item 8).
+  per-user request id.
 - PlainUser: sampled chat (temperature 0.7) and plain penalty requests.
 - DisconnectUser: deterministic and plain requests, streamed or not, that the client drops after
   0.05-1.5 s (random client disconnects).
