@@ -18,7 +18,7 @@ decides its token now, 2 it is verified behind: the fast token goes through, no 
      If no row's need is 1, the kernel raises `flag` to target itself;
   2. cuStreamWaitValue64(flag >= target): the GPU's front end holds the stream, no SM spins.
      (Measured: a spinning kernel makes the GPU time-slice against the verifier process at each
-     of its host syncs, 119.8 vs 2.47 ms per round in benchmarks/gate_timeslice.py.) The host
+     of its host syncs, 119.8 vs 2.47 ms per round (docs/history/gpu-measurements.md).) The host
      writes its tokens, repair descriptors and the inbox tag, then raises `flag`;
   3. apply kernel: released iff the inbox holds this target; chosen[k] = the host's token for
      rows of need 1, else the fast token; for each repair, copy the verifier's

@@ -3,7 +3,7 @@
 Why: the lagged seam enqueues four small kernels per deterministic forward on SGLang's scheduler
 thread, which is CPU-bound at these batch sizes, so their host time lands on every request of the
 batch. `JITFunction.run` binds the arguments and rebuilds the specialization key at each call;
-launching the compiled kernel skips that (H100, benchmarks/seam_launch.py: force 18.6-30.1 us a
+launching the compiled kernel skips that (H100, docs/history/gpu-measurements.md: force 18.6-30.1 us a
 call through the JIT, 8.7-12.0 us through the compiled kernel; results/gpu/seam_launch_h100.json).
 
 Correctness: a compiled kernel is only valid for arguments that Triton would specialize the same
@@ -52,7 +52,7 @@ class Launcher:
         self.compiled: dict[tuple, object] = {}  # spec_key -> CompiledKernel
         self.runners: dict[tuple, object] = {}  # (spec_key, grid) -> the compiled kernel's launcher
         self.direct = True  # False once the compiled object's call convention was refused
-        self.refused = ""  # why (benchmarks/seam_launch.py prints it)
+        self.refused = ""  # why (the seam logs it)
 
     def __call__(self, grid: tuple, *args) -> None:
         key = spec_key(args, self.constexprs)
