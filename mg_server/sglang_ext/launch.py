@@ -253,10 +253,11 @@ def _vocab_size(model_path: str) -> int:
 
 def serve(cfg: ServeConfig) -> None:
     from mg_server.runtime.cleanup import remove_instance
-    from mg_server.sglang_ext import compat
+    from mg_server.sglang_ext import compat, leftovers
 
     def cleanup() -> None:
         remove_instance(*_instance_files(cfg))
+        leftovers.remove()  # SGLang's own sockets and slot file of this instance
 
     atexit.register(cleanup)  # registered first, so it runs after the runtime has stopped
     log.info("SGLang compatibility: %s", compat.install(cfg.profile).summary())
@@ -288,6 +289,7 @@ def serve(cfg: ServeConfig) -> None:
     from mg_server.sglang_ext import shutdown
 
     shutdown.install(cleanup, cfg.drain_timeout_s)
+    leftovers.track()
     controller_ipc, info = start_runtime(cfg, context_len)
 
     from mg_server.front.middleware import DeterministicMiddleware
