@@ -22,7 +22,7 @@ import time
 
 def read_stream(resp, clock=time.perf_counter) -> tuple[dict[int, list[tuple[int, float]]], list]:
     """SSE lines of a /generate stream -> ({index: [(completion tokens, arrival time)]}, the
-    states of mg's verdict comment, `: mg-verdict {...}`, if one came). Raises on an error event."""
+    states of mg's verdict event, `data: {"mg_verdict": {...}}`, if one came). Raises on an error event."""
     points: dict[int, list[tuple[int, float]]] = {}
     states: list = []
     buf = b""
@@ -31,12 +31,13 @@ def read_stream(resp, clock=time.perf_counter) -> tuple[dict[int, list[tuple[int
         buf += chunk
         *lines, buf = buf.split(b"\n")
         for line in lines:
-            if line.startswith(b": mg-verdict "):
-                states = json.loads(line[len(b": mg-verdict "):]).get("states", [])
-            elif line.startswith(b"data: ") and line != b"data: [DONE]":
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
                 ev = json.loads(line[len(b"data: "):])
                 if "error" in ev:
                     raise RuntimeError(f"stream error: {ev['error']}")
+                if "mg_verdict" in ev:
+                    states = ev["mg_verdict"]["states"]
+                    continue
                 points.setdefault(ev.get("index", 0), []).append((ev["meta_info"]["completion_tokens"], now))
     return points, states
 

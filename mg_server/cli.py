@@ -15,9 +15,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+from mg_server import env, logs
 from mg_server.sglang_ext.compat import install_if_requested
 
 install_if_requested()
+if env.compat_profile():  # a process of a server's tree (the launcher set it): the same quiet log
+    logs.quiet()
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
@@ -152,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from mg_server.config import ServeConfig
 
+    logs.quiet()  # before SGLang's first import (some of its noise is import-time warnings)
     if args.tau_profile:
         from mg_server.runtime.policy import read_profile
 
@@ -183,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("--mg-verifier-memory-gb applies to CUDA devices only")
     from mg_server.runtime.cleanup import sweep_stale, temp_prefix
 
-    for path in sweep_stale():  # what servers that died before their clean-up left behind
-        logging.getLogger("mg").info("removed a stale file of a dead mg-server: %s", path)
+    if stale := sweep_stale():  # what servers that died before their clean-up left behind
+        logging.getLogger("mg").info("removed %d stale file(s) of dead mg-servers: %s", len(stale),
+                                     ", ".join(stale[:3]) + (", ..." if len(stale) > 3 else ""))
     cfg = ServeConfig(
         model_path=model,
         host=args.host,

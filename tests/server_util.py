@@ -33,10 +33,11 @@ def faulted_server(model, log_path, args: list[str], env: dict[str, str], questi
 
 
 def stream_states_and_text(body: str) -> tuple[list[str], str]:
-    """A streamed chat answer's mg verdict states (its `: mg-verdict` comment) and its text."""
+    """A streamed chat answer's mg verdict states (its last event's `mg_verdict`) and its text."""
     import json
 
-    verdict = next(line for line in body.splitlines() if line.startswith(": mg-verdict "))
-    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
-                   for line in body.splitlines() if line.startswith("data: {"))
-    return json.loads(verdict[len(": mg-verdict "):])["states"], text
+    chunks = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    verdicts = [c["mg_verdict"] for c in chunks if "mg_verdict" in c]
+    assert len(verdicts) == 1 and "mg_verdict" in chunks[-1], body[-2000:]  # one, the last chunk
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    return verdicts[0]["states"], text

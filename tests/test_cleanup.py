@@ -49,3 +49,33 @@ def test_remove_instance_is_complete_and_idempotent(tmp_path):
     for _ in range(2):
         remove_instance((str(run), str(metrics)), (base,), shm_dir=str(tmp_path))
     assert os.listdir(tmp_path) == []
+
+
+def test_sglang_instance_files_are_recorded_and_removed(monkeypatch):
+    """SGLang's PortArgs names /tmp socket files and a /dev/shm slot file it never removes: mg
+    records those built in its process and removes exactly them (a file it did not name stays)."""
+    from sglang.srt.managers.load_snapshot import shm_path_for
+    from sglang.srt.server_args import PortArgs, ServerArgs
+
+    from mg_server.sglang_ext import leftovers
+
+    monkeypatch.setattr(PortArgs, "init_new", PortArgs.__dict__["init_new"])  # restored after the test
+    monkeypatch.setattr(leftovers, "_paths", [])
+    leftovers.track()
+    leftovers.track()  # (once is enough: not wrapped twice)
+    args = ServerArgs(model_path="m", device="cpu")
+    port_args = PortArgs.init_new(args)
+    sockets = [getattr(port_args, n)[len("ipc://"):] for n in
+               ("tokenizer_ipc_name", "scheduler_input_ipc_name", "detokenizer_ipc_name", "rpc_ipc_name")]
+    slot = shm_path_for(port_args.instance_id)
+    open(slot, "wb").close()  # (the scheduler creates it)
+    other = slot.replace("sglang_loads_", "sglang_loads_other_")
+    open(other, "wb").close()
+    try:
+        assert all(os.path.exists(p) for p in sockets)
+        assert set(sockets) | {slot} <= set(leftovers._paths) and len(leftovers._paths) == len(set(leftovers._paths))
+        leftovers.remove()
+        leftovers.remove()  # idempotent
+        assert not any(os.path.exists(p) for p in [*sockets, slot]) and os.path.exists(other)
+    finally:
+        os.unlink(other)

@@ -315,7 +315,7 @@ def test_error_responses_are_failed_without_asking_the_controller(verified_clien
     assert r.status_code == 400
     assert r.headers["x-deterministic-verified"] == "false" and r.headers["x-mg-verdict"] == "failed"
     r = client.post("/v1/chat/completions", json=CHAT, headers={"X-Deterministic": "1"})
-    assert ': mg-verdict {"rids": ' in r.text and '"states": ["failed"]' in r.text
+    assert '"mg_verdict": {"verified": false, "verdict": "failed"' in r.text and '"states": ["failed"]' in r.text
     assert asked == []
     # a token that merely spells the marker is not an error event
     r = client.post("/generate", json={"text": "x"}, headers={"X-Deterministic": "1"})

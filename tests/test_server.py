@@ -77,6 +77,31 @@ def test_streaming_chat_equals_plain(client):
     assert finish == "stop"
 
 
+def test_the_openai_client_reads_verdict_and_fingerprint_of_answers_and_streams(client, prepared_model):
+    """Through the client's own objects: `system_fingerprint` and the `mg_verdict` extra field of
+    a non-streamed answer, and of a stream's chunks (every chunk, the verdict in the last one)."""
+    from mg_server.kernels.config import kernel_config_id
+    from mg_server.runtime.fingerprint import system_fingerprint, weights_digest
+
+    want = system_fingerprint(weights_digest(prepared_model), kernel_config_id("cpu"))
+    raw = client.chat.completions.with_raw_response.create(
+        model="default", messages=PARIS, max_tokens=12, temperature=0, extra_headers=DET)
+    answer = raw.parse()
+    assert answer.system_fingerprint == want
+    assert answer.model_extra["mg_verdict"]["verdict"] == raw.headers["x-mg-verdict"] == "verified"
+    assert answer.model_extra["mg_verdict"]["verified"] is True
+    for create, kw in ((client.chat.completions.create, {"messages": PARIS}),
+                       (client.completions.create, {"prompt": "The capital of France is"})):
+        chunks = list(create(model="default", max_tokens=12, temperature=0, stream=True, extra_headers=DET, **kw))
+        assert len(chunks) > 3 and all(c.system_fingerprint == want for c in chunks)
+        verdicts = [c.model_extra["mg_verdict"] for c in chunks if "mg_verdict" in (c.model_extra or {})]
+        assert len(verdicts) == 1 and chunks[-1].choices == [] and chunks[-1].id == chunks[0].id
+        assert verdicts[0]["verified"] is True and verdicts[0]["verdict"] == "verified"
+        assert verdicts[0]["states"] == ["verified"] and verdicts[0]["kernel_config"] == kernel_config_id("cpu")
+    plain = list(client.chat.completions.create(model="default", messages=PARIS, max_tokens=4, stream=True))
+    assert all(c.system_fingerprint is None and "mg_verdict" not in (c.model_extra or {}) for c in plain)
+
+
 def test_completions_endpoint(client):
     resp = client.completions.create(model="default", prompt="The capital of France is", max_tokens=8, temperature=0, extra_headers=DET)
     assert resp.choices[0].text.strip()

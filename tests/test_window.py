@@ -94,10 +94,12 @@ def test_a_stream_never_shows_the_flipped_token(setup):
     srv, tok, prompts, refs = setup
     r = _generate(srv.url, prompts[1], stream=True)
     assert r.status_code == 200
-    texts = []
+    texts, verdicts = [], []
     for line in r.iter_lines():
         if line.startswith(b"data: ") and line != b"data: [DONE]":
-            texts.append(json.loads(line[6:])["text"])
+            event = json.loads(line[6:])
+            verdicts.append(event["mg_verdict"]) if "mg_verdict" in event else texts.append(event["text"])
+    assert [v["states"] for v in verdicts] == [["verified"]]  # the last event, before [DONE]
     # /generate streams the answer's whole text so far in each chunk: each is a prefix of the reference
     final = tok.decode(refs[1], skip_special_tokens=True)
     assert texts and texts[-1] == final

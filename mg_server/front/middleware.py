@@ -8,9 +8,10 @@
   a request id from mg unless it brought one.
 - Echoes `X-Deterministic` on every response to a request that carried it; a deterministic
   response carries its verdict (front.verdict): `X-Deterministic-Verified: true|false`,
-  `X-MG-Verdict` and the verifier's `X-MG-Kernel-Config`. A non-streamed response waits for the
-  request's final audit; a stream sends the verdict as an SSE comment line (`: mg-verdict {...}`)
-  before `data: [DONE]`, since its headers left before the tokens existed.
+  `X-MG-Verdict` and the verifier's `X-MG-Kernel-Config`, and the same as the JSON field
+  `mg_verdict`. A non-streamed response waits for the request's final audit; a stream
+  (`X-Deterministic-Verified: in-stream`) sends its verdict as its last `data:` event before
+  `data: [DONE]` (front.stream), since its headers left before the tokens existed.
 - `GET /health` (and `/health_generate`) is a 503 with a JSON reason while mg's runtime cannot
   serve deterministic requests (controller not beating, verifier down); otherwise SGLang answers.
 - Serves `GET /metrics` from the prometheus multiprocess folder (mg's and SGLang's metrics),
@@ -19,8 +20,8 @@
   outside the vocabulary are a 400 for every request (front.tokens: one stopped the server).
 - Seeded n > 1 (front.samples): /generate bodies become a batch of single samples; an OpenAI
   request is sent to SGLang as n single-sample requests, concurrently, and answered as one.
-- `system_fingerprint` (runtime.fingerprint) on deterministic answers: the JSON field of a
-  non-streamed OpenAI answer, the `X-MG-System-Fingerprint` header on every one (streams too).
+- `system_fingerprint` (runtime.fingerprint) on deterministic answers: the JSON field of an
+  OpenAI answer and of each chunk of its stream, the `X-MG-System-Fingerprint` header on every one.
 """
 
 from __future__ import annotations

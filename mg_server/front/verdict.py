@@ -24,22 +24,38 @@ from typing import Awaitable, Callable
 
 from mg_server.config import FrontConfig
 from mg_server.front import correction
+from mg_server.front.stream import StreamEvents
 from mg_server.runtime.liveness import STALE_AFTER_S, beat_path, read_beat, seam_beat_path
 from mg_server.runtime.protocol import Correction
 from mg_server.runtime.protocol import VerdictState as S
 
 Send = Callable[[dict], Awaitable[None]]
 
-# SGLang's SSE error event (`data: {"error": ...}`). Token text cannot produce it: inside a JSON
-# string a quote is escaped.
-STREAM_ERROR = b'data: {"error"'
+OPENAI_STREAM_PATHS = ("/v1/chat/completions", "/v1/completions")  # streams of OpenAI chunks
 UNREACHABLE, AUDIT_TIMEOUT = "controller-unreachable", "audit-timeout"
 PROBLEM_LOOKS = 5  # a verdict wait ends after the runtime had a health problem at 5 looks, 1 s apart
 
 
-def verdict_headers(states: list[str], kernel_config_id: str) -> list[tuple[bytes, bytes]]:
+def overall(states: list[str]) -> tuple[bool, str]:
+    """(verified, the verdict shown) of a response covering requests in `states`: the first
+    state that is not `verified`, else `verified`."""
     ok = bool(states) and all(s == S.VERIFIED for s in states)
-    worst = next((s for s in states if s != S.VERIFIED), S.VERIFIED) if states else S.UNKNOWN
+    return ok, next((s for s in states if s != S.VERIFIED), S.VERIFIED) if states else S.UNKNOWN
+
+
+def verdict_object(rids: list[str], states: list[str], kernel_config_id: str) -> dict:
+    """The `mg_verdict` field of a deterministic answer (the last event of a stream, a field of a
+    non-streamed OpenAI answer): what `X-Deterministic-Verified` and `X-MG-Verdict` say, plus
+    each request's id and state (a /generate batch has several) and the verifier's kernel id."""
+    ok, worst = overall(states)
+    out = {"verified": ok, "verdict": worst, "rids": rids, "states": states}
+    if kernel_config_id:
+        out["kernel_config"] = kernel_config_id
+    return out
+
+
+def verdict_headers(states: list[str], kernel_config_id: str) -> list[tuple[bytes, bytes]]:
+    ok, worst = overall(states)
     headers = [(b"x-deterministic-verified", b"true" if ok else b"false"), (b"x-mg-verdict", worst.encode())]
     if kernel_config_id:
         headers.append((b"x-mg-kernel-config", kernel_config_id.encode()))
@@ -110,15 +126,16 @@ class RuntimeView:
         return ""
 
 
-def with_fingerprint(body: bytes, fingerprint: str) -> bytes:
-    """A non-streamed OpenAI answer (a JSON object with choices) with `system_fingerprint` set."""
+def with_fields(body: bytes, fields: dict) -> bytes:
+    """A non-streamed OpenAI answer (a JSON object with choices) with `fields` set (its
+    `system_fingerprint`, `mg_verdict`); any other body unchanged."""
     try:
         answer = json.loads(body)
     except ValueError:
         return body
     if not isinstance(answer, dict) or "choices" not in answer:
-        return body  # /generate's native answer: the header only
-    return json.dumps({**answer, "system_fingerprint": fingerprint}).encode()
+        return body  # /generate's native answer, an error: the headers only
+    return json.dumps({**answer, **fields}).encode()
 
 
 def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view: RuntimeView,
@@ -132,9 +149,11 @@ def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view:
     completion."""
     held: dict | None = None  # the response start of a non-streamed answer, until its verdict
     parts: list[bytes] = []  # its body, until the last part
-    streaming = False
+    stream: StreamEvents | None = None  # a stream's events, until its `[DONE]`
+    done = False
     failed = False  # an error status, or an error event in the stream
     settled = settled or {}
+    shown = [r.rpartition("#")[0] or r for r in rids]  # the client's ids, not mg's instance keys
 
     async def states(correct: bool = False) -> list[tuple[str, Correction | None]]:
         if failed:
@@ -152,38 +171,49 @@ def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view:
             got = [(st, n) if k else (S.MISMATCH, None) for (st, n), k in zip(got, ok)]
         if any(n is not None for _, n in got):  # per request of the body, "-" where none
             extra.append((b"x-mg-corrected-from", ",".join(str(n.first) if n else "-" for _, n in got).encode()))
+        final = [st for st, _ in got]
+        fields = {"mg_verdict": verdict_object(shown, final, kernel_config_id)}
         if fingerprint and not failed:
-            body = with_fingerprint(body, fingerprint)
+            fields["system_fingerprint"] = fingerprint
+        body = with_fields(body, fields)
         headers = [(k, v) for k, v in held["headers"] if k.lower() != b"content-length"]
         headers += [(b"content-length", str(len(body)).encode())] + extra
-        headers += verdict_headers([st for st, _ in got], kernel_config_id)
+        headers += verdict_headers(final, kernel_config_id)
         return {**held, "headers": headers}, body
 
     async def send_with_verdict(message: dict) -> None:
-        nonlocal held, streaming, failed
+        nonlocal held, stream, failed, done
         if message["type"] == "http.response.start":
             headers = list(message.get("headers", [])) + [echo]
             if fingerprint:
                 headers.append((b"x-mg-system-fingerprint", fingerprint.encode()))
             failed = message.get("status", 200) >= 400
-            streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
-            if streaming:
+            if any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers):
+                # its verdict comes last in the stream (front.stream); the kernel id is known now
+                stream = StreamEvents(path in OPENAI_STREAM_PATHS, fingerprint)
                 headers.append((b"x-deterministic-verified", b"in-stream"))
+                if kernel_config_id:
+                    headers.append((b"x-mg-kernel-config", kernel_config_id.encode()))
                 return await send({**message, "headers": headers})
             held = {**message, "headers": headers}
             return None
         if message["type"] != "http.response.body":
             return await send(message)
         body = message.get("body", b"")
-        if streaming:
-            failed = failed or STREAM_ERROR in body
-            done = body.find(b"data: [DONE]")
-            if done >= 0:  # a stream's tokens have left: a missed flip stays `mismatch`
-                shown = [r.rpartition("#")[0] or r for r in rids]  # the client's ids, not mg's instance keys
-                got = [st for st, _ in await states()]
-                comment = b": mg-verdict " + json.dumps({"rids": shown, "states": got}).encode() + b"\n\n"
-                message = {**message, "body": body[:done] + comment + body[done:]}
-            return await send(message)
+        if stream is not None and not done:
+            more = message.get("more_body", False)
+            events, tail = stream.feed(body)
+            failed = failed or stream.error
+            if tail is None:
+                events += b"" if more else stream.flush()
+                return await send({**message, "body": events}) if events or not more else None
+            done = True
+            if events:
+                await send({"type": "http.response.body", "body": events, "more_body": True})
+            # a stream's tokens have left: a missed flip stays `mismatch`
+            got = [st for st, _ in await states()]
+            event = stream.verdict_event(verdict_object(shown, got, kernel_config_id))
+            return await send({**message, "body": event + tail})
         if held is None:
             return await send(message)
         parts.append(body)

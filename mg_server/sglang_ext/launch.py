@@ -257,12 +257,13 @@ def _vocab_size(model_path: str) -> int:
 
 def serve(cfg: ServeConfig) -> None:
     from mg_server.runtime.cleanup import remove_instance
-    from mg_server.sglang_ext import compat
+    from mg_server.sglang_ext import compat, leftovers
 
     def cleanup() -> None:
         from mg_server.sglang_ext.shutdown import STOPPING
 
         remove_instance(*_instance_files(cfg))
+        leftovers.remove()  # SGLang's own sockets and slot file of this instance
         if STOPPING.is_set():  # a stop that was asked for, its drain done: say so, and end here
             log.info("mg-server stopped cleanly")
             logging.shutdown()
@@ -301,6 +302,7 @@ def serve(cfg: ServeConfig) -> None:
     from mg_server.sglang_ext import shutdown
 
     shutdown.install(cleanup, cfg.drain_timeout_s, (admission.stop, admission.drained, admission.cut))
+    leftovers.track()
     controller_ipc, info = start_runtime(cfg, context_len)
 
     from mg_server.front.middleware import DeterministicMiddleware
