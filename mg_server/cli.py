@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--mg-seam", choices=["lagged", "sync"], default="lagged",
                    help="CUDA with the overlap scheduler: 'lagged' (default) reads deterministic rows' "
                         "margins and tokens one forward late, without a host sync; 'sync' reads them before "
-                        "sampling (slower: README, 'On a GPU'). CPU and no-overlap runs always use sync")
+                        "sampling (slower: docs/reference.md, 'On a GPU'). CPU and no-overlap runs always use sync")
     s.add_argument("--mg-window", type=int, default=32, metavar="W",
                    help="the unchecked tokens a deterministic request may run ahead of the verifier's checks "
                         "(default 32)")

@@ -22,7 +22,7 @@ Here the work is split between the device and the host:
 A forward that carries a request with a due rollback takes the synchronous seam instead
 (hook.StepSeam.__call__), which applies it in place (window.py, rollback.py).
 
-Measured on an H100 (README, "On a GPU"): correct under graphs and overlap, cheaper than the
+Measured on an H100 (docs/reference.md, "On a GPU"): correct under graphs and overlap, cheaper than the
 synchronous seam at every configuration measured.
 """
 
