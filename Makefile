@@ -43,9 +43,10 @@ serve: $(STAMP)
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
 
-# ruff (configured in pyproject.toml); `make test` runs it first, so CI does.
+# ruff and the layer rules (both configured in pyproject.toml); `make test` runs it first, so CI does.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/lint-imports --no-cache
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -ra -m "not server" $(PYTEST_ARGS)

@@ -264,11 +264,12 @@ def _refs_main(model: str, prompts_file: Path, tokens: int, out: Path, device: s
 
 # ---- servers ---------------------------------------------------------------------------------
 def server_settings(log_text: str) -> dict:
-    m = re.search(r"server_args=ServerArgs\((.*)\)", log_text)
-    got = {}
-    for key in LOG_KEYS:
-        k = re.search(rf"\b{key}=([^,]+)", m.group(1)) if m else None
-        got[key] = k.group(1).strip("'") if k else None
+    """The settings mg's start-up line reports (SGLang's own server_args line is at debug)."""
+    m = re.search(r"cuda graph (on|off), overlap scheduler (on|off), attention (\S+)", log_text)
+    got = dict.fromkeys(LOG_KEYS)
+    if m:
+        got.update(disable_cuda_graph=str(m.group(1) == "off"), disable_overlap_schedule=str(m.group(2) == "off"),
+                   attention_backend=m.group(3))
     got["cuda_graph_captured"] = "Capture cuda graph end" in log_text or "Capture cuda graph" in log_text
     return got
 

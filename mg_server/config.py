@@ -37,12 +37,9 @@ class HookConfig:
     margin_buckets: tuple[float, ...] = MARGIN_BUCKETS
     controller_ipc: str = ""  # "" = no controller: only count steps and margins
     step_timeout_s: float = 60.0  # the longest wait for the controller (the finish barrier's check of a request)
-    fault_missed_flip: int = -1  # tests only (env MG_FAULT_MISSED_FLIP): commit this answer token's runner-up
-    fault_flip_margin: float = 1e9  # tests only (env MG_FAULT_FLIP_MARGIN): the margin reported for it
     # CUDA with the overlap scheduler: read each forward's rows one forward late, without a host
     # sync (sglang_ext/lagged.py); False: read the margins before sampling (--mg-seam sync)
     lagged_commit: bool = True
-    lagged_on_cpu: bool = False  # tests only (env MG_LAGGED_ON_CPU): the lagged path with the CPU reference gate
 
     def to_json_dict(self) -> dict:
         return asdict(self)

@@ -7,6 +7,7 @@ call these functions to build them.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 COMPAT_VAR = "MG_COMPAT"  # host profile set by the launcher; SGLang's spawned processes inherit it
@@ -29,12 +30,6 @@ def prometheus_multiproc_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 
 
-def lagged_on_cpu() -> bool:
-    """Tests only: MG_LAGGED_ON_CPU=1 runs the lagged seam on a CPU server, with the CPU
-    reference gate answering each holding forward at once (sglang_ext/lagged.py)."""
-    return os.environ.get("MG_LAGGED_ON_CPU", "") == "1"
-
-
 def stacks_on_usr1() -> bool:
     """Diagnostics: MG_STACKS_ON_USR1=1 makes SGLang's scheduler process (where mg's seam runs)
     print every thread's Python stack to its stderr on SIGUSR1 (a hung forward, a stuck gate)."""
@@ -49,13 +44,24 @@ def trace_calls() -> int:
     return int(v) if v.isdigit() else 0
 
 
-def fault_missed_flip() -> int:
-    """Tests only: MG_FAULT_MISSED_FLIP=k makes the seam fast-commit the runner-up as the k-th
-    answer token of every deterministic request (a missed flip on demand); -1 = off."""
-    return int(os.environ.get("MG_FAULT_MISSED_FLIP", "-1"))
+def kernels_backend() -> str:
+    """Tests and benchmarks: MG_KERNELS_BACKEND=triton runs the batch-invariant kernels' Triton
+    versions on CPU tensors (with TRITON_INTERPRET=1); "" = by device. Never needed in production."""
+    return os.environ.get("MG_KERNELS_BACKEND", "")
 
 
-def fault_flip_margin() -> float:
-    """Tests only: the margin the seam reports for MG_FAULT_MISSED_FLIP's token (default 1e9, so
-    it is released early on a stream; 0 makes it a low-margin step, checked within a few forwards)."""
-    return float(os.environ.get("MG_FAULT_FLIP_MARGIN", "1e9"))
+@dataclass(frozen=True)
+class Faults:
+    """Test-only fault injection, read where it is applied (the step seam, in SGLang's scheduler
+    process, which inherits the environment) and never part of a production config."""
+
+    missed_flip: int = -1  # MG_FAULT_MISSED_FLIP=k: the seam fast-commits the runner-up as the k-th answer token
+    flip_margin: float = 1e9  # MG_FAULT_FLIP_MARGIN: the margin reported for it (1e9: released early on a
+    # stream; 0: a low-margin step, checked within a few forwards)
+    lagged_on_cpu: bool = False  # MG_LAGGED_ON_CPU=1: the lagged seam on a CPU server, with the CPU reference gate
+
+
+def faults() -> Faults:
+    return Faults(missed_flip=int(os.environ.get("MG_FAULT_MISSED_FLIP", "-1")),
+                  flip_margin=float(os.environ.get("MG_FAULT_FLIP_MARGIN", "1e9")),
+                  lagged_on_cpu=os.environ.get("MG_LAGGED_ON_CPU", "") == "1")

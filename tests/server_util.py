@@ -4,6 +4,17 @@ because benchmarks and `mg-server calibrate` start servers too."""
 from mg_server.evaluation.server_process import ServerProcess, free_port  # noqa: F401
 
 
+def serving(args: list[str], log_path):
+    """The one server fixture body (`yield from`): a real `mg-server serve` with `args`, ready,
+    stopped afterwards."""
+    srv = ServerProcess(args, log_path)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
 def faulted_server(model, log_path, args: list[str], env: dict[str, str], questions, max_new: int):
     """A fixture body (`yield from`): a server started with test-only environment faults (set for
     its start only), with the chat prompts of `questions` and their verifier-alone greedy

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from proc_util import find, running, titles, wait_until
-from server_util import ServerProcess
+from server_util import serving
 
 pytestmark = pytest.mark.server
 
@@ -27,12 +27,7 @@ PLAIN_BOUND_S = 15
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, prepared_model):
-    srv = ServerProcess(["--mg-mode", "always"], tmp_path_factory.mktemp("failures") / "server.log")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    yield from serving(["--mg-mode", "always"], tmp_path_factory.mktemp("failures") / "server.log")
 
 
 def chat(srv, max_tokens: int, det: bool, timeout: float = 300) -> dict:

@@ -12,7 +12,7 @@ import time
 import pytest
 import requests
 
-from server_util import ServerProcess
+from server_util import serving
 
 pytestmark = pytest.mark.server
 
@@ -27,13 +27,8 @@ def chat(words: str, max_tokens: int, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, prepared_model):
-    srv = ServerProcess(["--mg-queue", "1", "--mg-drain-timeout", str(DRAIN_S)],
-                        tmp_path_factory.mktemp("load") / "server.log")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    yield from serving(["--mg-queue", "1", "--mg-drain-timeout", str(DRAIN_S)],
+                       tmp_path_factory.mktemp("load") / "server.log")
 
 
 def post_in_thread(url: str, body: dict, out: dict, key: str, stream: bool = False) -> threading.Thread:

@@ -5,7 +5,7 @@ error bodies, server info and /metrics give away."""
 import pytest
 import requests
 
-from server_util import ServerProcess
+from server_util import serving
 
 pytestmark = pytest.mark.server
 
@@ -15,12 +15,7 @@ DET = {"X-Deterministic": "1"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, prepared_model):
-    srv = ServerProcess(["--api-key", KEY], tmp_path_factory.mktemp("robust") / "server.log")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    yield from serving(["--api-key", KEY], tmp_path_factory.mktemp("robust") / "server.log")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from seeded_util import DET, T, mixed_round, sample, sampled_references, seeds
-from server_util import ServerProcess
+from server_util import serving
 
 pytestmark = pytest.mark.server
 
@@ -36,12 +36,7 @@ def workload(prepared_model):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, prepared_model):
-    srv = ServerProcess([], tmp_path_factory.mktemp("seeded") / "server.log")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    yield from serving([], tmp_path_factory.mktemp("seeded") / "server.log")
 
 
 def test_same_seed_same_answer_alone_and_mixed_equal_to_the_reference(server, workload):

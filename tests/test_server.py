@@ -9,7 +9,7 @@ import openai
 import pytest
 import requests
 
-from server_util import ServerProcess
+from server_util import serving
 
 pytestmark = pytest.mark.server
 
@@ -19,12 +19,7 @@ DET = {"X-Deterministic": "1"}
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, prepared_model):
-    srv = ServerProcess([], tmp_path_factory.mktemp("server") / "server.log")
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    yield from serving([], tmp_path_factory.mktemp("server") / "server.log")
 
 
 @pytest.fixture(scope="module")

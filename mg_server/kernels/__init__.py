@@ -52,7 +52,7 @@ Public API (shapes: M rows, K in-features, N out-features, T query tokens, S key
 """
 from __future__ import annotations
 
-import os
+from mg_server import env
 
 import torch
 from torch import Tensor
@@ -69,7 +69,7 @@ __all__ = ["matmul", "prepare_weight", "PreparedWeight", "rms_norm", "add_rms_no
 
 # Debug only: MG_KERNELS_BACKEND=triton sends CPU tensors to the Triton kernels (use with
 # TRITON_INTERPRET=1); it is never needed in production.
-_FORCE_TRITON = os.environ.get("MG_KERNELS_BACKEND", "") == "triton"
+_FORCE_TRITON = env.kernels_backend() == "triton"
 
 
 def _gpu(t: Tensor) -> bool:

@@ -41,7 +41,7 @@ from http import HTTPStatus
 import torch
 from torch import Tensor
 
-from mg_server import metrics
+from mg_server import env, metrics
 from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig,
                               instance_key)
 from mg_server.kernels import sampled_choice
@@ -127,6 +127,7 @@ class StepSeam(WindowSeam):
 
     def __init__(self, config: HookConfig, runner):
         self.config = config
+        self.faults = env.faults()  # test-only fault injection (env.Faults), never a production setting
         self.runner = runner
         self.steps, self.margin, self.control = metrics.hook_metrics(config.margin_buckets)
         self.link = ControllerLink(config) if config.controller_ipc else None
@@ -152,7 +153,7 @@ class StepSeam(WindowSeam):
         # processor may be in the batch (a user's could read the logits on the host); seeded rows
         # and a forward that carries a due rollback (window.py) take the synchronous path.
         if self.lagged is not None and only_mg_processors(args[1]) and (
-                self.config.fault_missed_flip < 0 or self.lagged.inline) and not any(
+                self.faults.missed_flip < 0 or self.lagged.inline) and not any(
                 sampling_rule(req)[0] > 0 for _, req, _ in rows) and self.lagged.fits(rows) and not (
                 self._rollback_due(rows)):
             t0 = time.perf_counter()
@@ -182,21 +183,21 @@ class StepSeam(WindowSeam):
             if seeded:
                 force_tokens(logits, [i for i, _ in seeded], [t for _, t in seeded])
             return None
-        if self.config.fault_missed_flip >= 0:
+        if self.faults.missed_flip >= 0:
             steps = self._inject_missed_flip(logits, steps)
         if not self._control(logits, steps):
             self.control.observe(time.perf_counter() - t0)
         return None  # the logits were edited in place
 
     def _inject_missed_flip(self, logits: Tensor, steps):
-        """Test-only fault (HookConfig.fault_missed_flip = k): the k-th answer token of every
+        """Test-only fault (env.Faults.missed_flip = k): the k-th answer token of every
         protected request is its runner-up, presented as the fast path's argmax with a huge
-        margin (fault_flip_margin), so it is fast-committed and only the audit can find it: a
+        margin (Faults.flip_margin), so it is fast-committed and only the audit can find it: a
         missed flip on demand. (With margin 0 it is a low-margin step, checked within a few forwards.)"""
-        k, out = self.config.fault_missed_flip, []
+        k, out = self.faults.missed_flip, []
         for i, req, pos, margin, fast, key in steps:
             if pos - len(req.origin_input_ids) + 1 == k:
-                fast, margin = int(logits[i].float().topk(2).indices[1]), self.config.fault_flip_margin
+                fast, margin = int(logits[i].float().topk(2).indices[1]), self.faults.flip_margin
             out.append((i, req, pos, margin, fast, key))
         return out
 

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mg_server import env
 from mg_server.kernels.decide import LAZY, decide, force
 from mg_server.kernels.gate import ReferenceStepGate, StepGate
 
@@ -124,7 +125,7 @@ class LaggedControl:
         The caller drained every earlier forward first, so `expected` and the reused buffers
         (meta_host, chosen, the gate's mailboxes) are free."""
         link, n = self.link, len(rows)
-        if self.inline and self.seam.config.fault_missed_flip >= 0:
+        if self.inline and self.seam.faults.missed_flip >= 0:
             self.inject_fault(logits, positions, rows)
         with link.lock:
             expected = [self.expected(req, key) for _, req, key in rows]
@@ -155,14 +156,14 @@ class LaggedControl:
         force(logits, rows_dev, chosen)  # every protected row samples its chosen token
 
     def inject_fault(self, logits, positions, rows) -> None:
-        """Tests only (HookConfig.fault_missed_flip = k, the CPU lagged seam): the k-th answer
+        """Tests only (env.Faults.missed_flip = k, the CPU lagged seam): the k-th answer
         token of every row becomes the runner-up, ahead of the top token by fault_flip_margin (at
         least one ulp), so the fast path emits it."""
-        cfg = self.seam.config
+        cfg = self.seam.faults
         for i, req, _ in rows:
-            if int(positions[i]) - len(req.origin_input_ids) + 1 == cfg.fault_missed_flip:
+            if int(positions[i]) - len(req.origin_input_ids) + 1 == cfg.missed_flip:
                 top = logits[i].float().topk(2)
-                up = torch.nextafter(top.values[0], torch.tensor(float("inf"))) + cfg.fault_flip_margin
+                up = torch.nextafter(top.values[0], torch.tensor(float("inf"))) + cfg.flip_margin
                 logits[i, top.indices[1]] = up.to(logits.dtype)
 
     def drain(self, wait: bool, upto: int | None = None) -> None:
@@ -212,7 +213,7 @@ def attach(seam, config, runner) -> LaggedControl | None:
     cuda = str(getattr(runner, "device", "cpu")).startswith("cuda")
     lagged = None
     # x86-64 only: the host's reads rely on the device's stores reaching it in program order
-    if config.lagged_commit and overlap and platform.machine() == "x86_64" and (cuda or config.lagged_on_cpu):
+    if config.lagged_commit and overlap and platform.machine() == "x86_64" and (cuda or env.faults().lagged_on_cpu):
         try:
             dev = torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)) if cuda else torch.device("cpu")
             lagged = LaggedControl(seam, dev, inline=not cuda)

@@ -314,8 +314,7 @@ def serve(cfg: ServeConfig) -> None:
     chunks = -(-context_len // cfg.catchup_chunk) + 1
     hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
                       step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
-                      fault_missed_flip=env.fault_missed_flip(), fault_flip_margin=env.fault_flip_margin(),
-                      lagged_commit=cfg.lagged_commit, lagged_on_cpu=env.lagged_on_cpu())
+                      lagged_commit=cfg.lagged_commit)
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(
         DeterministicMiddleware,
@@ -326,5 +325,9 @@ def serve(cfg: ServeConfig) -> None:
                            verdict_wait_s=cfg.verdict_wait_s, vocab_size=_vocab_size(cfg.model_path),
                            max_deterministic=info.verifier_max_requests if info else 0, queue_size=cfg.queue_size),
     )
-    log.info("mg-server: SGLang %s, model %s, http://%s:%d", version, cfg.model_path, cfg.host, cfg.port)
+    # SGLang's own 20 kB server_args line is at debug (mg_server.logs): the settings mg's determinism
+    # depends on, as SGLang resolved them, in one line
+    log.info("mg-server: SGLang %s, model %s, http://%s:%d; cuda graph %s, overlap scheduler %s, attention %s",
+             version, cfg.model_path, cfg.host, cfg.port, "off" if server_args.disable_cuda_graph else "on",
+             "off" if server_args.disable_overlap_schedule else "on", server_args.attention_backend)
     launch_server(server_args)
