@@ -69,3 +69,22 @@ def test_sigterm_after_undrained_requests_exits_within_the_bound(tmp_path, prepa
 def test_sigquit_leaves_nothing(tmp_path, prepared_model):
     srv, kids = start(tmp_path, "sigquit")
     stopped(srv, kids, signal.SIGQUIT, limit_s=20)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_sent_to_the_process_group_ends_cleanly(tmp_path, prepared_model, sig):
+    # Ctrl-C in a terminal signals every process of the group: the main process drains and stops
+    # the rest, which ignore it; one line says so, exit code 0, no crash wording, nothing left
+    srv, kids = start(tmp_path, f"group-{sig.name}")
+    t0 = time.monotonic()
+    try:
+        os.killpg(srv.proc.pid, sig)
+        code = srv.proc.wait(60)
+    finally:
+        srv.stop()
+    log = srv.log_path.read_text(errors="replace")
+    assert code == 0 and time.monotonic() - t0 < 60, srv.log_tail()
+    assert "mg-server stopped cleanly" in log
+    assert "crashed" not in log and "SIGQUIT received" not in log and "Traceback" not in log, srv.log_tail()
+    assert wait_until(lambda: not running(kids), 5)
+    assert leftovers(srv) == []

@@ -272,6 +272,11 @@ def serve(cfg: ServeConfig) -> None:
             os._exit(0)
 
     atexit.register(cleanup)  # registered first, so it runs after the runtime has stopped
+    # /health answers from mg's runtime state and SGLang's status at once; SGLang's one-token probe
+    # stays on /health_generate. Why: the probe waits at least 1 s and up to 20 s for the scheduler,
+    # which mg's finish barrier can hold that long on a CPU, and a probe that times out marks the
+    # server unhealthy, which makes SGLang skip its SIGTERM drain (a user's own setting is kept)
+    os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
     log.info("SGLang compatibility: %s", compat.install(cfg.profile).summary())
     _fresh_metrics_dir(cfg.metrics_dir)
 

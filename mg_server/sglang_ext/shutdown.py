@@ -13,13 +13,15 @@ after its verdict, which needs the controller. Then SGLang's drain (it waits unt
 id is left in the tokenizer manager). Some requests never leave it (a context-length 400, an
 `n > 1` request in this SGLang), so the drain is bounded: `drain_timeout_s` after SIGTERM the
 deterministic requests still running are answered with a 503 (or an error event ending their
-stream) and the server stops.
+stream) and the server stops. Ctrl-C is the same stop: the main process turns it into SIGTERM, and
+the server's other processes ignore it (a terminal signals the whole process group).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from typing import Callable
@@ -94,3 +96,19 @@ def install(cleanup: Callable[[], None], drain_timeout_s: float, front: tuple[Ca
         threading.Thread(target=drain, name="mg-drain", daemon=True).start()
 
     SignalHandler.sigterm_handler = bounded_sigterm
+
+    # Ctrl-C (SIGINT, which uvicorn's server takes while it serves) stops the server as SIGTERM
+    # does; a second one goes to uvicorn (its forced exit).
+    import uvicorn
+
+    handle_exit = getattr(uvicorn.Server, "handle_exit", None)
+    if not callable(handle_exit):
+        raise RuntimeError("mg: uvicorn.Server has no handle_exit; Ctrl-C would not drain the server")
+
+    def sigint_drains(self, sig, frame) -> None:
+        if sig == signal.SIGINT and not started:
+            os.kill(me, signal.SIGTERM)
+            return
+        handle_exit(self, sig, frame)
+
+    uvicorn.Server.handle_exit = sigint_drains
