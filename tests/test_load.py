@@ -63,7 +63,10 @@ def test_past_the_full_queue_a_429_with_retry_after_and_the_queued_request_is_se
     r = requests.post(server.url + CHAT, headers=DET, json=chat("Hello", 4), timeout=60)
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1, r.text
     assert r.headers["x-mg-verdict"] == "failed" and "--mg-queue" in r.json()["message"]
-    assert requests.get(server.url + "/health", timeout=5).status_code == 200  # (latency: soak.py --burst)
+    for _ in range(3):  # /health answers from mg's state at once, whatever the verifier is doing
+        t0 = time.monotonic()
+        assert requests.get(server.url + "/health", timeout=5).status_code == 200
+        assert time.monotonic() - t0 < 1.0
     big.join(300)
     queued.join(300)
     assert out["big"][0] == 200 and out["big"][1]["x-mg-verdict"] == "verified", out["big"][2][:300]
