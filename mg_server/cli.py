@@ -10,9 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import multiprocessing
 import os
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -23,12 +21,6 @@ from mg_server.sglang_ext.compat import install_if_requested
 install_if_requested()
 if env.compat_profile():  # a process of a server's tree (the launcher set it): the same quiet log
     logs.quiet()
-    if multiprocessing.parent_process() is not None:
-        # why: Ctrl-C in a terminal (or a stop sent to the process group) reaches every process;
-        # the server's main process alone decides how it stops (its drain first), then kills its
-        # children, which also watch it and exit when it is gone
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000

@@ -13,8 +13,7 @@ after its verdict, which needs the controller. Then SGLang's drain (it waits unt
 id is left in the tokenizer manager). Some requests never leave it (a context-length 400, an
 `n > 1` request in this SGLang), so the drain is bounded: `drain_timeout_s` after SIGTERM the
 deterministic requests still running are answered with a 503 (or an error event ending their
-stream) and the server stops. Ctrl-C is the same stop: the main process turns it into SIGTERM, and
-the server's other processes ignore it (a terminal signals the whole process group).
+stream) and the server stops. SIGINT to the main process is the same stop (it becomes SIGTERM).
 """
 
 from __future__ import annotations
