@@ -1,73 +1,23 @@
 """mg-server on CUDA with SGLang's GPU defaults (CUDA graphs, overlap scheduler): every step of a
 deterministic request is seen and the answers equal the verifier-alone reference. A small
-random-weight model of the SmolLM2 shape (`write_smol_model`, the same bits as the GPU benchmarks'
+random-weight model of the SmolLM2 shape (`evaluation.random_models`, the GPU benchmarks'
 `smol` model); the tokenizer comes from $MG_GPU_TOKENIZER or the prepared embedded model. Skipped
 without CUDA."""
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from mg_server.evaluation.random_models import write_model
 from seeded_util import T, sample, seeds
 from server_util import ServerProcess
 
 pytestmark = [pytest.mark.gpu, pytest.mark.server]
 REPO = Path(__file__).resolve().parent.parent
-SMOL = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-            num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True)
-
-
-def write_smol_model(out: Path, tokenizer: Path, seed: int = 0) -> Path:
-    """A random-weight Llama checkpoint of the SmolLM2 shape: every matrix N(0, 0.02) in bf16 from
-    one generator seeded `seed` on this host's device, norms 1, tied embeddings; the tokenizer files
-    copied from `tokenizer`. Draw order and files match `benchmarks/gpu_e2e.py`'s `smol` model,
-    so both hold the same bits on one host."""
-    import torch
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True)
-    h, inter, layers = SMOL["hidden_size"], SMOL["intermediate_size"], SMOL["num_hidden_layers"]
-    heads, kv = SMOL["num_attention_heads"], SMOL["num_key_value_heads"]
-    d = h // heads
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-              "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
-              "bos_token_id": 1, "eos_token_id": 2, "head_dim": d, "attention_bias": False, "mlp_bias": False,
-              **SMOL}
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (tokenizer / f).exists():
-            shutil.copy(tokenizer / f, out / f)
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    gen = torch.Generator(device=dev).manual_seed(seed)
-
-    def rand(*s):
-        return (torch.randn(*s, generator=gen, device=dev, dtype=torch.float32) * 0.02).to(torch.bfloat16).cpu()
-
-    ones = torch.ones(h, dtype=torch.bfloat16)
-    tensors = {"model.embed_tokens.weight": rand(SMOL["vocab_size"], h)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors.update({
-            p + "self_attn.q_proj.weight": rand(heads * d, h), p + "self_attn.k_proj.weight": rand(kv * d, h),
-            p + "self_attn.v_proj.weight": rand(kv * d, h), p + "self_attn.o_proj.weight": rand(h, heads * d),
-            p + "mlp.gate_proj.weight": rand(inter, h), p + "mlp.up_proj.weight": rand(inter, h),
-            p + "mlp.down_proj.weight": rand(h, inter),
-            p + "input_layernorm.weight": ones.clone(), p + "post_attention_layernorm.weight": ones.clone(),
-        })
-    tensors["model.norm.weight"] = ones.clone()
-    fname = "model-00000.safetensors"
-    save_file(tensors, str(out / fname), metadata={"format": "pt"})
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": {k: fname for k in tensors}}))
-    return out
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     tok = os.environ.get("MG_GPU_TOKENIZER")
@@ -75,7 +25,7 @@ def model(tmp_path_factory):
         from mg_server.model.prepare import prepare_model
 
         tok = str(prepare_model(progress=False))
-    return write_smol_model(tmp_path_factory.mktemp("m") / "smol", Path(tok))
+    return write_model("smol", tmp_path_factory.mktemp("m") / "smol", Path(tok))
 
 
 @pytest.mark.parametrize("seam,mode", [("sync", "margin"), ("lagged", "margin"), ("lagged", "always")])
