@@ -224,6 +224,8 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
             expected = None  # the reference steps' share below tau, when the margins are bf16 steps
             if always:
                 tau = None
+            elif rate.startswith("t"):  # an explicit tau (e.g. a shipped profile's), not a target rate
+                tau = float(rate[1:])
             elif args.tau_margins == "bf16":
                 tau, expected = tau_for_rate_quantized(margins, float(rate))
             else:
@@ -387,8 +389,8 @@ def main() -> int:
     ap.add_argument("--seam", choices=["sync", "lagged"], default="lagged",
                     help="mg's control path (serve --mg-seam): lagged (default) or sync (margins read before sampling)")
     ap.add_argument("--configs", default="",
-                    help="RATE[:wW],... to time instead of every --rates value (e.g. 0.1,0.1:w8,always; "
-                         "wW: serve --mg-window W)")
+                    help="RATE[:wW],... to time instead of every --rates value (e.g. 0.1,0.1:w8,t0.5,always; "
+                         "tX: tau X itself, e.g. a shipped profile's; wW: serve --mg-window W)")
     ap.add_argument("--tau-margins", choices=["fp32", "bf16"], default="fp32",
                     help="which reference margins tau comes from: the verifier's fp32 ones (default), or those "
                          "of its logits rounded to bf16, as SGLang's bf16 lm_head shows them to the seam (the "

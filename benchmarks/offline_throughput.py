@@ -184,6 +184,8 @@ def main() -> int:
     ap.add_argument("--tokenizer", type=Path)
     ap.add_argument("--model", default="llama8b-planted", choices=sorted(E.SHAPES))
     ap.add_argument("--models-dir", default="/tmp/mg-models")
+    ap.add_argument("--checkpoint", help="a real checkpoint of --model's shape instead of random weights (e.g. "
+                                         "the SmolLM2 of benchmarks/device_real_smol.sh)")
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=60)
     ap.add_argument("--shares", default="0,0.02,0.1,0.5,1")
@@ -201,7 +203,7 @@ def main() -> int:
     import torch
 
     name = args.model
-    mdir = E.write_model(name, Path(args.models_dir) / name, args.tokenizer)
+    mdir = Path(args.checkpoint) if args.checkpoint else E.write_model(name, Path(args.models_dir) / name, args.tokenizer)
     prompts = json.loads(E.PROMPTS_FILE.read_text())
     refs = E.references(mdir, prompts, 64, args.out / f"refs-{name}.json", "cuda")
     margins = [m for key in ("det", "prefix") for row in refs[key + "_margins_bf16"] for m in row]

@@ -21,6 +21,8 @@ HTTP status (none lost to a reset connection), every `verified` answer equals it
 its drain bound. Reports throughput and latency percentiles of the first burst.
 
     python benchmarks/soak.py --burst 200 --out benchmarks/results/burst_cpu.json
+
+On a GPU host, `--device cuda --model DIR --server-args "..."` (references from the GPU verifier).
 """
 
 from __future__ import annotations
@@ -78,6 +80,9 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--max-new", type=int, default=12)
     ap.add_argument("--server-args", default="")
+    ap.add_argument("--model", help="checkpoint folder (default: the embedded SmolLM2); passed to the server too")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="the server's and the references' device (the references must come from the same kernels)")
     ap.add_argument("--out", type=Path, default=Path("bench-out/soak.json"))
     ap.add_argument("--burst", type=int, default=0, help="a burst of N deterministic requests and a SIGTERM "
                                                          "under load instead of the Locust soak")
@@ -88,9 +93,10 @@ def main() -> int:
     from mg_server.model.prepare import prepare_model
     from mg_server.prompts import sharegpt_prompts
 
-    model = str(prepare_model(progress=False))
+    model = args.model or str(prepare_model(progress=False))
+    args.server_args = f"--model {model} --device {args.device} {args.server_args}"
     t0 = time.monotonic()
-    w = build_workload(model, args.prompts, args.max_new)
+    w = build_workload(model, args.prompts, args.max_new, device=args.device)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     work = tempfile.mkdtemp(prefix="mg-soak-")
     wl = Path(work) / "workload.json"

@@ -205,9 +205,11 @@ class Workload:
 
 
 def build_workload(model_path: str, n_prompts: int, max_new: int, n_other: int = 8, seed: int = 0,
-                   offset: int = 0) -> Workload:
+                   offset: int = 0, device: str = "cpu") -> Workload:
     """Prompts from the offline sets, chat-templated, and their verifier-alone references
-    (`seed`/`offset`: see prompts.mixed_prompts; other values hold out a calibration's prompts)."""
+    (`seed`/`offset`: see prompts.mixed_prompts; other values hold out a calibration's prompts).
+    `device`: where the references are computed: the served verifier's device, whose kernels
+    (and so bits) they must share."""
     import torch
     from transformers import AutoTokenizer
 
@@ -224,7 +226,7 @@ def build_workload(model_path: str, n_prompts: int, max_new: int, n_other: int =
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # results do not depend on it; one thread leaves a core to the rest
     try:
-        refs = greedy_reference(load_engine(model_path), det, max_new)
+        refs = greedy_reference(load_engine(model_path, device=device), det, max_new)
     finally:
         torch.set_num_threads(threads)
     return Workload(det, other, [r.tokens for r in refs], [r.margins for r in refs])
