@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 MODES = ("off", "margin", "always")
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 
 @dataclass(frozen=True)

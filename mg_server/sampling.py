@@ -105,8 +105,8 @@ def sampled_scores(logits: Tensor, temperature: float, seed: int, position: int)
 def sampled_pair(logits: Tensor, temperature: float, seed: int, position: int) -> Tensor:
     """logits [V] -> [2] fp64 on logits' device: (top1 - top2 of the scores, computed in fp32,
     then widened exactly; their argmax, ties -> lower id). Left on the device so that a caller can
-    read many rows back at once, by whatever copy it may use (the verifier: kernels.zerocopy)."""
-    from . import top2
+    read many rows back at once, by whatever copy it may use (the verifier: wire.zerocopy)."""
+    from mg_server.verifier.kernels import top2  # the verifier's batch-invariant top-2
 
     vals, idx = top2(sampled_scores(logits, temperature, seed, position)[None])  # [1, 2] fp32, int64
     return torch.stack(((vals[0, 0] - vals[0, 1]).double(), idx[0, 0].double()))

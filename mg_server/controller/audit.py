@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 import time
 
-from mg_server.runtime import protocol as P
-from mg_server.runtime.controller.correct import AnswerCompletion, can_correct
-from mg_server.runtime.controller.state import ReqState
+from mg_server.controller.correct import AnswerCompletion, can_correct
+from mg_server.controller.state import ReqState
+from mg_server.wire import protocol as P
 
 log = logging.getLogger("mg.controller")
 
@@ -116,7 +116,7 @@ class AuditMixin:
     def _final_audits(self, todo: list[tuple[str, ReqState, int]]) -> None:
         """Each request's catch-up, then its last decided step (position n - 2), AUDIT_ITEMS per
         verify call; a request's failure is its own (the others' results stand)."""
-        from mg_server.runtime.verifier.client import VerifierError
+        from mg_server.verifier.client import VerifierError
 
         if not self.verifier_up():
             for _, st, _ in todo:

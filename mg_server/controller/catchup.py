@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Callable
 
-from mg_server.runtime import protocol as P
+from mg_server.wire import protocol as P
 
 
 def catch_up(vclient, item_at: Callable[[int], P.VerifyItem], audit: Callable[[P.VerifyResult], None],
              st, pos: int, chunk: int) -> str:
     """Send st.tokens[st.verifier_len:] in chunks until at most `chunk` tokens are left before
     position pos (the caller's own call sends those); returns an error message or ""."""
-    from mg_server.runtime.verifier.client import VerifierError
+    from mg_server.verifier.client import VerifierError
 
     while pos + 1 - st.verifier_len > chunk:
         end = st.verifier_len + chunk  # this call covers positions verifier_len .. end-1

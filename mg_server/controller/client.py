@@ -1,7 +1,7 @@
 """Client of the controller, used by mg's forward hook (scheduler process) and the HTTP front.
 
 One client per thread: zmq sockets are not thread-safe. A call gives up as soon as the
-controller stops beating (runtime.liveness), so a dead or stopped controller costs a caller
+controller stops beating (wire.liveness), so a dead or stopped controller costs a caller
 seconds, not the call's timeout.
 """
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
-from mg_server.runtime import protocol as P
-from mg_server.runtime.channel import RpcClient, RpcError
-from mg_server.runtime.liveness import beat_path, stale_reason
+from mg_server.wire import protocol as P
+from mg_server.wire.channel import RpcClient, RpcError
+from mg_server.wire.liveness import beat_path, stale_reason
 
 
 class ControllerClient(RpcClient):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import time
 
-from mg_server.runtime import protocol as P
-from mg_server.runtime.controller.state import ReqState
+from mg_server.controller.state import ReqState
+from mg_server.wire import protocol as P
 
 
 class AnswerCompletion:
@@ -40,7 +40,7 @@ class AnswerCompletion:
     def advance(self, vclient, budget_s: float = float("inf")) -> P.Correction | None:
         """Verify calls until the answer is complete (-> its Correction) or `budget_s` has passed
         (-> None; at least one call is made). Raises VerifierError (the shadow cache released)."""
-        from mg_server.runtime.verifier.client import VerifierError
+        from mg_server.verifier.client import VerifierError
 
         st, end = self.st, self.st.end
         t_end = time.monotonic() + budget_s

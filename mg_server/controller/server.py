@@ -10,7 +10,7 @@ carrying the tokens the verifier has not seen, so its catch-up audits every toke
 far; `Finish` audits the tail. A request's verdict is `verified` only when its answer is complete
 (it was not aborted) and every emitted token has been checked against the verifier.
 
-Faults: the controller beats and watches its parent from its first moment (runtime.liveness).
+Faults: the controller beats and watches its parent from its first moment (wire.liveness).
 A verify call gives up as soon as the verifier process exits or stops beating; the rows of that
 call fail, later deterministic steps fail at once, plain traffic goes on, and the beat's status
 (read by the front's /health) and `mg_verifier_up` say the verifier is down. If the verifier
@@ -28,15 +28,15 @@ from dataclasses import dataclass, replace
 
 import zmq
 
-from mg_server.runtime import protocol as P
-from mg_server.runtime.controller.audit import AuditMixin
-from mg_server.runtime.controller.catchup import catch_up
-from mg_server.runtime.controller.correct import AnswerCompletion
-from mg_server.runtime.controller.state import ReqState
-from mg_server.runtime.controller.window import WindowMixin
-from mg_server.runtime.controller.worker import WorkerMixin
-from mg_server.runtime.liveness import Lifeline, beat_path
-from mg_server.runtime.policy import Policy
+from mg_server.controller.audit import AuditMixin
+from mg_server.controller.catchup import catch_up
+from mg_server.controller.correct import AnswerCompletion
+from mg_server.controller.state import ReqState
+from mg_server.controller.window import WindowMixin
+from mg_server.controller.worker import WorkerMixin
+from mg_server.policy import Policy
+from mg_server.wire import protocol as P
+from mg_server.wire.liveness import Lifeline, beat_path
 
 log = logging.getLogger("mg.controller")
 
@@ -85,7 +85,7 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         self.start_error: P.ErrorReply | None = None  # the verifier could not start: told to the launcher
         self.down_reason = ""  # why the verifier is down ("" while it is up), as last reported
         self._beat_checked = 0.0  # monotonic time of the last look at the verifier's beat
-        self._verifier_beat = ""  # the verifier's beat file (runtime.liveness)
+        self._verifier_beat = ""  # the verifier's beat file (wire.liveness)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -168,7 +168,7 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
     def _call_verifier(self, items: list[P.VerifyItem], t0: float | None = None) -> list[P.VerifyResult | P.ErrorReply]:
         """One verify call (its items share one batched forward), timed from t0 (default: now);
         errors become replies."""
-        from mg_server.runtime.verifier.client import VerifierError
+        from mg_server.verifier.client import VerifierError
 
         t0 = time.perf_counter() if t0 is None else t0
         self._fresh_deadlines(items)
@@ -296,13 +296,13 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
 
 
 def run_controller(cfg: ControllerConfig) -> None:
-    from mg_server.runtime.channel import RpcError, set_process_title
+    from mg_server.wire.channel import RpcError, set_process_title
 
     set_process_title("mg::controller")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = cfg.metrics_dir  # before the first metric exists
     logging.basicConfig(level=logging.INFO, format="[mg-controller %(asctime)s] %(message)s")
     # Orphaned (mg-server killed): exit; the verifier's own lifeline then stops it.
-    from mg_server.runtime.cleanup import remove_instance  # orphaned (kill -9): nobody else removes its files
+    from mg_server.wire.cleanup import remove_instance  # orphaned (kill -9): nobody else removes its files
     lifeline = Lifeline(beat_path(cfg.ipc_path), cfg.parent_pid, lambda: remove_instance(
         (os.path.dirname(cfg.ipc_path), cfg.metrics_dir), (cfg.verifier.shm_base,) if cfg.verifier else ()),
         name="mg-controller-life").start()

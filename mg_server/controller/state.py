@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mg_server.runtime.protocol import Correction, Finish
-from mg_server.runtime.protocol import VerdictState as S
+from mg_server.wire.protocol import Correction, Finish
+from mg_server.wire.protocol import VerdictState as S
 
 
 @dataclass

@@ -6,7 +6,7 @@ within CHECK_DELAY_FORWARDS forwards of a low-margin step, or once `window` toke
 verifier disagrees at answer index p, the controller cuts its own copy of the answer there, puts
 the verifier's token at p, has the verifier drop its positions past p (`VerifyItem.rewind`), and
 queues a `Rollback` that the seam applies in place at the request's next forward
-(sglang_ext/rollback.py). Rows the seam sends before it has applied it carry the older epoch and
+(seam/rollback.py). Rows the seam sends before it has applied it carry the older epoch and
 are dropped. The seam's finish barrier asks `CheckTail` before a request may end with unchecked
 tokens, and its output hold releases what `checked` says.
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 
-from mg_server.runtime import protocol as P
-from mg_server.runtime.controller.state import ReqState
+from mg_server.controller.state import ReqState
+from mg_server.wire import protocol as P
 
 # A low-margin step is checked at most this many forwards later. Why not at once: every check
 # reads all the verifier's weights, and at batch 8 and a 10 % trigger rate almost every forward has

@@ -2,7 +2,7 @@
 
 The controller spawns the worker as its child and waits for its hello before it answers anyone,
 so a worker that cannot load fails the launcher's start at once. The worker's beat file
-(runtime.liveness) says whether it still runs.
+(wire.liveness) says whether it still runs.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from mg_server.runtime.liveness import beat_path, stale_reason
+from mg_server.wire.liveness import beat_path, stale_reason
 
 log = logging.getLogger("mg.controller")
 
@@ -24,7 +24,7 @@ class WorkerMixin:
             return
         vcfg = self.cfg.verifier
         self._verifier_beat = beat_path(vcfg.ipc_path)
-        from mg_server.runtime.verifier.server import start_verifier
+        from mg_server.verifier.server import start_verifier
 
         if self.lifeline is not None:
             self.lifeline.status = "verifier starting"
@@ -33,7 +33,7 @@ class WorkerMixin:
         self._publish()
 
     def _connect(self, timeout_s: float) -> None:
-        from mg_server.runtime.verifier.client import VerifierClient
+        from mg_server.verifier.client import VerifierClient
 
         vcfg = self.cfg.verifier
         client = VerifierClient(vcfg.ipc_path, timeout_s=self.cfg.verify_timeout_s, client_name="controller",

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from mg_server import env, logs
-from mg_server.sglang_ext.compat import install_if_requested
+from mg_server.launch.compat import install_if_requested
 
 install_if_requested()
 if env.compat_profile():  # a process of a server's tree (the launcher set it): the same quiet log
@@ -126,13 +126,13 @@ def _model_path(model: str | None) -> str:
 
 
 def _profile(device: str) -> str:
-    """The SGLang host profile (sglang_ext.compat): cpu, or cuda with or without SGLang's kernels."""
+    """The SGLang host profile (launch.compat): cpu, or cuda with or without SGLang's kernels."""
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is visible")
     cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    from mg_server.sglang_ext.compat import detect_profile
+    from mg_server.launch.compat import detect_profile
 
     return detect_profile(cpu)
 
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logs.quiet()  # before SGLang's first import (some of its noise is import-time warnings)
     if args.tau_profile:
-        from mg_server.runtime.policy import read_profile
+        from mg_server.policy import read_profile
 
         try:
             read_profile(Path(args.tau_profile))
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if profile == "cpu" and args.mg_verifier_memory_gb is not None:
         _parser().error("--mg-verifier-memory-gb applies to CUDA devices only")
-    from mg_server.runtime.cleanup import sweep_stale, temp_prefix
+    from mg_server.wire.cleanup import sweep_stale, temp_prefix
 
     if stale := sweep_stale():  # what servers that died before their clean-up left behind
         logging.getLogger("mg").info("removed %d stale file(s) of dead mg-servers: %s", len(stale),
@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
         verifier_memory_gb=args.mg_verifier_memory_gb,
         allow_sglang=args.mg_allow_sglang,
     )
-    from mg_server.sglang_ext.launch import serve
-    from mg_server.sglang_ext.seams import SeamMismatch
+    from mg_server.launch.launcher import serve
+    from mg_server.launch.seams import SeamMismatch
 
     try:
         serve(cfg)

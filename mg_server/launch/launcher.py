@@ -61,7 +61,7 @@ def hook_spec(config: HookConfig) -> list[dict]:
     return [{
         "name": "mg",
         "target_modules": ["logits_processor"],
-        "hook_factory": "mg_server.sglang_ext.hook:make_hook",
+        "hook_factory": "mg_server.seam.hook:make_hook",
         "config": config.to_json_dict(),
     }]
 
@@ -160,13 +160,13 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
     """
     if cfg.mg_mode == "off":
         return "", None
-    from mg_server.runtime.channel import RpcError
-    from mg_server.runtime.cleanup import shm_base
-    from mg_server.runtime.controller.client import ControllerClient
-    from mg_server.runtime.controller.server import ControllerConfig, start_controller
-    from mg_server.runtime.liveness import beat_path, stale_reason
-    from mg_server.runtime.policy import resolve_tau
-    from mg_server.runtime.verifier.server import VerifierConfig
+    from mg_server.controller.client import ControllerClient
+    from mg_server.controller.server import ControllerConfig, start_controller
+    from mg_server.policy import resolve_tau
+    from mg_server.verifier.server import VerifierConfig
+    from mg_server.wire.channel import RpcError
+    from mg_server.wire.cleanup import shm_base
+    from mg_server.wire.liveness import beat_path, stale_reason
 
     tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile)
     verifier = VerifierConfig(
@@ -213,7 +213,7 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
 
 
 def _stop_runtime(proc, ipc_path: str) -> None:
-    from mg_server.runtime.controller.client import ControllerClient
+    from mg_server.controller.client import ControllerClient
 
     if proc.is_alive():
         try:
@@ -228,7 +228,7 @@ def _stop_runtime(proc, ipc_path: str) -> None:
 
 def _watch_runtime(proc) -> None:
     """If the controller dies, stop the whole server: deterministic requests have no home."""
-    from mg_server.sglang_ext.shutdown import STOPPING
+    from mg_server.launch.shutdown import STOPPING
 
     proc.join()
     if STOPPING.is_set():  # a stop in progress ends it: not news
@@ -238,8 +238,8 @@ def _watch_runtime(proc) -> None:
 
 
 def _instance_files(cfg: ServeConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(folders, shared-memory names) this server instance owns (runtime.cleanup)."""
-    from mg_server.runtime.cleanup import shm_base
+    """(folders, shared-memory names) this server instance owns (wire.cleanup)."""
+    from mg_server.wire.cleanup import shm_base
 
     return (cfg.run_dir, cfg.metrics_dir), (shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),)
 
@@ -256,11 +256,11 @@ def _vocab_size(model_path: str) -> int:
 
 
 def serve(cfg: ServeConfig) -> None:
-    from mg_server.runtime.cleanup import remove_instance
-    from mg_server.sglang_ext import compat, leftovers
+    from mg_server.launch import compat, leftovers
+    from mg_server.wire.cleanup import remove_instance
 
     def cleanup() -> None:
-        from mg_server.sglang_ext.shutdown import STOPPING
+        from mg_server.launch.shutdown import STOPPING
 
         remove_instance(*_instance_files(cfg))
         leftovers.remove()  # SGLang's own sockets and slot file of this instance
@@ -280,7 +280,7 @@ def serve(cfg: ServeConfig) -> None:
     log.info("SGLang compatibility: %s", compat.install(cfg.profile).summary())
     _fresh_metrics_dir(cfg.metrics_dir)
 
-    from mg_server.sglang_ext import seams
+    from mg_server.launch import seams
 
     version = seams.check(cfg.allow_sglang)
     if cfg.mg_mode != "off":
@@ -304,15 +304,15 @@ def serve(cfg: ServeConfig) -> None:
     refuse_dtype_mismatch(parsed, cfg.mg_mode)
     context_len = served_context(parsed, cfg.model_path)
     from mg_server.front import admission
-    from mg_server.sglang_ext import shutdown
+    from mg_server.launch import shutdown
 
     shutdown.install(cleanup, cfg.drain_timeout_s, (admission.stop, admission.drained, admission.cut))
     leftovers.track()
     controller_ipc, info = start_runtime(cfg, context_len)
 
     from mg_server.front.middleware import DeterministicMiddleware
-    from mg_server.runtime.fingerprint import system_fingerprint
-    from mg_server.sglang_ext.processor import serialized
+    from mg_server.seam.processor import serialized
+    from mg_server.wire.fingerprint import system_fingerprint
 
     # The finish barrier may wait for a whole context's catch-up, one verify timeout per chunk (a dead or
     # stopped controller is noticed from its beat within seconds, whatever this bound).

@@ -1,4 +1,4 @@
-"""SGLang's own files of one server instance, removed with mg's (runtime.cleanup) at every stop.
+"""SGLang's own files of one server instance, removed with mg's (wire.cleanup) at every stop.
 
 SGLang names its inter-process sockets with `tempfile.NamedTemporaryFile(delete=False)` (five
 `/tmp/tmpXXXXXXXX` files per start) and its load-snapshot slot file after the instance id

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mg_server.kernels.launch import Launcher
+from mg_server.seam.kernel_launch import Launcher
 
 CHUNK = 2048  # columns per step of a row walk (control values only: no output bits depend on it)
 HOLD, LAZY, BEHIND, MUST = 0, 1, 2, 3  # a row's mode (meta[2n + k]; module doc)
@@ -84,7 +84,7 @@ def _force_kernel(logits_ptr, sl, V, rows_ptr, chosen_ptr, CHUNK: tl.constexpr):
         tl.store(base + cols, val, mask=cols < V)
 
 
-# host time per call matters here (the scheduler thread is CPU-bound): kernels.launch says why
+# host time per call matters here (the scheduler thread is CPU-bound): seam.kernel_launch says why
 _DECIDE = Launcher(_decide_kernel, constexprs=2, num_warps=8)
 _FORCE = Launcher(_force_kernel, constexprs=1, num_warps=4)
 

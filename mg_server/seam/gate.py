@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from mg_server.kernels.launch import Launcher, current_stream
+from mg_server.seam.kernel_launch import Launcher, current_stream
 
 
 @triton.jit
@@ -131,7 +131,7 @@ def _apply_kernel(fast_ptr, need_ptr, chosen_ptr,  # [n] device
     tl.store(ack_ptr, _fence_sys(target.to(tl.int64)))  # the status before the target
 
 
-# host time per call matters here (the scheduler thread is CPU-bound): kernels.launch says why
+# host time per call matters here (the scheduler thread is CPU-bound): seam.kernel_launch says why
 _PUBLISH = Launcher(_publish_kernel, constexprs=1, num_warps=4)
 _APPLY = Launcher(_apply_kernel, constexprs=4, num_warps=4)
 
@@ -209,7 +209,7 @@ class _Mailboxes:
         """Published, and some row needs the verifier: the stream waits for the host."""
         return self.published(target, n) and bool((self._out[4:1 + 5 * n:5] == 1).any())
 
-    # The early-verify thread's wait (sglang_ext/lagged.py): the reference gate publishes inside
+    # The early-verify thread's wait (seam/lagged.py): the reference gate publishes inside
     # launch, so there is nothing to wait for; StepGate overrides these three.
     def watch_publish(self) -> None:
         """From now on, let wait_published() block until each launch's values are out."""

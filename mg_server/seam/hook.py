@@ -24,7 +24,7 @@ A row is a step iff its position is n - 1; a smaller position is a non-final pre
 
 Seeded sampling (temperature > 0 and a seed in custom_params, set by the front): the row's fast
 token and margin are those of the perturbed scores logits / T + Gumbel(seed, position)
-(`mg_server.kernels.sampled_choice`, the function the verifier applies to its own fp32 row, so
+(`mg_server.sampling.sampled_choice`, the function the verifier applies to its own fp32 row, so
 the noise is bit-identical: elementwise integer and IEEE ops only, on the same device type).
 SGLang itself decodes such a request greedily (the front pins its temperature to 0) over the
 logits mg forces to the decided token.
@@ -44,11 +44,11 @@ from torch import Tensor
 from mg_server import env, metrics
 from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig,
                               instance_key)
-from mg_server.kernels import sampled_choice
-from mg_server.runtime import protocol as P
-from mg_server.sglang_ext.link import ControllerLink, Tracked
-from mg_server.sglang_ext.reasons import public_reason, unmodelled
-from mg_server.sglang_ext.window import WindowSeam
+from mg_server.sampling import sampled_choice
+from mg_server.seam.link import ControllerLink, Tracked
+from mg_server.seam.reasons import public_reason, unmodelled
+from mg_server.seam.window import WindowSeam
+from mg_server.wire import protocol as P
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +134,8 @@ class StepSeam(WindowSeam):
         self.lagged = None  # CUDA: the one-forward-late control path (lagged.py)
         self._released_first: set[str] = set()  # first rows released early (window.py)
         if self.link is not None:
-            from mg_server.sglang_ext import rollback
-            from mg_server.sglang_ext.lagged import attach
+            from mg_server.seam import rollback
+            from mg_server.seam.lagged import attach
 
             rollback.install()
 

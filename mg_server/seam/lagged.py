@@ -11,8 +11,8 @@ Here the work is split between the device and the host:
 - at the sampler (`launch`, no host sync): the device computes each protected row's margin and
   fast token and whether the row is a step (its position equals the one mg expects: the host's
   token count, current because every earlier forward was processed first). The step gate
-  (kernels.gate.StepGate: a publish kernel, a stream wait, an apply kernel) publishes those
-  values to page-locked host memory. Every row is a window row (kernels.decide's mode LAZY:
+  (seam.gate.StepGate: a publish kernel, a stream wait, an apply kernel) publishes those
+  values to page-locked host memory. Every row is a window row (seam.decide's mode LAZY:
   committed fast, checked behind), so no row needs the verifier before sampling and the gate
   opens itself; every protected row's logits are forced to its fast token.
 - one forward later (`drain`: from the next sampler call, or from the finish watcher thread
@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from mg_server import env
-from mg_server.kernels.decide import LAZY, decide, force
-from mg_server.kernels.gate import ReferenceStepGate, StepGate
+from mg_server.seam.decide import LAZY, decide, force
+from mg_server.seam.gate import ReferenceStepGate, StepGate
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ def _wait(cond, what: str) -> None:
 
 class LaggedControl:
     """The seam's control path on CUDA (see module doc). `seam` is the hook's StepSeam; on a CPU
-    device (unit tests) the gate is kernels.gate.ReferenceStepGate."""
+    device (unit tests) the gate is seam.gate.ReferenceStepGate."""
 
     def __init__(self, seam, device: torch.device, inline: bool = False):
         self.seam = seam
@@ -86,7 +86,7 @@ class LaggedControl:
             self.gate = ReferenceStepGate(self.capacity, pool.k_buffer, pool.v_buffer, slots, r2t)
         pinned = device.type == "cuda"
         # [3 * cap] int64: n batch rows, n expected positions, n row modes (contiguous for n < cap);
-        # page-locked on CUDA: kernels.decide reads it through UVA (no copy op), before the forward's
+        # page-locked on CUDA: seam.decide reads it through UVA (no copy op), before the forward's
         # publish, i.e. before the host may rewrite it for the next forward (drain waits for that)
         self.meta_host = torch.zeros(3 * self.capacity, dtype=torch.int64, pin_memory=pinned)
         self.tau_host = torch.zeros(1, dtype=torch.float64, pin_memory=pinned)  # [1] the policy's tau
@@ -138,7 +138,7 @@ class LaggedControl:
                                                            self.chosen))
         margin, fast, pos, need, rows_dev, chosen = views
         # one kernel: each row's margin and argmax, its position, whether it is the step mg expects
-        # (kernels.decide says more)
+        # (seam.decide says more)
         decide(logits, positions.to(logits.device), self.meta_host, self.tau_host, link.policy.mode == "always",
                margin, fast, pos, need, rows_dev)
         self.last_target += 1

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from mg_server import env
 from mg_server.config import HookConfig
-from mg_server.runtime import protocol as P
-from mg_server.runtime.liveness import BEAT_PERIOD_S, seam_beat_path, write_beat
-from mg_server.sglang_ext import rollback
+from mg_server.seam import rollback
+from mg_server.wire import protocol as P
+from mg_server.wire.liveness import BEAT_PERIOD_S, seam_beat_path, write_beat
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +66,9 @@ class ControllerLink:
     before_finish = None
 
     def __init__(self, config: HookConfig):
-        from mg_server.runtime.controller.client import ControllerClient
-        from mg_server.runtime.policy import Policy
-        from mg_server.runtime.shm import SlotBuffer
+        from mg_server.controller.client import ControllerClient
+        from mg_server.policy import Policy
+        from mg_server.wire.shm import SlotBuffer
 
         self.config = config
         if env.stacks_on_usr1():
@@ -93,7 +93,7 @@ class ControllerLink:
 
         Own client and thread: the controller answers after a check in progress (milliseconds),
         and neither the scheduler thread nor the finish watcher should wait for that."""
-        from mg_server.runtime.controller.client import ControllerClient
+        from mg_server.controller.client import ControllerClient
 
         client, failing = None, False
         while True:

@@ -1,6 +1,6 @@
 """The step seam's window commit side (a mixin of hook.StepSeam).
 
-Every protected row is committed fast (the controller checks the tokens behind: runtime/
+Every protected row is committed fast (the controller checks the tokens behind:
 controller/window.py). The controller's news (a rollback to apply, how much is checked) reaches
 `Tracked` through the link's stop watcher or the finish barrier; the forward that next carries a
 request with a rollback takes the synchronous path, which applies it in place (rollback.py) and
@@ -14,9 +14,9 @@ import logging
 from functools import partial
 
 from mg_server.config import INSTANCE_PARAM, instance_key
-from mg_server.runtime import protocol as P
-from mg_server.sglang_ext import rollback
-from mg_server.sglang_ext.link import Tracked
+from mg_server.seam import rollback
+from mg_server.seam.link import Tracked
+from mg_server.wire import protocol as P
 
 log = logging.getLogger(__name__)
 

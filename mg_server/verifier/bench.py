@@ -1,4 +1,4 @@
-"""Verifier latency benchmark: `python -m mg_server.runtime.verifier.bench --out X.json`.
+"""Verifier latency benchmark: `python -m mg_server.verifier.bench --out X.json`.
 
 Per model shape (random weights made on the device, nothing downloaded): prefill of a context,
 then verify latency for a catch-up of g tokens plus the current step (g+1 rows, g = 0/1/16/64),
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from mg_server.runtime.protocol import VerifyItem
-from mg_server.runtime.shm import SlotBuffer
-from mg_server.runtime.verifier import ops
-from mg_server.runtime.verifier.engine import VerifierEngine
-from mg_server.runtime.verifier.model import ModelSpec, VerifierModel
+from mg_server.verifier import ops
+from mg_server.verifier.engine import VerifierEngine
+from mg_server.verifier.model import ModelSpec, VerifierModel
+from mg_server.wire.protocol import VerifyItem
+from mg_server.wire.shm import SlotBuffer
 
 SHAPES = {
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -142,8 +142,8 @@ def bench_model(name: str, device: str, ctx: int, iters: int, profile: bool = Fa
 
 def bench_ipc(name: str, device: str, ctx: int, iters: int, tmp: Path) -> dict:
     """A worker process of shape `name`: verify (1 step after `ctx` tokens) through zmq + shared slot."""
-    from mg_server.runtime.verifier.client import VerifierClient
-    from mg_server.runtime.verifier.server import VerifierConfig, start_verifier
+    from mg_server.verifier.client import VerifierClient
+    from mg_server.verifier.server import VerifierConfig, start_verifier
 
     from safetensors.torch import save_file
 
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="RMSNorm and SiLU inside the next matmul (KERNEL_CONFIG['fused'] on; off in the table)")
     args = ap.parse_args(argv)
     if args.fused:
-        from mg_server.kernels import KERNEL_CONFIG
+        from mg_server.verifier.kernels import KERNEL_CONFIG
         KERNEL_CONFIG["fused"] = {op: True for op in KERNEL_CONFIG["fused"]}  # (the id below follows)
     models = args.models.split(",") if args.models else (
         ["smollm2-135m", "llama-8b"] if args.device.startswith("cuda") else ["smollm2-135m"])

@@ -1,7 +1,7 @@
 """Client of a verifier worker: typed calls with timeouts, K/V columns read from shared slots.
 
 One client per thread (zmq sockets are not thread-safe). The request/reply plumbing (DEALER
-socket, msg_id per call, late replies of timed-out calls dropped) is `runtime.channel.RpcClient`.
+socket, msg_id per call, late replies of timed-out calls dropped) is `wire.channel.RpcClient`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from mg_server.runtime import protocol as P
-from mg_server.runtime.channel import RpcClient, RpcError
-from mg_server.runtime.shm import SlotBuffer
+from mg_server.wire import protocol as P
+from mg_server.wire.channel import RpcClient, RpcError
+from mg_server.wire.shm import SlotBuffer
 
 
 class VerifierError(RpcError):

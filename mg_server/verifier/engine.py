@@ -7,7 +7,7 @@ the K/V column of position pos. Catch-up rows are ordinary rows of the same forw
 verifier also records its own argmax/margin at every caught-up position (the audit).
 Several requests share one forward; the kernels are batch-invariant, so this changes nothing.
 An item with temperature > 0 is decoded by seeded sampling (protocol module doc): its rows'
-tokens and margins come from `kernels.sampled_choice` (or its device half, `sampled_pair`) of
+tokens and margins come from `sampling.sampled_choice` (or its device half, `sampled_pair`) of
 their fp32 logits row, the function mg's seam calls on the fast path's row, so both add
 bit-identical noise.
 """
@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from mg_server.runtime.protocol import ErrorCode, ErrorReply, VerifyItem
-from mg_server.runtime.verifier import ops
-from mg_server.runtime.verifier.model import KVPool, Segment, VerifierModel
+from mg_server.verifier import ops
+from mg_server.verifier.model import KVPool, Segment, VerifierModel
+from mg_server.wire.protocol import ErrorCode, ErrorReply, VerifyItem
 
 
 @dataclass
@@ -80,7 +80,7 @@ class VerifierEngine:
         self.graph_forwards = 0  # graph replays (a forward of more rows than the largest bucket takes several)
         self.graphs = None
         if cuda_graphs and model.device.type == "cuda":
-            from mg_server.runtime.verifier.graphs import BUCKETS, RowGraphs
+            from mg_server.verifier.graphs import BUCKETS, RowGraphs
 
             self.graphs = RowGraphs(model, self.pool, self.kv_table, self.max_seq_len, scratch, max_requests,
                                     graph_buckets or BUCKETS)  # (rows per graph: graphs.BUCKETS)
@@ -268,14 +268,14 @@ class VerifierEngine:
         long catch-up's rows are never read, and R x V fp32 would be ~1 GB for an 8B vocabulary).
         Sampled rows are decided after their own replay, before the next overwrites them.
         Nothing here allocates device or page-locked memory, and every copy is a kernel
-        (kernels.zerocopy).
+        (wire.zerocopy).
         Why chunks keep every row's bits: a row reads only K/V of its own request's positions
         <= its own, and chunks go in row order, so those are written (by an earlier replay or this
         one) exactly as one forward would write them; each row's arithmetic does not depend on
         the other rows of its replay (batch-invariant kernels). Before, a forward of more rows
         than the largest bucket ran op by op: 24 ms where a replay takes 2.4 ms (smol, H100).
         """
-        from mg_server.kernels.zerocopy import copy_  # (graphs exist on CUDA only)
+        from mg_server.wire.zerocopy import copy_  # (graphs exist on CUDA only)
 
         g, n = self.graphs, self.graphs.max_rows
         logits: Tensor | dict[int, Tensor] = {}
@@ -293,7 +293,7 @@ class VerifierEngine:
             else:
                 for j, r in enumerate(answers):
                     if a <= r < a + n:
-                        # on CUDA a kernel's copy, not a copy engine's (kernels.zerocopy)
+                        # on CUDA a kernel's copy, not a copy engine's (wire.zerocopy)
                         logits[r] = copy_(lg[r - a], g.kept[j]) if lg.is_cuda else g.kept[j].copy_(lg[r - a])
             tops += top
         return logits, tops

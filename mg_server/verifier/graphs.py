@@ -7,7 +7,7 @@ row's slot table), so one captured graph per bucket replays it for any positions
 in a bucket are padding: they read and write only a scratch slot, and since every kernel is
 batch-invariant (a row's bits never depend on the other rows) they change nothing for the real
 rows. The graph also computes the top-2 of every row's logits. Its inputs and that top-2 move
-through page-locked host buffers that the graph's own kernels read and write (kernels.zerocopy:
+through page-locked host buffers that the graph's own kernels read and write (wire.zerocopy:
 no copy engine), so a step costs one replay and one event sync.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mg_server.kernels.zerocopy import copy_
-from mg_server.runtime.verifier import ops
+from mg_server.verifier import ops
+from mg_server.wire.zerocopy import copy_
 
 # Rows per graph; a forward of more rows replays the largest in chunks (engine). Windows (the
 # pending rows of every protected request, e.g. 8 x 17 or 8 x 65) fit one replay up to 640 rows:
@@ -37,7 +37,7 @@ class RowGraphs:
         self.inputs = torch.zeros((4, n), dtype=torch.int64, device=dev)
         # Their page-locked host copy [4, max bucket] int64, which the graph's first kernel reads,
         # and the page-locked copy of every row's (margin, argmax) [max bucket, 2] fp64 that its
-        # last kernel writes (kernels.zerocopy); `done` is recorded after each replay.
+        # last kernel writes (wire.zerocopy); `done` is recorded after each replay.
         self.staging = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)
         self.top_host = torch.zeros((n, 2), dtype=torch.float64, pin_memory=True)
         self.done = torch.cuda.Event()

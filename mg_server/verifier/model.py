@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from mg_server.runtime.verifier import ops
+from mg_server.verifier import ops
 
 FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
@@ -279,7 +279,7 @@ class VerifierModel:
             m = ops.silu_matmul(gu, lay.w_down)  # [R, H] dtype
         h, residual = ops.add_rms_norm(m, residual, self.final_norm, s.eps)
         if logits_out is not None:  # CUDA only: the kernel ops.matmul runs there, writing in place
-            from mg_server.kernels.matmul_triton import matmul as matmul_into
+            from mg_server.verifier.kernels.matmul_triton import matmul as matmul_into
 
             return matmul_into(h, self.lm_head, out=logits_out)  # [R, V] fp32, the same bits
         return ops.matmul(h, self.lm_head, out_dtype=torch.float32)  # [R, V] fp32

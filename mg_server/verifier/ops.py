@@ -1,4 +1,4 @@
-"""The verifier's view of `mg_server.kernels` (batch-invariant ops).
+"""The verifier's view of `mg_server.verifier.kernels` (batch-invariant ops).
 
 The model calls only the names bound here, so every reduction in the verifier goes through one
 place, and the kernel configuration id reported in the hello names exactly these kernels.
@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from mg_server.kernels import (  # noqa: F401 - re-exported
+from mg_server.sampling import choice_of_pair, sampled_choice, sampled_pair  # noqa: F401 - re-exported
+from mg_server.verifier.kernels import (  # noqa: F401 - re-exported
     add_rms_norm,
     attention_paged,
-    choice_of_pair,
     attention_rows,
     kernel_config_id,
     matmul,
@@ -19,8 +19,6 @@ from mg_server.kernels import (  # noqa: F401 - re-exported
     prepare_weight,
     rms_norm,
     rope_store,
-    sampled_choice,
-    sampled_pair,
     silu_matmul,
     top2,
 )

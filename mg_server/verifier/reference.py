@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mg_server.runtime.protocol import ErrorReply, VerifyItem
+from mg_server.wire.protocol import ErrorReply, VerifyItem
 
 
 @dataclass
@@ -69,7 +69,7 @@ def checkpoint_bytes(model_path: str, dtype_bytes: int = 2) -> tuple[int, int]:
     import json
     from pathlib import Path
 
-    from mg_server.runtime.verifier.model import ModelSpec
+    from mg_server.verifier.model import ModelSpec
 
     s = ModelSpec.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
     q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
@@ -104,8 +104,8 @@ def load_engine(model_path: str, dtype: str = "bfloat16", device: str = "cpu", m
     """
     import torch
 
-    from mg_server.runtime.verifier.engine import VerifierEngine
-    from mg_server.runtime.verifier.model import VerifierModel
+    from mg_server.verifier.engine import VerifierEngine
+    from mg_server.verifier.model import VerifierModel
 
     model = VerifierModel.load(model_path, getattr(torch, dtype), device, max_seq_len)
     if memory_gb > 0:

@@ -4,7 +4,7 @@ Entry point: `run_verifier(cfg)` (in the child) or `start_verifier(cfg)` (spawns
 binds before loading the model, so a client's hello simply waits in the queue; if loading fails,
 the worker stays up and answers every message with a typed error (`load_failed`, naming the
 cause) instead of vanishing. From its first moment it beats and watches the process that
-started it (runtime.liveness): if that one dies, the worker removes its shared memory and exits.
+started it (wire.liveness): if that one dies, the worker removes its shared memory and exits.
 Messages are served in arrival order; consecutive Verify messages are coalesced into one batched
 step (batch-invariant kernels make that safe); control messages flush pending verifies first.
 """
@@ -23,8 +23,8 @@ from dataclasses import dataclass, replace
 import torch
 import zmq
 
-from mg_server.runtime import protocol as P
-from mg_server.runtime.shm import SlotBuffer
+from mg_server.wire import protocol as P
+from mg_server.wire.shm import SlotBuffer
 
 
 @dataclass(frozen=True)
@@ -82,10 +82,10 @@ class VerifierServer:
         self.running = True
 
     def load(self) -> None:
-        from mg_server.runtime.fingerprint import weights_digest
-        from mg_server.runtime.verifier import ops
-        from mg_server.runtime.verifier.model import model_identity
-        from mg_server.runtime.verifier.reference import load_engine
+        from mg_server.verifier import ops
+        from mg_server.verifier.model import model_identity
+        from mg_server.verifier.reference import load_engine
+        from mg_server.wire.fingerprint import weights_digest
 
         cfg = self.cfg
         try:
@@ -116,7 +116,7 @@ class VerifierServer:
     def _warm_up(self) -> None:
         """Compile and load every kernel a verify call launches, now: compiled on a first request,
         they would take it past its deadline."""
-        from mg_server.kernels import zerocopy
+        from mg_server.wire import zerocopy
 
         t0 = time.perf_counter()
         # A short prompt and a step; then several long prompts in one call (chunked graph replays)
@@ -327,8 +327,8 @@ class VerifierServer:
 
 def run_verifier(cfg: VerifierConfig) -> None:
     """Process entry point: bind, load, serve until a Shutdown message (or the parent is gone)."""
-    from mg_server.runtime.channel import set_process_title
-    from mg_server.runtime.liveness import Lifeline, beat_path
+    from mg_server.wire.channel import set_process_title
+    from mg_server.wire.liveness import Lifeline, beat_path
 
     set_process_title("mg::verifier")
     server = VerifierServer(cfg)

@@ -2,7 +2,7 @@
 
 A DEALER socket tags each call with a msg_id; a reply that arrives after its call timed out is
 recognised by its id and dropped, so a timeout never desynchronises later calls. A client may
-name a `peer_check` (see runtime.liveness): while a call waits, it is asked every
+name a `peer_check` (see wire.liveness): while a call waits, it is asked every
 `CHECK_PERIOD_S` whether the serving process is still there, so a dead or stopped peer costs a
 caller about a second instead of the whole timeout.
 """
@@ -16,7 +16,7 @@ from typing import Callable
 
 import zmq
 
-from mg_server.runtime import protocol as P
+from mg_server.wire import protocol as P
 
 
 CHECK_PERIOD_S = 0.1  # how often a waiting call asks peer_check

@@ -4,7 +4,7 @@ instances that died without removing theirs.
 An instance owns two temp folders (`mg-run-PORT-PID-*`: sockets and beat files;
 `mg-metrics-PORT-PID-*`: prometheus multiprocess files) and the verifier's POSIX shared-memory
 segments (`/dev/shm/mgv_PID_HASH` and `..._g`), PID being the mg-server process. Every stop
-removes them (atexit, SGLang's SIGTERM/SIGQUIT path via sglang_ext.shutdown, the controller's
+removes them (atexit, SGLang's SIGTERM/SIGQUIT path via launch.shutdown, the controller's
 orphan watch after a kill -9); whatever a hard crash still leaves is swept by the next start,
 which removes only names whose owning pid is gone (another live server's are never touched).
 """

@@ -9,7 +9,7 @@ numerics a reproducibility promise rests on.
   the same names and sizes, and any changed weight can change tokens. Cost: one read of files the
   verifier has just loaded (page cache), ~0.2 s for SmolLM2-135M's 270 MB on one CPU core,
   seconds for an 8B model, paid at start-up only.
-- `kernel_config_id` (`mg_server.kernels`): a hash of the kernel table and the backend versions;
+- `kernel_config_id` (`mg_server.verifier.kernels`): a hash of the kernel table and the backend versions;
   the verifier's tokens are a function of (weights, prefix, kernel configuration), so a new id
   means a reproduced request may get other tokens.
 Both are functions of files and code only, so the fingerprint is stable across restarts.

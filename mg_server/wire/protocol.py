@@ -2,7 +2,7 @@
 
 Wire format: one zmq frame holding the msgpack encoding of a tagged `Message` union. Messages
 carry token ids, positions, slot indices and generation counters: never tensors or pickles.
-K/V columns travel through the shared slot buffer (`mg_server.runtime.shm`).
+K/V columns travel through the shared slot buffer (`mg_server.wire.shm`).
 
 Positions (the convention every mg process uses):
   A request's tokens are t_0 .. t_{n-1} (prompt) then the emitted tokens. The decode step at
@@ -12,7 +12,7 @@ Positions (the convention every mg process uses):
 
 Decoding rule (per request): greedy (temperature 0: t_{p+1} = argmax of the logits at p) or
 seeded sampling (temperature > 0 with a seed: t_{p+1} = argmax of logits / T + Gumbel noise of
-(seed, p), `mg_server.kernels.sampling`); margins are then T * (top1 - top2) of those scores.
+(seed, p), `mg_server.sampling`); margins are then T * (top1 - top2) of those scores.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from multiprocessing import shared_memory
 import torch
 from torch import Tensor
 
-from mg_server.runtime.protocol import ShmSpec
+from mg_server.wire.protocol import ShmSpec
 
 
 # CUDA slot buffers created in this process, by shm name (see module doc).
@@ -136,8 +136,8 @@ class SlotBuffer:
         (a verify call's results; a sync per column cost ~0.1 ms each on the H100)."""
         for slot, _, _ in entries:
             self.gens[slot] = -1
-        if self.data.is_cuda:  # a kernel's copy, not a copy engine's (kernels.zerocopy)
-            from mg_server.kernels.zerocopy import copy_
+        if self.data.is_cuda:  # a kernel's copy, not a copy engine's (wire.zerocopy)
+            from mg_server.wire.zerocopy import copy_
         for slot, column, _ in entries:
             if self.data.is_cuda:
                 copy_(column.contiguous(), self.data[slot])

@@ -44,11 +44,9 @@ Public API (shapes: M rows, K in-features, N out-features, T query tokens, S key
         tables; rotate-half RoPE of every head, K and V written to k_layer/v_layer[slots];
         returns q [R,Hq,D] contiguous (element-wise; one fused launch on CUDA)
     KERNEL_CONFIG, kernel_config_id(device=None)
-    gumbel_noise(seed, position, vocab, device)  -> [vocab] fp32 (`sampling`: seeded sampling
-                                           as Gumbel-max; bit-identical on every device)
-    sampled_scores(logits [V], T, seed, position) -> [V] fp32 = logits / T + gumbel_noise
-    sampled_choice(logits [V], T, seed, position) -> (token, margin = T * (top1 - top2))
-    sampled_pair(...) -> its [2] fp64 (top1 - top2, token) left on the device; choice_of_pair reads it
+
+Seeded sampling (`gumbel_noise`, `sampled_scores`, `sampled_choice`, `sampled_pair`,
+`choice_of_pair`) is `mg_server.sampling`: the seam computes it too, and its top-2 is `top2` here.
 """
 from __future__ import annotations
 
@@ -60,12 +58,10 @@ from torch import Tensor
 from . import cpu as _cpu
 from .config import KERNEL_CONFIG, kernel_config_id
 from .cpu import PreparedWeight
-from .sampling import choice_of_pair, gumbel_noise, sampled_choice, sampled_pair, sampled_scores
 
 __all__ = ["matmul", "prepare_weight", "PreparedWeight", "rms_norm", "add_rms_norm", "norm_matmul", "silu_matmul",
            "log_softmax", "top2", "argmax", "silu_mul", "attention", "attention_paged",
-           "attention_rows", "rope_store", "KERNEL_CONFIG", "kernel_config_id", "gumbel_noise", "sampled_scores",
-           "sampled_choice", "sampled_pair", "choice_of_pair"]
+           "attention_rows", "rope_store", "KERNEL_CONFIG", "kernel_config_id"]
 
 # Debug only: MG_KERNELS_BACKEND=triton sends CPU tensors to the Triton kernels (use with
 # TRITON_INTERPRET=1); it is never needed in production.

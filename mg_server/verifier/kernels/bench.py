@@ -1,6 +1,6 @@
 """Benchmark: invariant kernels vs torch reference.
 
-    python -m mg_server.kernels.bench --out bench.json [--device cuda|cpu] [--variants]
+    python -m mg_server.verifier.kernels.bench --out bench.json [--device cuda|cpu] [--variants]
 
 GPU: matmul vs torch.mm (cuBLAS) on SmolLM2-135M and Llama-3.1-8B projection shapes, bf16,
 M in {1,8,32,64,256,1024}; attention decode (T=1) and prefill (a 512-token chunk ending at the

@@ -1,6 +1,6 @@
 """Benchmark (GPU): the fused prologue matmuls (fused_triton) against the two ops they replace.
 
-    python -m mg_server.kernels.bench_fused --out fused.json [--ms 1,8,17,32,64] [--shapes 135m,8b]
+    python -m mg_server.verifier.kernels.bench_fused --out fused.json [--ms 1,8,17,32,64] [--shapes 135m,8b]
 
 Per weight shape the verifier fuses (qkv and gate_up after an RMSNorm, down after SiLU*up) and
 row count: ms per call of the unfused pair (triton_ops' norm / silu_mul, then matmul), of the

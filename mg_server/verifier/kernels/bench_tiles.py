@@ -1,6 +1,6 @@
 """Benchmark (GPU): candidate bf16 matmul tile configs vs cuBLAS, per weight shape and row count.
 
-    python -m mg_server.kernels.bench_tiles --out tiles.json [--ms 1,8,64,256,1024] [--shapes 8b]
+    python -m mg_server.verifier.kernels.bench_tiles --out tiles.json [--ms 1,8,64,256,1024] [--shapes 8b]
 
 Why this can choose a tile by M at all: every candidate runs the same reduction per output
 element (K ascending in BLOCK_K = 64 steps, fp32 accumulator), so it is bit-equal to the dtype
