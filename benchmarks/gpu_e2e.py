@@ -116,15 +116,15 @@ def references(model: Path, prompts: dict, tokens: int, out: Path, device: str) 
 
 
 def _refs_main(model: str, prompts_file: Path, tokens: int, out: Path, device: str) -> None:
-    from mg_server.runtime.verifier.reference import greedy_reference, load_engine
+    from mg_server.verifier.reference import greedy_reference, load_engine
 
     if device == "cpu":
-        from mg_server.sglang_ext.compat import fix_torchvision
+        from mg_server.launch.compat import fix_torchvision
 
         fix_torchvision()
     import torch
 
-    from mg_server.runtime.protocol import ErrorReply
+    from mg_server.wire.protocol import ErrorReply
 
     prompts = json.loads(prompts_file.read_text())
     engine = load_engine(model, device=device, max_seq_len=2048, pool_tokens=65536)

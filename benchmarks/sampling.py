@@ -30,7 +30,7 @@ from mg_server.model.prepare import prepare_model  # noqa: E402
 def references(model: str, ids, tokens: int, temperature: float, seeds):
     import torch
 
-    from mg_server.runtime.verifier.reference import greedy_reference, load_engine
+    from mg_server.verifier.reference import greedy_reference, load_engine
 
     torch.set_num_threads(1)  # results do not depend on it; one thread leaves a core to the rest
     engine = load_engine(model)

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mg_server.runtime.protocol import VerifyItem
-from mg_server.runtime.verifier.bench import SHAPES, random_tensors
-from mg_server.runtime.verifier.engine import VerifierEngine
-from mg_server.runtime.verifier.model import ModelSpec, VerifierModel
+from mg_server.verifier.bench import SHAPES, random_tensors
+from mg_server.verifier.engine import VerifierEngine
+from mg_server.verifier.model import ModelSpec, VerifierModel
+from mg_server.wire.protocol import VerifyItem
 
 CASES = "1x1,8x1,1x17,8x17,8x33,8x65"  # requests x rows each
 PROFILED = "8x17,8x65"
@@ -260,7 +260,7 @@ def main(argv=None):
                          '(sets the "matmul_tiles" entry of that rows column; no bits change)')
     a = ap.parse_args(argv)
     if a.tile:
-        from mg_server.kernels import KERNEL_CONFIG
+        from mg_server.verifier.kernels import KERNEL_CONFIG
         table = KERNEL_CONFIG["matmul_tiles"]
         for t in a.tile:
             key, rest = t.split("@")

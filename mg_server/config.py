@@ -38,7 +38,7 @@ class HookConfig:
     controller_ipc: str = ""  # "" = no controller: only count steps and margins
     step_timeout_s: float = 60.0  # the longest wait for the controller (the finish barrier's check of a request)
     # CUDA with the overlap scheduler: read each forward's rows one forward late, without a host
-    # sync (sglang_ext/lagged.py); False: read the margins before sampling (--mg-seam sync)
+    # sync (seam/lagged.py); False: read the margins before sampling (--mg-seam sync)
     lagged_commit: bool = True
 
     def to_json_dict(self) -> dict:
@@ -59,7 +59,7 @@ class FrontConfig:
     metrics_dir: str
     controller_ipc: str = ""  # "" = no controller: no verdict headers
     kernel_config_id: str = ""  # the verifier's, reported on deterministic responses
-    system_fingerprint: str = ""  # runtime.fingerprint: weights + kernel configuration ("" in mode off)
+    system_fingerprint: str = ""  # wire.fingerprint: weights + kernel configuration ("" in mode off)
     verdict_wait_s: float = 120.0  # how long a response waits for its request's final audit (CPU: long)
     model_path: str = ""  # its tokenizer spells a corrected answer's text ("" = no text rewrite)
     vocab_size: int = 0  # the model's: token ids in request bodies are checked against it (0: unchecked)
@@ -76,7 +76,7 @@ class ServeConfig:
     model_path: str
     host: str
     port: int
-    profile: str  # SGLang host profile (sglang_ext.compat): "cpu" | "cuda-bare" | "cuda"
+    profile: str  # SGLang host profile (launch.compat): "cpu" | "cuda-bare" | "cuda"
     metrics_dir: str
     sglang_args: tuple[str, ...] = ()  # extra SGLang server flags, passed through verbatim
     mg_mode: str = "margin"  # "off" | "margin" | "always"
@@ -88,7 +88,7 @@ class ServeConfig:
     verify_timeout_s: float = 30.0  # one verifier call (a catch-up chunk or a verify step)
     catchup_chunk: int = 256  # tokens per verifier call when it catches up
     verdict_wait_s: float = 120.0  # a response's longest wait for its verdict
-    lagged_commit: bool = True  # CUDA + overlap: the one-forward-late seam (sglang_ext/lagged.py; --mg-seam)
+    lagged_commit: bool = True  # CUDA + overlap: the one-forward-late seam (seam/lagged.py; --mg-seam)
     window: int = 32  # unchecked tokens a deterministic request may run ahead of its checks (--mg-window)
     queue_size: int = 256  # deterministic requests that wait for the verifier before a 429 (--mg-queue)
     allow_sglang: str = ""  # an untested SGLang version the user accepts (--mg-allow-sglang; seams.check)

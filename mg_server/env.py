@@ -22,7 +22,7 @@ def cache_dir() -> Path:
 
 
 def compat_profile() -> str:
-    """The compatibility profile the launcher applied ("" when none): see sglang_ext.compat."""
+    """The compatibility profile the launcher applied ("" when none): see launch.compat."""
     return os.environ.get(COMPAT_VAR, "")
 
 

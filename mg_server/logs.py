@@ -1,7 +1,7 @@
 """The server's log: third-party start-up noise lowered to debug, in every process of the tree.
 
 `quiet()` runs in mg-server's own process and in each process SGLang or mg spawns (they
-re-import `mg_server.cli`, see its docstring). It changes only the records named here, each
+re-import `mg_server.launch.cli`, see its docstring). It changes only the records named here, each
 a known message of a known logger (SGLang logs through `logging.getLogger(__name__)`), and
 never a record at ERROR or above: a real error, and its traceback, still shows. A lowered record
 is logged at DEBUG (`--log-level debug` shows it). Filters sit on the loggers themselves, since
@@ -25,7 +25,7 @@ NOISE = {
     "sglang.srt.dllm.algorithm": (r"Ignore import error when loading",),
     # mg's hook factory attaches to the sampler itself and returns no module hook (by design)
     "sglang.srt.model_executor.hook_manager": (r"Hook factory '.*' returned None",),
-    # the CPU engine settings mg chose itself (sglang_ext.launch)
+    # the CPU engine settings mg chose itself (launch.launcher)
     "sglang.srt.arg_groups.attention_hook": (r"Cuda graph is disabled because of using torch native",),
     "sglang.srt.model_executor.model_runner_components.cuda_graph_setup": (
         r"Disable prefill CUDA graph because cuda_graph_config resolved",),

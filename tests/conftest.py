@@ -2,7 +2,7 @@
 
 - The `gpu` marker skips without CUDA.
 - torchvision's CPU import fix is applied first: transformers imports torchvision whenever it
-  is installed (see mg_server.sglang_ext.compat).
+  is installed (see mg_server.launch.compat).
 - `prepared_model`: the embedded SmolLM2 checkpoint (prepared once, cached across runs).
 """
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mg_server.sglang_ext.compat import fix_torchvision
+from mg_server.launch.compat import fix_torchvision
 
 fix_torchvision()
 

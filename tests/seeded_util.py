@@ -19,7 +19,7 @@ def sampled_references(model: str, ids: list[list[int]], max_new: int = MAX_NEW)
     """The verifier-alone answers of seeded sampling at T with seeds(len(ids))."""
     import torch
 
-    from mg_server.runtime.verifier.reference import greedy_reference, load_engine
+    from mg_server.verifier.reference import greedy_reference, load_engine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # results do not depend on it; one thread leaves a core to the rest

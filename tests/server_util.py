@@ -24,7 +24,7 @@ def faulted_server(model, log_path, args: list[str], env: dict[str, str], questi
     from transformers import AutoTokenizer
 
     from mg_server.prompts import chat_ids
-    from mg_server.runtime.verifier.reference import greedy_reference, load_engine
+    from mg_server.verifier.reference import greedy_reference, load_engine
 
     tok = AutoTokenizer.from_pretrained(str(model))
     prompts = [chat_ids(tok, ({"role": "user", "content": q},)) for q in questions]

@@ -6,7 +6,6 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +14,8 @@ from mg_server.calibration import fastpath, plot, profile, sweep
 from mg_server.calibration.config import CalibrationConfig
 from mg_server.calibration.fastpath import MeasurementError, Trace
 from mg_server.calibration.sweep import SetData
+from mg_server.policy import PROFILE_DIR, Policy, read_profile, resolve_tau
 from mg_server.prompts import load_prompt_set, read_jsonl_prompts
-from mg_server.runtime.policy import PROFILE_DIR, Policy, read_profile, resolve_tau
 
 # ---- the fast path's rows ------------------------------------------------------------------
 
@@ -254,11 +253,10 @@ def test_tau_profile_files(tmp_path):
 
 
 def test_serve_profile_flag_reaches_the_config(monkeypatch, tmp_path, prepared_model):
-    from mg_server import cli
-    from mg_server.sglang_ext import launch
+    from mg_server.launch import cli, launcher
 
     seen = []
-    monkeypatch.setattr(launch, "serve", seen.append)
+    monkeypatch.setattr(launcher, "serve", seen.append)
     f = tmp_path / "t.json"
     f.write_text('{"tau": 0.3}')
     assert cli.main(["serve", "--model", str(prepared_model), "--profile", str(f), "--device", "cpu"]) == 0
@@ -270,7 +268,7 @@ def test_serve_profile_flag_reaches_the_config(monkeypatch, tmp_path, prepared_m
                                   ["--limit", "0"], ["--prompts", "/does/not/exist.jsonl"], ["--safety-factor", "0.5"],
                                   ["--model", "/does/not/exist"], ["--unknown-flag"]])
 def test_calibrate_bad_input_exits_2(tmp_path, args, capsys):
-    from mg_server import cli
+    from mg_server.launch import cli
 
     try:
         rc = cli.main(["calibrate", "--out", str(tmp_path / "o"), *args])
@@ -286,9 +284,8 @@ def test_calibrate_bad_input_exits_2(tmp_path, args, capsys):
 @pytest.mark.server
 def test_small_calibration_end_to_end(tmp_path, prepared_model):
     out = tmp_path / "cal"
-    exe = Path(sys.executable).with_name("mg-server")
-    cmd = [str(exe), "calibrate", "--prompts", "humaneval", "--batch-sizes", "1,4", "--max-tokens", "24",
-           "--limit", "4", "--out", str(out)]
+    cmd = [sys.executable, "-m", "mg_server", "calibrate", "--prompts", "humaneval", "--batch-sizes", "1,4",
+           "--max-tokens", "24", "--limit", "4", "--out", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     prof = json.loads((out / "profile.json").read_text())

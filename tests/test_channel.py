@@ -1,4 +1,4 @@
-"""mg's request/reply channel (runtime/channel.py): every call gets its own reply, in order."""
+"""mg's request/reply channel (wire/channel.py): every call gets its own reply, in order."""
 
 import threading
 import time
@@ -6,8 +6,8 @@ import time
 import pytest
 import zmq
 
-from mg_server.runtime import protocol as P
-from mg_server.runtime.channel import RpcClient
+from mg_server.wire import protocol as P
+from mg_server.wire.channel import RpcClient
 
 
 def _echo_server(endpoint: str, n: int, delay_s: float) -> threading.Thread:
@@ -45,7 +45,7 @@ def test_each_call_gets_its_own_reply(tmp_path, delay_s):
 def test_a_finish_report_never_waits_for_a_busy_controller(tmp_path):
     # the seam's finish watcher sends Finish one way: a controller busy in a long verify call
     # (here: one that reads but never answers) cannot hold the watcher, whose beat /health reads
-    from mg_server.runtime.controller.client import ControllerClient
+    from mg_server.controller.client import ControllerClient
 
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.bind(f"ipc://{tmp_path}/c.sock")

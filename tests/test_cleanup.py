@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-from mg_server.runtime.cleanup import remove_instance, shm_base, sweep_stale, temp_prefix
+from mg_server.wire.cleanup import remove_instance, shm_base, sweep_stale, temp_prefix
 
 
 def dead_pid() -> int:
@@ -57,7 +57,7 @@ def test_sglang_instance_files_are_recorded_and_removed(monkeypatch):
     from sglang.srt.managers.load_snapshot import shm_path_for
     from sglang.srt.server_args import PortArgs, ServerArgs
 
-    from mg_server.sglang_ext import leftovers
+    from mg_server.launch import leftovers
 
     monkeypatch.setattr(PortArgs, "init_new", PortArgs.__dict__["init_new"])  # restored after the test
     monkeypatch.setattr(leftovers, "_paths", [])

@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from mg_server.runtime import protocol as P
-from mg_server.runtime.controller.server import Controller, ControllerConfig
-from mg_server.runtime.controller.window import CHECK_DELAY_FORWARDS
-from mg_server.runtime.policy import Policy, resolve_tau
+from mg_server.controller.server import Controller, ControllerConfig
+from mg_server.controller.window import CHECK_DELAY_FORWARDS
+from mg_server.policy import Policy, resolve_tau
+from mg_server.wire import protocol as P
 
 
 def test_policy_modes():
@@ -185,7 +185,7 @@ def test_a_completion_runs_in_slices_and_steps_are_served_between(make_ctl, monk
     """audit.CORRECTION_SLICE_S 0: each verdict ask makes one verify call of the completion and
     reads `running` until the answer is complete; another request's steps go through meanwhile,
     and the completed answer is the one the one-shot completion gives."""
-    from mg_server.runtime.controller import audit
+    from mg_server.controller import audit
 
     monkeypatch.setattr(audit, "CORRECTION_SLICE_S", 0.0)
     ctl = make_ctl("margin", 0.5)
@@ -316,7 +316,7 @@ def test_an_empty_answer_is_not_a_mismatch(make_ctl):
 
 
 def test_a_verifier_that_dies_mid_call_fails_the_rows_and_reports_down(make_ctl):
-    from mg_server.runtime.verifier.client import VerifierError
+    from mg_server.verifier.client import VerifierError
 
     ctl = make_ctl("always", 0.5)
 

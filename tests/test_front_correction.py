@@ -4,7 +4,7 @@ demonstrably holds the answer SGLang emitted; otherwise None (the verdict stays 
 import json
 
 from mg_server.front import correction
-from mg_server.runtime.protocol import Correction
+from mg_server.wire.protocol import Correction
 
 
 def apply(body: bytes, path: str, corr: Correction, model_path: str) -> bytes | None:

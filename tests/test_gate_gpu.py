@@ -1,4 +1,4 @@
-"""The step gate's CUDA kernel (mg_server/kernels/gate.py) on a real GPU, against its CPU
+"""The step gate's CUDA kernel (mg_server/seam/gate.py) on a real GPU, against its CPU
 reference; skipped without CUDA."""
 
 import threading
@@ -13,7 +13,7 @@ L, H, D, N = 4, 3, 64, 5  # layers, kv heads, head dim, rows
 
 
 def _setup():
-    from mg_server.kernels.gate import ReferenceStepGate, StepGate
+    from mg_server.seam.gate import ReferenceStepGate, StepGate
 
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
@@ -114,7 +114,7 @@ def test_many_forwards_in_a_row_keep_the_protocol():
     """Back-to-back gates of 100 rows (all 4 warps store values), every third one holding,
     answered by a host thread: each forward's values, tokens and acknowledgement are its own
     (a tag visible before the values would show the previous forward's positions here)."""
-    from mg_server.kernels.gate import StepGate
+    from mg_server.seam.gate import StepGate
 
     gpu0, _, dev = _setup()
     rows, rounds, seen = 100, 300, []
@@ -157,7 +157,7 @@ def test_many_forwards_in_a_row_keep_the_protocol():
 
 _FIRST_HOLD = """
 import time, torch
-from mg_server.kernels.gate import StepGate
+from mg_server.seam.gate import StepGate
 dev = torch.device("cuda")
 slots = torch.zeros(2, 1, 2, 1, 8, dtype=torch.bfloat16, device=dev)
 pool = [torch.zeros(4, 1, 8, dtype=torch.bfloat16, device=dev)]
@@ -199,10 +199,10 @@ def test_strided_inputs_are_read_row_by_row():
 
 
 def test_decide_and_force_kernels_match_their_torch_reference():
-    """kernels.decide on CUDA (the lagged seam's launch) against decide_reference: margins, the
+    """seam.decide on CUDA (the lagged seam's launch) against decide_reference: margins, the
     lowest-index argmax on ties, positions, the step check, tau, the row modes, mode always;
     meta read from page-locked host memory as the seam passes it; force's one-hot rows."""
-    from mg_server.kernels import decide as DC
+    from mg_server.seam import decide as DC
 
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
@@ -217,7 +217,7 @@ def test_decide_and_force_kernels_match_their_torch_reference():
     expected[::3] += 1  # not the step mg expects (every mode gets such rows: the modes cycle by 4)
     modes = torch.arange(n) % 4  # HOLD, LAZY, BEHIND, MUST
     meta = torch.cat([rows, expected, modes]).pin_memory()
-    # each case twice (the second launch goes through the compiled kernel kernels.launch kept), then
+    # each case twice (the second launch goes through the compiled kernel seam.kernel_launch kept), then
     # with logits at an odd address and row stride (a specialization the first kernel must not serve)
     cases = [(False, 1.0, 0), (False, 1.0, 0), (False, 0.0, 0), (True, 0.0, 0), (True, 0.0, 0), (False, 1.0, 1),
              (False, 1.0, 1), (False, 1.0, 0)]
@@ -247,7 +247,7 @@ def test_decide_and_force_kernels_match_their_torch_reference():
 
 
 def test_a_waiting_thread_wakes_at_the_publish_while_the_stream_is_held():
-    """Early verify (sglang_ext/lagged.py): another thread sleeps on the event recorded between
+    """Early verify (seam/lagged.py): another thread sleeps on the event recorded between
     the publish kernel and the stream wait; it must wake with the values out while the gate still
     holds (an event after the wait would never fire before the answer), and answer it."""
     gpu, _, dev = _setup()
@@ -280,10 +280,10 @@ def test_a_waiting_thread_wakes_at_the_publish_while_the_stream_is_held():
 
 
 def test_zerocopy_copies_move_bits_without_a_copy_engine():
-    """kernels.zerocopy.copy_: page-locked host -> device, device -> host and device -> device
+    """wire.zerocopy.copy_: page-locked host -> device, device -> host and device -> device
     are bit-exact (NaN payloads and -0 included), and a copy out of a held process still runs:
     a forward held by a step gate on another stream does not hold it up."""
-    from mg_server.kernels.zerocopy import copy_
+    from mg_server.wire.zerocopy import copy_
 
     dev = torch.device("cuda")
     words = torch.randint(-2 ** 62, 2 ** 62, (3001,), dtype=torch.int64)
@@ -298,7 +298,7 @@ def test_zerocopy_copies_move_bits_without_a_copy_engine():
     with pytest.raises(ValueError):
         copy_(words, torch.empty(3001, dtype=torch.int64, device=dev))  # pageable host memory
 
-    from mg_server.kernels.gate import _stream_wait_geq
+    from mg_server.seam.gate import _stream_wait_geq
     # every buffer first: an allocation while the stream is held would wait for it (gate.py)
     flag, sink, out = (torch.zeros(n, dtype=torch.int64).pin_memory() for n in (1, 3001, 3001))
     held, side, done = torch.cuda.Stream(), torch.cuda.Stream(), torch.cuda.Event()

@@ -36,7 +36,7 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
     (temperature 0.8, which take the synchronous seam's path) also run beside the greedy ones on
     the lagged seam and must equal their verifier-alone samples."""
     from mg_server.evaluation.determinism import DeterminismConfig, noop_processor, run
-    from mg_server.runtime.verifier.reference import greedy_reference, load_engine
+    from mg_server.verifier.reference import greedy_reference, load_engine
 
     prompts = json.loads((REPO / "benchmarks" / "data" / "gpu_prompts.json").read_text())
     det, other = prompts["det"][:6], prompts["other"][:4]

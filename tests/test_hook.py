@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from mg_server.config import DETERMINISTIC_PARAM, HookConfig
-from mg_server.runtime.policy import Policy
+from mg_server.policy import Policy
 
 
 @pytest.fixture(scope="module")
 def hook_mod():
-    from mg_server.sglang_ext import compat
+    from mg_server.launch import compat
 
     compat.install("cpu")
-    from mg_server.sglang_ext import hook
+    from mg_server.seam import hook
 
     return hook
 
@@ -81,7 +81,7 @@ def entry(processor):
 
 def sampler_args(reqs_flags, logits, positions):
     """The Sampler.forward positional args the seam reads: (logits_output, sampling_info, ..., positions)."""
-    from mg_server.sglang_ext.processor import MgFlagProcessor
+    from mg_server.seam.processor import MgFlagProcessor
 
     params = [({DETERMINISTIC_PARAM: flag, "__req__": req} if flag is not None else None) for req, flag in reqs_flags]
     flagged = any(p is not None for p in params)
@@ -148,7 +148,7 @@ def test_every_step_is_committed_fast_and_reported_whatever_its_margin(hook_mod,
 
 
 def test_a_skipped_position_fails_the_request(hook_mod, runner, tmp_path, monkeypatch):
-    from mg_server.sglang_ext.reasons import INTERNAL_REASON
+    from mg_server.seam.reasons import INTERNAL_REASON
 
     seam = make_seam(hook_mod, runner, tmp_path, monkeypatch)
     req = FakeReq("c", [1, 2])
@@ -208,7 +208,7 @@ def test_off_mode_counts_but_never_edits(hook_mod, runner, tmp_path, monkeypatch
 def test_seeded_rows_sample_by_the_shared_rule_and_send_it_with_the_prompt(hook_mod, runner, tmp_path,
                                                                           monkeypatch):
     from mg_server.config import SEED_PARAM, TEMPERATURE_PARAM
-    from mg_server.kernels import sampled_choice
+    from mg_server.sampling import sampled_choice
 
     seam = make_seam(hook_mod, runner, tmp_path, monkeypatch)
     req = FakeReq("s", [1, 2, 3], custom_params={DETERMINISTIC_PARAM: True, TEMPERATURE_PARAM: 0.8, SEED_PARAM: 11})
@@ -226,7 +226,7 @@ def test_seeded_rows_sample_by_the_shared_rule_and_send_it_with_the_prompt(hook_
 
 def test_off_mode_forces_seeded_rows_to_their_fast_sample(hook_mod, runner, tmp_path, monkeypatch):
     from mg_server.config import SEED_PARAM, TEMPERATURE_PARAM
-    from mg_server.kernels import sampled_choice
+    from mg_server.sampling import sampled_choice
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     seam = hook_mod.StepSeam(HookConfig(metrics_dir=str(tmp_path)), runner)

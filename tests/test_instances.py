@@ -15,8 +15,8 @@ from starlette.testclient import TestClient
 
 from mg_server.config import DETERMINISTIC_PARAM, INSTANCE_PARAM, FrontConfig, HookConfig
 from mg_server.front.middleware import DeterministicMiddleware
-from mg_server.runtime import protocol as P
-from mg_server.runtime.policy import Policy
+from mg_server.policy import Policy
+from mg_server.wire import protocol as P
 from test_hook import FakeReq
 
 DET = {"X-Deterministic": "1"}
@@ -80,10 +80,10 @@ def test_batch_rids_share_one_instance_and_empty_answers_stay_settled(front):
 
 @pytest.fixture(scope="module")
 def hook_mod():
-    from mg_server.sglang_ext import compat
+    from mg_server.launch import compat
 
     compat.install("cpu")
-    from mg_server.sglang_ext import hook
+    from mg_server.seam import hook
 
     return hook
 

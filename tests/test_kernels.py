@@ -1,4 +1,4 @@
-"""Batch-invariance and accuracy tests for mg_server.kernels, on CPU and (marker `gpu`) CUDA.
+"""Batch-invariance and accuracy tests for mg_server.verifier.kernels, on CPU and (marker `gpu`) CUDA.
 
 Invariance is checked bitwise (torch.equal): op(x[:k]) == op(x)[:k] for k = 1..64 and a few
 large k, permuted rows, 1 vs 2 CPU threads; attention: one prefill == any chunking == decode
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-import mg_server.kernels as K
+import mg_server.verifier.kernels as K
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -123,7 +123,7 @@ def _rope_case(device, dtype, r=70, hq=9, hkv=3, d=64, slots=200):
 def test_rope_store(device, dtype):
     """Fused RoPE + K/V store: per row independent of the row count; bit-equal to the torch
     formula (cpu.rope_store) on the same device; K/V land in their slots."""
-    from mg_server.kernels import cpu as C
+    from mg_server.verifier.kernels import cpu as C
     qk, v, cos, sin, pos, slot = _rope_case(device, dtype)
     hq, hkv, d = 9, 3, 64
 
@@ -146,7 +146,7 @@ def test_rope_store(device, dtype):
 def test_matmul_into_a_shared_buffer_gpu():
     """matmul(..., out=) (the verifier's graphs write every bucket's fp32 logits into one buffer):
     the same bits as a fresh output, for the row counts of the window graphs' tiles."""
-    from mg_server.kernels.matmul_triton import matmul
+    from mg_server.verifier.kernels.matmul_triton import matmul
 
     w = rand(4096, 512, dtype=torch.bfloat16, device="cuda", seed=1, scale=0.05)
     buf = torch.full((640, 4096), float("nan"), device="cuda")  # [rows, N] fp32
@@ -206,8 +206,8 @@ def test_matmul_tiles_bit_equal_gpu(key):
     """Every tile config "matmul_tiles" names for a shape gives the dtype entry's tile's bits (why
     the tile may follow M), with the output dtype that shape's entry serves; "default" on a shape
     of no entry, bf16 and fp16, both outputs."""
-    from mg_server.kernels.config import parse_tile
-    from mg_server.kernels.matmul_triton import matmul_with_tile
+    from mg_server.verifier.kernels.config import parse_tile
+    from mg_server.verifier.kernels.matmul_triton import matmul_with_tile
     names = dict.fromkeys(K.KERNEL_CONFIG["matmul_tiles"][key])
     if key == "default":
         cases = [(1000, 4096, dt, out) for dt in (torch.bfloat16, torch.float16) for out in (None, torch.float32)]
@@ -231,8 +231,8 @@ def test_stream_k_tiles_bit_equal_gpu(n, k, tile):
     program to the next mid-K: the bits must be the whole-tile kernel's at every row count (the
     cuts fall elsewhere for each), with a bias and an fp32 output, call after call (the hand-over
     flags must return to 0) and replayed from a CUDA graph. K = 1000 ends in a partial chunk."""
-    from mg_server.kernels.config import parse_tile
-    from mg_server.kernels.matmul_triton import matmul_with_tile, num_sms
+    from mg_server.verifier.kernels.config import parse_tile
+    from mg_server.verifier.kernels.matmul_triton import matmul_with_tile, num_sms
 
     base, t = K.KERNEL_CONFIG["matmul"]["bfloat16"], parse_tile(tile)
     w = rand(n, k, dtype=torch.bfloat16, device="cuda", seed=1, scale=0.02)
@@ -281,7 +281,7 @@ def test_norm_matmul_invariant_gpu(n, k):
     """The fused RMSNorm prologue (off in the table: called directly): rows invariant, the
     residual exact, the product accurate (its sum of squares is walked in BLOCK_K pieces: close
     to, not necessarily bit-equal with, the two ops), TMA and pointer loads bit-equal."""
-    from mg_server.kernels import fused_triton as F
+    from mg_server.verifier.kernels import fused_triton as F
 
     x = rand(150, k, dtype=torch.bfloat16, device="cuda", scale=3.0)
     r = rand(150, k, dtype=torch.bfloat16, device="cuda", seed=3)
@@ -306,7 +306,7 @@ def test_norm_matmul_invariant_gpu(n, k):
 def test_silu_matmul_invariant_gpu(n, k):
     """The fused SiLU*up prologue of the down projection (called directly): rows invariant and
     accurate, TMA and pointer loads bit-equal."""
-    from mg_server.kernels import fused_triton as F
+    from mg_server.verifier.kernels import fused_triton as F
     gu = rand(150, 2 * k, dtype=torch.bfloat16, device="cuda", scale=3.0)
     w = rand(n, k, dtype=torch.bfloat16, device="cuda", seed=5, scale=0.05)
     y = check_rows(lambda a: F.silu_matmul(a, w), gu)
@@ -432,7 +432,7 @@ def test_attention_rows_windows_bit_equal_gpu(hq, hkv, monkeypatch):
     positions across the split boundaries, plus padding rows (the scratch table, position 0), in
     one call: each row's bits equal its request's prefill row, equal the per-token kernel's
     (calls below TILE_MIN_ROWS), and do not change when the fp32 partials go in row chunks."""
-    from mg_server.kernels import attention_triton as AT
+    from mg_server.verifier.kernels import attention_triton as AT
 
     d, S, n_req = 128, 700, 8
     slots_all = torch.randperm(n_req * S + 1, generator=gen(3)).to("cuda")

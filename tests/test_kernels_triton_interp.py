@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent("""
     import torch
-    import mg_server.kernels as K
+    import mg_server.verifier.kernels as K
     torch.manual_seed(0)
     def close(a, b, tol):
         err = (a.double() - b.double()).abs().max().item()
@@ -72,7 +72,7 @@ SCRIPT = textwrap.dedent("""
     want = torch.cat([K.attention_paged(q[p:p + 1], kb, vb, table[t], int(p)) for p, t in zip(wrows, wtrow)])
     close(got, want, 1e-6)
     # split-K (16-bit weights with few column tiles): accurate, and rows do not depend on M
-    from mg_server.kernels import matmul_triton as T
+    from mg_server.verifier.kernels import matmul_triton as T
     K.KERNEL_CONFIG["matmul_splitk"]["max_n_tiles"] = 32  # off in the table; the kernel stays tested
     xh = torch.randn(70, 2100).half(); wh = (torch.randn(300, 2100) * 0.05).half(); bh = torch.randn(300).half()
     assert T.use_splitk(300, 2100, torch.float16) and not T.use_splitk(300, 2100, torch.float32)
@@ -80,7 +80,7 @@ SCRIPT = textwrap.dedent("""
     close(yh, xh.double() @ wh.double().T + bh.double(), 1e-2)
     close(K.matmul(xh[3:4], wh, bh), yh[3:4], 1e-6)
     # fused RoPE + K/V store against the torch formula (cpu.rope_store), strided qkv views
-    from mg_server.kernels import cpu as C
+    from mg_server.verifier.kernels import cpu as C
     hq, hkv, d, R, P = 6, 2, 16, 5, 40
     qkv = torch.randn(R, (hq + 2 * hkv) * d)
     qk, vv = qkv[:, :(hq + hkv) * d].view(R, hq + hkv, d), qkv[:, (hq + hkv) * d:].view(R, hkv, d)
@@ -96,7 +96,7 @@ SCRIPT = textwrap.dedent("""
     close(K.silu_mul(gu[:, :32], gu[:, 32:]), K.silu_mul(gu[:, :32].contiguous(), gu[:, 32:].contiguous()), 1e-30)
     # fused prologue matmuls (the verifier's RMSNorm and SiLU*up inside the next projection; off
     # in the table, so called directly) against the two ops K dispatches to
-    from mg_server.kernels import fused_triton as F
+    from mg_server.verifier.kernels import fused_triton as F
     xh, rh = torch.randn(37, 96).half(), torch.randn(37, 96).half()
     gn, wf, bf = torch.randn(96).half(), (torch.randn(80, 96) * 0.1).half(), torch.randn(80).half()
     y, nr = F.norm_matmul(xh, rh, gn, 1e-5, wf, bf)
@@ -111,7 +111,7 @@ SCRIPT = textwrap.dedent("""
     close(F.silu_matmul(gu[:3], wf), ys[:3], 1e-6)
     # the lagged seam's decide / force kernels against their torch reference (ties, -inf rows,
     # positions that are not the expected step, the row modes, tau, mode always)
-    from mg_server.kernels import decide as DC
+    from mg_server.seam import decide as DC
     lg = torch.randn(6, 5000); lg[1, 7] = lg[1, 4000] = 30.0; lg[2, :] = float("-inf"); lg[3, 9] = 1e-3
     positions = torch.tensor([10, 11, 12, 13, 14, 15])
     n = 5  # modes: hold, behind, must (not the step: 0), lazy, must

@@ -1,17 +1,17 @@
 # ruff: noqa: F811 - the fixtures hook_mod and runner come from test_hook
-"""The lagged control path's host logic (mg_server/sglang_ext/lagged.py) on CPU tensors: what the
+"""The lagged control path's host logic (mg_server/seam/lagged.py) on CPU tensors: what the
 device is told (every row a window row: the gate never holds), what the host does one forward
 later (reports, the tokens committed, failures), and which forwards take the synchronous path
-instead. The device gate is kernels.gate's CPU reference here (its CUDA kernel is checked
+instead. The device gate is seam.gate's CPU reference here (its CUDA kernel is checked
 against that reference in tests/test_gate_gpu.py)."""
 
 from types import SimpleNamespace
 
 import torch
 
-from mg_server.runtime import protocol as P
-from mg_server.runtime.policy import Policy
-from mg_server.sglang_ext import link as link_mod
+from mg_server.policy import Policy
+from mg_server.seam import link as link_mod
+from mg_server.wire import protocol as P
 from test_hook import VOCAB, FakeReq, entry, hook_mod, make_seam, runner, sampler_args  # noqa: F401 - fixtures
 
 
@@ -27,7 +27,7 @@ class Slots:
 def lagged_seam(hook_mod, runner, tmp_path, monkeypatch, policy):
     """A seam on the lagged path with the CPU reference gate, its launches recorded in
     seam.gates = SimpleNamespace(gates=[(need_any, target)])."""
-    from mg_server.sglang_ext.lagged import LaggedControl
+    from mg_server.seam.lagged import LaggedControl
 
     seam = make_seam(hook_mod, runner, tmp_path, monkeypatch, policy=policy)
     seam.link.slots = Slots()

@@ -1,9 +1,9 @@
-"""kernels.launch's cache key (CPU): a compiled Triton kernel is reused only for arguments that
+"""seam.kernel_launch's cache key (CPU): a compiled Triton kernel is reused only for arguments that
 Triton specializes the same way, so every property Triton's specialization reads must change it."""
 
 import torch
 
-from mg_server.kernels.launch import Launcher, spec_key
+from mg_server.seam.kernel_launch import Launcher, spec_key
 
 
 def test_the_key_tells_apart_every_property_triton_specializes_on():
@@ -53,7 +53,7 @@ def test_a_new_key_goes_through_the_jit_and_keeps_what_it_compiled():
 
 
 def test_the_launchers_know_their_kernels_constexprs():
-    from mg_server.kernels import decide, gate
+    from mg_server.seam import decide, gate
 
     for launcher in (decide._DECIDE, decide._FORCE, gate._PUBLISH, gate._APPLY):
         params = launcher.kernel.params

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from mg_server.runtime import protocol as P
-from mg_server.runtime.channel import RpcClient, RpcError
-from mg_server.runtime.liveness import STALE_AFTER_S, Lifeline, beat_path, read_beat, stale_reason
+from mg_server.wire import protocol as P
+from mg_server.wire.channel import RpcClient, RpcError
+from mg_server.wire.liveness import STALE_AFTER_S, Lifeline, beat_path, read_beat, stale_reason
 
 
 def test_a_call_gives_up_on_a_dead_peer_long_before_its_timeout(tmp_path):

@@ -26,7 +26,7 @@ def test_known_noise_is_lowered_and_the_rest_kept(quiet):
     logging.getLogger("sglang.srt.utils.common").warning("Fail to set RLIMIT_NOFILE: current limit exceeds")
     logging.getLogger("sglang.srt.entrypoints.engine").info("server_args={'model_path': 'x'}")
     logging.getLogger("sglang.srt.model_executor.hook_manager").warning(
-        "Hook factory 'mg_server.sglang_ext.hook:make_hook' for spec 'mg' returned None, not registering any hook")
+        "Hook factory 'mg_server.seam.hook:make_hook' for spec 'mg' returned None, not registering any hook")
     logging.getLogger("sglang.other").warning("Fail to set RLIMIT_NOFILE")  # another logger: its own
     shown = [(r.name, r.levelname, r.getMessage()) for r in quiet.records]
     assert shown == [("sglang.srt.models.registry", "WARNING", "something else went wrong"),

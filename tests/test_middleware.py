@@ -344,7 +344,7 @@ def test_an_empty_answer_is_verified_without_the_controller(verified_client, mon
 # ---- health -----------------------------------------------------------------------------------
 
 def test_health_is_503_while_mg_cannot_serve_deterministic_requests(tmp_path):
-    from mg_server.runtime.liveness import beat_path
+    from mg_server.wire.liveness import beat_path
 
     ipc = str(tmp_path / "controller.sock")
     client = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path), controller_ipc=ipc))

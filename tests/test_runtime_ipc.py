@@ -12,10 +12,10 @@ import zmq
 
 from verifier_helpers import make_tiny
 
-from mg_server.runtime import protocol as P
-from mg_server.runtime.shm import StaleSlot
-from mg_server.runtime.verifier.client import VerifierClient, VerifierError
-from mg_server.runtime.verifier.server import VerifierConfig, start_verifier
+from mg_server.verifier.client import VerifierClient, VerifierError
+from mg_server.verifier.server import VerifierConfig, start_verifier
+from mg_server.wire import protocol as P
+from mg_server.wire.shm import StaleSlot
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 
@@ -42,8 +42,8 @@ def alive(client: VerifierClient) -> None:
 
 
 def test_hello_reports_identity(worker):
-    from mg_server.kernels import kernel_config_id
-    from mg_server.runtime.verifier.model import model_identity
+    from mg_server.verifier.kernels import kernel_config_id
+    from mg_server.verifier.model import model_identity
 
     cfg, _, info = worker
     assert info.protocol_version == P.PROTOCOL_VERSION
@@ -214,8 +214,8 @@ def test_cuda_workers_match_in_process_reference(tmp_path):
 
     from verifier_helpers import drive, smollm2_shaped
 
-    from mg_server.runtime.verifier.engine import VerifierEngine
-    from mg_server.runtime.verifier.model import VerifierModel
+    from mg_server.verifier.engine import VerifierEngine
+    from mg_server.verifier.model import VerifierModel
 
     d = smollm2_shaped(tmp_path / "m")
     prompt = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -249,7 +249,7 @@ def test_cuda_workers_match_in_process_reference(tmp_path):
 def test_slot_buffer_recreated_over_a_stale_segment():
     from multiprocessing import resource_tracker, shared_memory
 
-    from mg_server.runtime.shm import SlotBuffer
+    from mg_server.wire.shm import SlotBuffer
 
     name = f"mgv_stale_{uuid.uuid4().hex[:8]}"
     stale = shared_memory.SharedMemory(name=name, create=True, size=16)  # a crashed owner's leftover
@@ -268,7 +268,7 @@ def test_bench_smoke(tmp_path):
     """The benchmark script runs end to end (tiny shape, CPU) and writes its JSON."""
     import json
 
-    from mg_server.runtime.verifier import bench
+    from mg_server.verifier import bench
 
     out = tmp_path / "b.json"
     res = bench.main(["--models", "tiny", "--device", "cpu", "--ctx", "16", "--iters", "1", "--out", str(out)])

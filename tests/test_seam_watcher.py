@@ -9,15 +9,15 @@ import pytest
 
 from mg_server.config import FrontConfig
 from mg_server.front.verdict import RuntimeView
-from mg_server.runtime.liveness import seam_beat_path, write_beat
+from mg_server.wire.liveness import seam_beat_path, write_beat
 
 
 @pytest.fixture(scope="module")
 def hook_mod():
-    from mg_server.sglang_ext import compat
+    from mg_server.launch import compat
 
     compat.install("cpu")
-    from mg_server.sglang_ext import hook
+    from mg_server.seam import hook
 
     return hook
 

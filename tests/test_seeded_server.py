@@ -55,8 +55,8 @@ def test_same_seed_same_answer_alone_and_mixed_equal_to_the_reference(server, wo
 
 
 def test_n3_gives_three_reproducible_samples_with_the_system_fingerprint(server, prepared_model):
-    from mg_server.kernels import kernel_config_id
-    from mg_server.runtime.fingerprint import system_fingerprint, weights_digest
+    from mg_server.verifier.kernels import kernel_config_id
+    from mg_server.wire.fingerprint import system_fingerprint, weights_digest
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=600)
     msgs = [{"role": "user", "content": "Write a one-line poem about the sea."}]

@@ -12,11 +12,11 @@ import torch
 
 from verifier_helpers import make_tiny
 
-from mg_server.runtime.fingerprint import system_fingerprint, weights_digest
-from mg_server.runtime.protocol import VerifyItem
-from mg_server.runtime.verifier.engine import VerifierEngine
-from mg_server.runtime.verifier.model import VerifierModel
-from mg_server.runtime.verifier.reference import greedy_reference
+from mg_server.verifier.engine import VerifierEngine
+from mg_server.verifier.model import VerifierModel
+from mg_server.verifier.reference import greedy_reference
+from mg_server.wire.fingerprint import system_fingerprint, weights_digest
+from mg_server.wire.protocol import VerifyItem
 
 T = 0.8
 
@@ -64,7 +64,7 @@ def test_catch_up_audits_with_the_requests_rule(setup):
 
 
 def test_system_fingerprint_is_stable_and_names_weights_and_kernels(setup, tmp_path, monkeypatch):
-    from mg_server.kernels import config as kc
+    from mg_server.verifier.kernels import config as kc
 
     d = setup[0]
     w = weights_digest(d)

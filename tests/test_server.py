@@ -75,8 +75,8 @@ def test_streaming_chat_equals_plain(client):
 def test_the_openai_client_reads_verdict_and_fingerprint_of_answers_and_streams(client, prepared_model):
     """Through the client's own objects: `system_fingerprint` and the `mg_verdict` extra field of
     a non-streamed answer, and of a stream's chunks (every chunk, the verdict in the last one)."""
-    from mg_server.kernels.config import kernel_config_id
-    from mg_server.runtime.fingerprint import system_fingerprint, weights_digest
+    from mg_server.verifier.kernels.config import kernel_config_id
+    from mg_server.wire.fingerprint import system_fingerprint, weights_digest
 
     want = system_fingerprint(weights_digest(prepared_model), kernel_config_id("cpu"))
     raw = client.chat.completions.with_raw_response.create(

@@ -16,7 +16,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 
 def test_cpu_compat_makes_sglang_importable_in_a_fresh_process():
     r = _run(
-        "from mg_server.sglang_ext import compat\n"
+        "from mg_server.launch import compat\n"
         "rep = compat.install('cpu')\n"
         "import sglang.srt.entrypoints.http_server\n"
         "import sgl_kernel.kvcacheio as kv\n"
@@ -43,9 +43,9 @@ def test_seams_match_installed_sglang():
     from importlib.metadata import version
     from pathlib import Path
 
-    from mg_server.sglang_ext import seams
+    from mg_server.launch import seams
 
-    r = _run("from mg_server.sglang_ext import compat, seams\ncompat.install('cpu')\nseams.check_window()\n"
+    r = _run("from mg_server.launch import compat, seams\ncompat.install('cpu')\nseams.check_window()\n"
              "print(seams.check())")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == version("sglang") and version("sglang") in seams.TESTED
@@ -56,7 +56,7 @@ def test_seams_match_installed_sglang():
 
 def test_seams_refuse_an_untested_version_unless_it_is_named():
     r = _run(
-        "from mg_server.sglang_ext import compat, seams\ncompat.install('cpu')\n"
+        "from mg_server.launch import compat, seams\ncompat.install('cpu')\n"
         "import sglang; sglang.__version__ = '9.9.9'\n"
         "try:\n    seams.check()\nexcept seams.SeamMismatch as e:\n    print('MISMATCH', e)\n"
         "try:\n    seams.check(allow='9.9.8')\nexcept seams.SeamMismatch as e:\n    print('OTHER', e)\n"
@@ -74,7 +74,7 @@ def test_seams_name_each_changed_internal():
     scheduler adds a decode step's tokens with extend, which the window commit's output hold and
     rollback rely on)."""
     r = _run(
-        "from mg_server.sglang_ext import compat, seams\ncompat.install('cpu')\n"
+        "from mg_server.launch import compat, seams\ncompat.install('cpu')\n"
         "import inspect\nfrom sglang.srt.managers.scheduler_components import batch_result_processor as b\n"
         "src = inspect.getsource(b).replace('req.output_ids.extend(next_token_id)', 'req.output_ids += next_token_id')\n"
         "inspect.getsource = lambda obj, _real=inspect.getsource: src if obj is b else _real(obj)\n"
@@ -90,7 +90,7 @@ def test_seams_name_each_changed_internal():
 def test_bare_cuda_profile_patches_sglang_right_after_import():
     # The cuda-bare profile's fixes, checked on this host (they are device-agnostic).
     r = _run(
-        "from mg_server.sglang_ext import compat\n"
+        "from mg_server.launch import compat\n"
         "compat.fix_torchvision()\n"
         "rep = compat.install('cuda-bare')\n"
         "import os, torch\n"
@@ -121,17 +121,17 @@ def _cfg(*extra, profile="cpu") -> ServeConfig:
 
 
 def test_argv_user_flags_override_engine_defaults_and_hook_is_attached():
-    from mg_server.sglang_ext.launch import sglang_argv
+    from mg_server.launch.launcher import sglang_argv
 
     argv = sglang_argv(_cfg("--max-total-tokens", "1024"))
     assert argv.index("--max-total-tokens", argv.index("--cuda-graph-backend-decode")) > 0
     assert argv[-3] == "--enable-custom-logit-processor"
     spec = json.loads(argv[-1])
-    assert spec[0]["hook_factory"] == "mg_server.sglang_ext.hook:make_hook"
+    assert spec[0]["hook_factory"] == "mg_server.seam.hook:make_hook"
 
 
 def test_argv_per_host_profile():
-    from mg_server.sglang_ext.launch import sglang_argv
+    from mg_server.launch.launcher import sglang_argv
 
     bare = sglang_argv(_cfg(profile="cuda-bare"))
     assert "triton" in bare and "--disable-prefill-cuda-graph" in bare
@@ -148,8 +148,8 @@ def test_every_profiles_flags_are_the_installed_sglangs(profile):
     """mg's engine flags for each host profile parse with the installed SGLang's own parser (a
     flag SGLang renamed would otherwise stop a server on that host only)."""
     r = _run(
-        "from mg_server.sglang_ext import compat\ncompat.install('cpu')\nimport argparse, json\n"
-        "from mg_server.config import ServeConfig\nfrom mg_server.sglang_ext.launch import sglang_argv\n"
+        "from mg_server.launch import compat\ncompat.install('cpu')\nimport argparse, json\n"
+        "from mg_server.config import ServeConfig\nfrom mg_server.launch.launcher import sglang_argv\n"
         "from sglang.srt.server_args import ServerArgs\n"
         "p = argparse.ArgumentParser(exit_on_error=False)\nServerArgs.add_cli_args(p)\n"
         f"cfg = ServeConfig(model_path='/m', host='h', port=1, profile={profile!r}, metrics_dir='/x')\n"
@@ -161,7 +161,7 @@ def test_every_profiles_flags_are_the_installed_sglangs(profile):
 
 def test_cpu_has_no_grammar_backend_and_refuses_xgrammar():
     # xgrammar's token masks are GPU kernels: on a CPU its first grammar request stopped the server
-    from mg_server.sglang_ext.launch import refuse_on_host, sglang_argv
+    from mg_server.launch.launcher import refuse_on_host, sglang_argv
 
     argv = sglang_argv(_cfg())
     assert argv[argv.index("--grammar-backend") + 1] == "none"
@@ -174,7 +174,7 @@ def test_cpu_has_no_grammar_backend_and_refuses_xgrammar():
 
 @pytest.mark.parametrize("flag", ["--forward-hooks", "--enable-custom-logit-processor"])
 def test_argv_refuses_owned_flags(flag):
-    from mg_server.sglang_ext.launch import sglang_argv
+    from mg_server.launch.launcher import sglang_argv
 
     with pytest.raises(ValueError, match="set by mg-server"):
         sglang_argv(_cfg(flag, "[]"))
@@ -197,7 +197,7 @@ def _args(**over):
     (dict(enable_hierarchical_cache=True), "hierarchical"),
 ])
 def test_unsupported_configurations_are_refused_unless_mg_is_off(over, needle):
-    from mg_server.sglang_ext.launch import refuse_unsupported
+    from mg_server.launch.launcher import refuse_unsupported
 
     refuse_unsupported(_args(), "margin")  # the defaults pass
     with pytest.raises(ValueError, match=needle):
@@ -214,10 +214,10 @@ def test_the_served_dtype_must_be_the_verifiers(tmp_path, config_dtype, flag, ok
     # verifier runs bfloat16, so such a start is refused instead of casting K/V columns silently
     import json
 
-    from mg_server.sglang_ext import compat
+    from mg_server.launch import compat
 
     compat.install("cpu")
-    from mg_server.sglang_ext.launch import refuse_dtype_mismatch
+    from mg_server.launch.launcher import refuse_dtype_mismatch
 
     conf = {"model_type": "llama", **({"dtype": config_dtype} if config_dtype else {})}
     (tmp_path / "config.json").write_text(json.dumps(conf))
@@ -233,10 +233,10 @@ def test_the_served_dtype_must_be_the_verifiers(tmp_path, config_dtype, flag, ok
 def test_the_seam_refuses_a_kv_pool_of_another_dtype():
     import torch
 
-    from mg_server.sglang_ext import compat
+    from mg_server.launch import compat
 
     compat.install("cpu")
-    from mg_server.sglang_ext.hook import check_dtype
+    from mg_server.seam.hook import check_dtype
 
     runner = SimpleNamespace(token_to_kv_pool=SimpleNamespace(k_buffer=[torch.zeros(1, dtype=torch.float16)]))
     with pytest.raises(RuntimeError, match="float16"):

@@ -11,10 +11,10 @@ import torch
 
 from verifier_helpers import Trace, assert_same, drive, make_tiny, schedule, smollm2_shaped
 
-from mg_server.runtime.protocol import ErrorCode, ErrorReply, VerifyItem
-from mg_server.runtime.verifier import ops
-from mg_server.runtime.verifier.engine import VerifierEngine
-from mg_server.runtime.verifier.model import VerifierModel
+from mg_server.verifier import ops
+from mg_server.verifier.engine import VerifierEngine
+from mg_server.verifier.model import VerifierModel
+from mg_server.wire.protocol import ErrorCode, ErrorReply, VerifyItem
 
 SMALL_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)  # graphs of <= 128 rows: long forwards replay in chunks
 N_PROMPT, N_GEN = 21, 72  # total 93 positions: room for a 64-token catch-up after the prompt

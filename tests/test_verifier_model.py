@@ -7,7 +7,7 @@ import torch
 
 from verifier_helpers import make_tiny
 
-from mg_server.runtime.verifier.model import KVPool, ModelSpec, Segment, VerifierModel
+from mg_server.verifier.model import KVPool, ModelSpec, Segment, VerifierModel
 
 T = 19  # tokens per check
 

@@ -51,8 +51,8 @@ def chat_ids(tok, text: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine(model_dir):
-    from mg_server.runtime.verifier.engine import VerifierEngine
-    from mg_server.runtime.verifier.model import VerifierModel
+    from mg_server.verifier.engine import VerifierEngine
+    from mg_server.verifier.model import VerifierModel
 
     model = VerifierModel.load(model_dir, torch.bfloat16, "cpu", max_positions=512)
     return VerifierEngine(model, max_requests=16, pool_tokens=4096, max_seq_len=512)
@@ -109,8 +109,8 @@ def test_batching_with_other_requests_is_invariant(engine, reference, prompt, to
 
 def test_two_fresh_processes_agree(model_dir, reference, prompt, tmp_path):
     """Two worker processes, driven concurrently over IPC, reproduce the in-process reference."""
-    from mg_server.runtime.verifier.client import VerifierClient
-    from mg_server.runtime.verifier.server import VerifierConfig, start_verifier
+    from mg_server.verifier.client import VerifierClient
+    from mg_server.verifier.server import VerifierConfig, start_verifier
 
     ref, seq = reference
     outs: dict[int, list] = {}

@@ -120,11 +120,10 @@ def test_seeded_answers_are_the_verifiers_samples(setup, prepared_model):
 
 
 def test_the_window_flag_reaches_the_config_and_is_checked(monkeypatch, prepared_model, capsys):
-    from mg_server import cli
-    from mg_server.sglang_ext import launch
+    from mg_server.launch import cli, launcher
 
     seen = []
-    monkeypatch.setattr(launch, "serve", seen.append)
+    monkeypatch.setattr(launcher, "serve", seen.append)
     base = ["serve", "--model", str(prepared_model), "--device", "cpu"]
     assert cli.main([*base, "--mg-window", "8"]) == 0
     assert cli.main(base) == 0
@@ -141,11 +140,10 @@ def test_the_window_flag_reaches_the_config_and_is_checked(monkeypatch, prepared
 def test_the_removed_commit_flags_are_not_mgs(monkeypatch, prepared_model, flag):
     """The window commit is the only one: the flags of the others are no longer mg's, so they go
     to SGLang's own parser as pass-through flags (which refuses them at start-up)."""
-    from mg_server import cli
-    from mg_server.sglang_ext import launch
+    from mg_server.launch import cli, launcher
 
     seen = []
-    monkeypatch.setattr(launch, "serve", seen.append)
+    monkeypatch.setattr(launcher, "serve", seen.append)
     assert cli.main(["serve", "--model", str(prepared_model), "--device", "cpu", flag, "x"]) == 0
     assert seen[0].sglang_args == (flag, "x")
 

@@ -10,7 +10,7 @@ import torch
 
 def import_transformers():
     """transformers, importable on a CPU host whose torchvision wheel cannot load its extension."""
-    from mg_server.sglang_ext.compat import fix_torchvision
+    from mg_server.launch.compat import fix_torchvision
 
     fix_torchvision()
     import transformers
@@ -137,7 +137,7 @@ def drive(engine, rid: str, seq: list[int], positions: list[int], others: list[t
     `others`: (rid, prompt) requests decoded greedily (gap 1) in the same forwards as `rid`.
     Returns the trace and the sequence (prompt + verifier tokens).
     """
-    from mg_server.runtime.protocol import ErrorReply, VerifyItem
+    from mg_server.wire.protocol import ErrorReply, VerifyItem
 
     seq = list(seq)
     tr = Trace()

@@ -6,7 +6,7 @@ verifier-alone reference's token. A flip is a step whose token differs while the
 equals the reference's (a synchronous step); after a flip the row is rolled back onto the
 reference's prefix and decoding resumes, so every position of every sequence is a synchronous
 step. The tau sweep turns these steps into trigger rate, flip recall and sequence determinism
-per tau; the chosen tau and the data go into a profile JSON (read by `runtime.policy`) and a PNG.
+per tau; the chosen tau and the data go into a profile JSON (read by `mg_server.policy`) and a PNG.
 
 - `config.py`: the frozen configuration of a run.
 - `fastpath.py`: the HTTP client that measures the fast path against the reference (rollback).

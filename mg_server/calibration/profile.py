@@ -1,6 +1,6 @@
 """The tau profile document: what a calibration measured and the tau it chose.
 
-`runtime.policy` reads `tau` (and checks `model`); everything else is the evidence. JSON has no
+`mg_server.policy` reads `tau` (and checks `model`); everything else is the evidence. JSON has no
 infinity, so the sweep's tau = inf row carries the string "inf".
 """
 

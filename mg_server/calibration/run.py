@@ -69,7 +69,7 @@ def _references(cfg, name, prompts, model_key, kernel_id, cache: Path):
         return hit["tokens"], hit["margins"]
     from tqdm import tqdm
 
-    from mg_server.runtime.verifier.reference import greedy_reference, load_engine
+    from mg_server.verifier.reference import greedy_reference, load_engine
 
     bar = tqdm(total=len(prompts) * cfg.max_tokens, desc=f"{name}: reference (verifier alone)", unit="tok")
     chunks = [prompts[i:i + REF_CHUNK] for i in range(0, len(prompts), REF_CHUNK)]
@@ -159,7 +159,7 @@ def _serving_facts(url: str, cfg: CalibrationConfig) -> dict:
 
 
 def _kernel_config_id(device: str) -> str:
-    from mg_server.kernels.config import kernel_config_id
+    from mg_server.verifier.kernels.config import kernel_config_id
 
     return kernel_config_id(device)
 

@@ -1,7 +1,7 @@
 """Statistics of a calibration: flip rates, the tau sweep, the chosen tau and its transfer.
 
 Pure functions over measured steps (numpy only). A step is triggered at tau when
-`not margin >= tau`, exactly `runtime.policy.Policy.should_verify` in mode margin (strict, and a
+`not margin >= tau`, exactly `mg_server.policy.Policy.should_verify` in mode margin (strict, and a
 NaN margin is verified).
 """
 

@@ -214,7 +214,7 @@ def build_workload(model_path: str, n_prompts: int, max_new: int, n_other: int =
     from transformers import AutoTokenizer
 
     from mg_server.prompts import chat_ids, mixed_prompts, sharegpt_prompts
-    from mg_server.runtime.verifier.reference import greedy_reference, load_engine
+    from mg_server.verifier.reference import greedy_reference, load_engine
 
     tok = AutoTokenizer.from_pretrained(model_path)
 
@@ -236,9 +236,9 @@ def noop_processor() -> str:
     """The serialized no-op logit processor (as the front sends it), for hand-made bodies."""
     import torch
 
-    from mg_server.sglang_ext.compat import detect_profile, install
+    from mg_server.launch.compat import detect_profile, install
 
     install(detect_profile(cpu=not torch.cuda.is_available()))  # the processor's module imports SGLang
-    from mg_server.sglang_ext.processor import serialized
+    from mg_server.seam.processor import serialized
 
     return serialized()

@@ -42,10 +42,9 @@ class ServerProcess:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        exe = Path(sys.executable).with_name("mg-server")
-        # Without an installed console script (e.g. a GPU host running from a checkout): the module.
-        launcher = [str(exe)] if exe.exists() else [sys.executable, "-m", "mg_server.cli"]
-        cmd = [*launcher, "serve", "--port", str(self.port), *args]
+        # The package's entry module, never an installed `mg-server` script: the server runs the
+        # code of the tree this process imports (a checkout, a worktree), whatever the script names.
+        cmd = [sys.executable, "-m", "mg_server", "serve", "--port", str(self.port), *args]
         self._log = open(log_path, "w")
         # own process group, so SGLang's children are stopped with it
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)

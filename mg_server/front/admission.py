@@ -7,7 +7,7 @@ requests; past that a 429 with `Retry-After`. One request larger than the verifi
 400 (it could never run). Why not let SGLang take them all: a request the verifier cannot hold
 fails when its first check comes, after SGLang has spent its decode.
 
-Shutdown (sglang_ext.shutdown calls these from its own threads): `stop()` refuses new and queued
+Shutdown (launch.shutdown calls these from its own threads): `stop()` refuses new and queued
 deterministic requests with a 503; `drained()` says when every admitted one has been answered;
 `cut()` answers those still running with a 503 (an unstarted response) or an error event and
 the end of the stream (a started one), so no client sees a reset connection.

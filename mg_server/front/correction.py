@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from functools import lru_cache
 
-from mg_server.runtime.protocol import Correction
+from mg_server.wire.protocol import Correction
 
 
 @lru_cache(maxsize=4)

@@ -20,7 +20,7 @@
   outside the vocabulary are a 400 for every request (front.tokens: one stopped the server).
 - Seeded n > 1 (front.samples): /generate bodies become a batch of single samples; an OpenAI
   request is sent to SGLang as n single-sample requests, concurrently, and answered as one.
-- `system_fingerprint` (runtime.fingerprint) on deterministic answers: the JSON field of an
+- `system_fingerprint` (wire.fingerprint) on deterministic answers: the JSON field of an
   OpenAI answer and of each chunk of its stream, the `X-MG-System-Fingerprint` header on every one.
 """
 
@@ -42,7 +42,7 @@ from mg_server.front.redact import INFO_PATHS, bearer_ok, cleaning_sender
 from mg_server.front.samples import expand_generate, merge_openai, split_openai
 from mg_server.front.tokens import TOKEN_PATHS, bad_token_ids
 from mg_server.front.verdict import RuntimeView, verdict_sender
-from mg_server.runtime.protocol import VerdictState
+from mg_server.wire.protocol import VerdictState
 
 HEADER = b"x-deterministic"
 HEALTH_PATHS = ("/health", "/health_generate")

@@ -7,7 +7,7 @@ makes `X-Deterministic-Verified: true`. The front adds rules of its own, so that
   without asking the controller: its rid may even belong to another request (SGLang's 400
   "Duplicate request IDs"), and an error is never a verified answer;
 - a controller that does not answer (dead, stopped) gives `controller-unreachable` within
-  seconds (its heartbeat, runtime.liveness), and a request still running when the wait ends
+  seconds (its heartbeat, wire.liveness), and a request still running when the wait ends
   gives `audit-timeout`.
 Health: `problem()` reads the controller's heartbeat file (no call that a busy controller could
 hold up): a controller that stopped beating, or one whose verifier is down, is a problem; so is
@@ -25,9 +25,9 @@ from typing import Awaitable, Callable
 from mg_server.config import FrontConfig
 from mg_server.front import correction
 from mg_server.front.stream import StreamEvents
-from mg_server.runtime.liveness import STALE_AFTER_S, beat_path, read_beat, seam_beat_path
-from mg_server.runtime.protocol import Correction
-from mg_server.runtime.protocol import VerdictState as S
+from mg_server.wire.liveness import STALE_AFTER_S, beat_path, read_beat, seam_beat_path
+from mg_server.wire.protocol import Correction
+from mg_server.wire.protocol import VerdictState as S
 
 Send = Callable[[dict], Awaitable[None]]
 
@@ -72,7 +72,7 @@ class RuntimeView:
     def _verdicts_blocking(self, rids: list[str], correct: bool) -> list[tuple[str, Correction | None]]:
         if not self.config.controller_ipc:
             return [(S.UNVERIFIED, None)] * len(rids)  # mode off: nothing checks the tokens
-        from mg_server.runtime.controller.client import ControllerClient
+        from mg_server.controller.client import ControllerClient
 
         client = getattr(self._local, "client", None)
         if client is None:

@@ -112,7 +112,7 @@ def prepare_model(
     out_dir: Path | None = None, gguf_path: Path | None = None, force: bool = False, progress: bool = True
 ) -> Path:
     """Convert the GGUF (default: the embedded SmolLM2) into `out_dir`; returns the folder."""
-    from mg_server.sglang_ext.compat import fix_torchvision
+    from mg_server.launch.compat import fix_torchvision
 
     fix_torchvision()  # transformers imports torchvision when it is installed
     gguf_path = Path(gguf_path) if gguf_path else embedded_gguf()

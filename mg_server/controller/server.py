@@ -1,0 +1,330 @@
+"""The controller process: MarginGate policy, verifier dispatch, audit, counters.
+
+It owns the verifier worker (spawned as its child: controller/worker.py), and watches its beat.
+Clients: mg's forward hook in SGLang's scheduler (one one-way `Step` per fast-path forward holding
+every protected row, `WindowNews` and `CheckTail` for its window commit, and a one-way `Finish`
+when a protected request ends) and the HTTP front (`Verdict`). Every row was committed fast; the policy
+only says how soon it is checked (controller/window.py): the pending rows of every request go to
+the verifier in one message (it serves them in one batched, batch-invariant forward), each
+carrying the tokens the verifier has not seen, so its catch-up audits every token decided so
+far; `Finish` audits the tail. A request's verdict is `verified` only when its answer is complete
+(it was not aborted) and every emitted token has been checked against the verifier.
+
+Faults: the controller beats and watches its parent from its first moment (wire.liveness).
+A verify call gives up as soon as the verifier process exits or stops beating; the rows of that
+call fail, later deterministic steps fail at once, plain traffic goes on, and the beat's status
+(read by the front's /health) and `mg_verifier_up` say the verifier is down. If the verifier
+cannot start, the controller answers the launcher's hello with the verifier's own error and
+exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import time
+from dataclasses import dataclass, replace
+
+import zmq
+
+from mg_server.controller.audit import AuditMixin
+from mg_server.controller.catchup import catch_up
+from mg_server.controller.correct import AnswerCompletion
+from mg_server.controller.state import ReqState
+from mg_server.controller.window import WindowMixin
+from mg_server.controller.worker import WorkerMixin
+from mg_server.policy import Policy
+from mg_server.wire import protocol as P
+from mg_server.wire.liveness import Lifeline, beat_path
+
+log = logging.getLogger("mg.controller")
+
+CHECK_ITEMS = 64  # checks per verify call without a verifier config (VerifierConfig.n_slots, its default)
+IDLE_AUDITS = 8  # finished requests' tail audits per idle turn (one verify call; a Step waits at most that long)
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    ipc_path: str  # filesystem path of this controller's ipc:// socket
+    mode: str  # "off" | "margin" | "always"
+    tau: float
+    metrics_dir: str  # prometheus multiprocess folder (set in the env before metrics exist)
+    verifier: "object | None" = None  # VerifierConfig of the worker (None: mode "off")
+    verify_timeout_s: float = 30.0  # per verify call: a live, beating verifier that does not answer (wedged)
+    catchup_chunk: int = 256  # tokens per catch-up call: verify_timeout_s bounds a chunk, not a long prompt
+    start_timeout_s: float = 300.0  # verifier model load
+    verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept
+    parent_pid: int = 0  # mg-server's pid: the controller exits once it is gone (0: no watch)
+    window: int = 32  # a request's unchecked tokens are checked once this many wait (--mg-window)
+
+
+class Controller(AuditMixin, WindowMixin, WorkerMixin):
+    def __init__(self, cfg: ControllerConfig, lifeline: Lifeline | None = None):
+        from mg_server.metrics import controller_metrics
+
+        self.cfg = cfg
+        self.lifeline = lifeline  # its status line tells the front whether the verifier is up
+        self.policy = Policy(cfg.mode, cfg.tau)
+        self.m = controller_metrics()
+        self.reqs: dict[str, ReqState] = {}
+        # Finished requests whose tail audit waits until no Step is queued (or their verdict is
+        # asked for): a Step holds up an SGLang forward, an audit holds up nobody yet.
+        self.pending: dict[str, None] = {}
+        # Requests with steps to check (rid -> their low-margin positions) (controller/window.py).
+        self.checks: dict[str, list[int]] = {}
+        # Disagreements the seam has not been told yet (controller/window.py).
+        self.rollbacks: dict[str, P.Rollback] = {}
+        self.forwards = 0  # Steps so far (a forward each)
+        self.window_due: int | None = None  # the forward count at which the window checks are due
+        # Missed flips' completions in progress, one slice per verdict ask (audit._verdict).
+        self.completing: dict[str, AnswerCompletion] = {}
+        self.verifier_proc = None
+        self.vclient = None
+        self.vinfo: P.HelloReply | None = None
+        self.start_error: P.ErrorReply | None = None  # the verifier could not start: told to the launcher
+        self.down_reason = ""  # why the verifier is down ("" while it is up), as last reported
+        self._beat_checked = 0.0  # monotonic time of the last look at the verifier's beat
+        self._verifier_beat = ""  # the verifier's beat file (wire.liveness)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind("ipc://" + cfg.ipc_path)
+        self.running = True
+
+    # ---- messages -----------------------------------------------------------------------
+    def handle(self, msg: P.Message) -> P.Message | None:
+        if self.start_error is not None:  # the verifier did not start: say why, then stop
+            if isinstance(msg, (P.ControllerHello, P.Shutdown)):
+                self.running = False
+            return P.Error(error=self.start_error)
+        if isinstance(msg, P.Step):
+            self._step(msg.rows)  # (one-way: errors stay in the requests' states, i.e. their verdicts)
+            return None
+        if isinstance(msg, P.Finish):
+            self._finish(msg)  # (one-way, like Step)
+            return None
+        if isinstance(msg, P.Verdict):
+            return self._verdict(msg.rid, msg.correct)
+        if isinstance(msg, P.WindowNews):
+            rollbacks, self.rollbacks = list(self.rollbacks.values()), {}
+            return P.WindowNewsReply(rollbacks=rollbacks, verified=self._window_progress())
+        if isinstance(msg, P.CheckTail):
+            return self._check_tail(msg.rid)
+        if isinstance(msg, P.ControllerHello):
+            up = self.verifier_up()
+            return P.ControllerInfo(
+                protocol_version=P.PROTOCOL_VERSION, mode=self.cfg.mode, tau=self.cfg.tau,
+                verifier_up=up,
+                kernel_config_id=self.vinfo.kernel_config_id if self.vinfo else "",
+                model_id=self.vinfo.model_id if self.vinfo else "",
+                weights_digest=self.vinfo.weights_digest if self.vinfo else "",
+                shm=self.vinfo.shm if self.vinfo else None,
+                verifier_device=self.vinfo.device if self.vinfo else "",
+                verifier_pool_tokens=self.vinfo.pool_tokens if self.vinfo else 0,
+                verifier_max_requests=self.vinfo.max_requests if self.vinfo else 0,
+                verifier_memory_bytes=self.vinfo.memory_bytes if self.vinfo else 0,
+            )
+        if isinstance(msg, P.Shutdown):
+            self.running = False
+            return P.Ack()
+        return P.Error(error=P.ErrorReply(code=P.ErrorCode.BAD_REQUEST, message=f"unexpected {type(msg).__name__}"))
+
+    def _step(self, rows: list[P.StepRow]) -> None:
+        if rows:
+            self.forwards += 1
+        for row in rows:
+            st = self._state_for(row)
+            if row.epoch != st.epoch and not st.error:  # a timeline cut already
+                self.m.stale_steps.inc()
+                continue
+            if not st.error and row.pos != len(st.tokens) - 1:
+                st.error = f"position mismatch: controller holds {len(st.tokens)} tokens, step at position {row.pos}"
+            if not st.error and self.cfg.mode != "off" and not self.verifier_up():
+                st.error = "deterministic verifier is not running"
+            if not st.error:  # committed fast; checked in windows (controller/window.py)
+                self._window_step(row, st)
+
+    def _state_for(self, row: P.StepRow) -> ReqState:
+        """The request's state; its first step (the one carrying the prompt) creates it."""
+        st = self.reqs.get(row.rid)
+        if not row.prompt:
+            if st is None:
+                st = self.reqs[row.rid] = ReqState(error="step of a request the controller never saw start")
+            return st
+        if st is not None and not st.finished_at:
+            st.error = st.error or f"request id {row.rid!r} started twice"
+            return st
+        self.pending.pop(row.rid, None)  # a finished request of the same id: its verdict is replaced
+        st = self.reqs[row.rid] = ReqState(tokens=list(row.prompt), prompt_len=len(row.prompt),
+                                           temperature=row.temperature, seed=row.seed)
+        return st
+
+    def _catch_up(self, rid: str, st: ReqState, pos: int) -> str:
+        """All but the last chunk of what the verifier has not seen before pos (controller.catchup)."""
+        return catch_up(self.vclient, lambda end: self._item(rid, st, end), lambda res: self._audit(rid, st, res),
+                        st, pos, self.cfg.catchup_chunk)
+
+    def _call_verifier(self, items: list[P.VerifyItem], t0: float | None = None) -> list[P.VerifyResult | P.ErrorReply]:
+        """One verify call (its items share one batched forward), timed from t0 (default: now);
+        errors become replies."""
+        from mg_server.verifier.client import VerifierError
+
+        t0 = time.perf_counter() if t0 is None else t0
+        self._fresh_deadlines(items)
+        try:
+            results = self.vclient.verify_many(items)
+        except VerifierError as e:
+            results = [P.ErrorReply(code=e.code, message=e.message) for _ in items]
+            self.verifier_up()  # a verifier that died or stopped is reported down at once (/health, mg_verifier_up)
+        self.m.verify_seconds.observe(time.perf_counter() - t0)
+        if ok := [r for r in results if not isinstance(r, P.ErrorReply)]:  # one forward served them all
+            self.m.verifier_forward_seconds.observe(ok[0].forward_ms / 1e3)
+            self.m.verify_rows.observe(ok[0].batch_rows)
+        return results
+
+    def _run_checks(self) -> None:
+        """Check the resumable requests that committed low-margin steps (module doc), in one call."""
+        todo, self.checks = self.checks, {}
+        batch = []
+        for rid, positions in todo.items():
+            st = self.reqs.get(rid)
+            if st is None or st.error or st.finished_at or st.mismatches:
+                continue  # gone, failed, diverged already, or finished (its tail audit covers it)
+            pos = len(st.tokens) - 2  # up to the latest decided token t_{pos+1}
+            if not self.verifier_up():
+                st.error = "deterministic verifier is not running"
+            else:
+                st.error = self._catch_up(rid, st, pos)
+            if not st.error and not st.mismatches:
+                batch.append((rid, st, pos, positions))
+            elif st.mismatches:
+                self._diverged(rid, st)
+        if not batch:
+            return
+        results = []
+        for part in self._calls([self._item(rid, st, pos) for rid, st, pos, _ in batch]):
+            results += self._call_verifier(part)
+        for (rid, st, pos, positions), res in zip(batch, results):
+            if isinstance(res, P.ErrorReply):
+                st.error = f"verifier: [{res.code}] {res.message}"
+                self.m.verify_errors.inc()
+                continue
+            self.m.verify.inc()
+            self._audit_through(rid, st, pos, res, "checked token")
+            st.verified.extend(positions)
+            if st.mismatches:
+                self._diverged(rid, st)
+            else:
+                st.checked = pos + 2 - st.prompt_len
+
+    def _fresh_deadlines(self, items: list[P.VerifyItem]) -> None:
+        """The verify timeout counts from this call (items of a split check wait for the calls before)."""
+        deadline = time.time_ns() + int(self.cfg.verify_timeout_s * 1e9)
+        for it in items:
+            it.deadline_ns = deadline
+
+    def _calls(self, items: list[P.VerifyItem]) -> list[list[P.VerifyItem]]:
+        """Items in verify calls of at most the verifier's slots (each result needs one) and, beyond
+        one item, at most `catchup_chunk` rows on a CPU verifier (16 x on a GPU, where such a forward
+        takes ~0.1 s): the verify timeout bounds a call whatever the number of requests checked."""
+        v = self.cfg.verifier
+        slots = v.n_slots if v else CHECK_ITEMS
+        budget = self.cfg.catchup_chunk * (1 if v is None or v.device == "cpu" else 16)
+        calls: list[list[P.VerifyItem]] = []
+        rows = 0
+        for it in items:
+            if not calls or len(calls[-1]) >= slots or rows + len(it.tokens) > budget:
+                calls.append([])
+                rows = 0
+            calls[-1].append(it)
+            rows += len(it.tokens)
+        return calls
+
+    def _item(self, rid: str, st: ReqState, pos: int) -> P.VerifyItem:
+        """Verify position pos after teaching the verifier every token it has not seen yet (after a
+        rollback, with VerifyItem.rewind: it drops its positions past the cut first)."""
+        rewind, st.rewind = st.rewind, False
+        return P.VerifyItem(rid=rid, pos=pos, tokens=st.tokens[st.verifier_len:pos + 1], rewind=rewind,
+                            prompt_len=st.prompt_len if st.verifier_len == 0 else 0,
+                            temperature=st.temperature, seed=st.seed,
+                            deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9))
+
+    # ---- loop -----------------------------------------------------------------------------
+    def serve_forever(self, idle_exit_s: float = 0.0) -> None:
+        """Serve until Shutdown (or, if idle_exit_s, until that long without a message).
+        Orphaning is the lifeline's job: it exits the process whatever this loop is doing."""
+        last = time.monotonic()  # the last message's arrival
+        while self.running:
+            busy = self.pending or self._checks_due()  # idle work waits: no blocking poll
+            if not self.sock.poll(0 if busy else 200):
+                self._idle_turn()
+                if idle_exit_s and time.monotonic() - last > idle_exit_s:
+                    break
+                continue
+            last = time.monotonic()
+            ident, data = self.sock.recv_multipart()
+            try:
+                msg = P.decode(data)
+            except Exception as e:  # noqa: BLE001 - a bad message gets a typed error
+                reply: P.Message = P.Error(error=P.ErrorReply(code=P.ErrorCode.BAD_REQUEST, message=str(e)))
+            else:
+                try:
+                    reply = self.handle(msg)
+                except Exception as e:  # noqa: BLE001 - the controller survives a bad request
+                    log.exception("controller error")
+                    reply = P.Error(error=P.ErrorReply(code=P.ErrorCode.INTERNAL, message=repr(e)))
+                if reply is None:  # a one-way report
+                    continue
+                reply.msg_id = msg.msg_id
+            self.sock.send_multipart([ident, P.encode(reply)])
+
+    def _idle_turn(self) -> None:
+        if self._checks_due():  # idle: due checks first
+            if self.window_due is not None:
+                self._all_window_checks()
+            self._run_checks()
+        elif self.pending:  # idle: run deferred tail audits, a few at a time (a Step may come)
+            self._complete(list(self.pending)[:IDLE_AUDITS])
+        else:  # idle: notice a dead verifier without traffic (health, metric)
+            self.verifier_up()
+
+    def close(self) -> None:
+        self.stop_verifier()
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def run_controller(cfg: ControllerConfig) -> None:
+    from mg_server.wire.channel import RpcError, set_process_title
+
+    set_process_title("mg::controller")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = cfg.metrics_dir  # before the first metric exists
+    logging.basicConfig(level=logging.INFO, format="[mg-controller %(asctime)s] %(message)s")
+    # Orphaned (mg-server killed): exit; the verifier's own lifeline then stops it.
+    from mg_server.wire.cleanup import remove_instance  # orphaned (kill -9): nobody else removes its files
+    lifeline = Lifeline(beat_path(cfg.ipc_path), cfg.parent_pid, lambda: remove_instance(
+        (os.path.dirname(cfg.ipc_path), cfg.metrics_dir), (cfg.verifier.shm_base,) if cfg.verifier else ()),
+        name="mg-controller-life").start()
+    ctl = Controller(cfg, lifeline)
+    try:
+        try:
+            ctl.start_verifier()
+        except Exception as e:  # noqa: BLE001 - told to the launcher, which exits with it
+            code, message = (e.code, e.message) if isinstance(e, RpcError) else (P.ErrorCode.INTERNAL, str(e))
+            log.error("the deterministic verifier did not start: %s", message)
+            ctl.start_error = P.ErrorReply(code=code, message=f"the deterministic verifier did not start: {message}")
+            ctl.serve_forever(idle_exit_s=30.0)  # until the launcher has heard it
+            raise SystemExit(1) from None
+        ctl.serve_forever()
+    finally:
+        lifeline.stop()
+        ctl.close()
+
+
+def start_controller(cfg: ControllerConfig) -> mp.Process:
+    """Spawn the controller (not a daemon: it spawns the verifier worker itself)."""
+    cfg = replace(cfg, parent_pid=os.getpid())
+    proc = mp.get_context("spawn").Process(target=run_controller, args=(cfg,), name="mg-controller")
+    proc.start()
+    return proc

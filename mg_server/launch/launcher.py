@@ -1,0 +1,338 @@
+"""Start SGLang's own HTTP server with mg attached (runs in the main process).
+
+Order matters: CPU fixes and environment before SGLang is imported, the seam check before
+anything is attached, the middleware before the app serves its first request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+from mg_server import env
+from mg_server.config import FrontConfig, HookConfig, ServeConfig
+
+log = logging.getLogger(__name__)
+
+# SGLang on a CPU host (ENVIRONMENT.md): the torch_native attention and pytorch sampling
+# backends are the CPU paths; CUDA graphs are CUDA-only. The KV pool is capped: sized from host
+# RAM by default, it took 13 GB of a 24 GB machine for SmolLM2. The overlap scheduler stays on,
+# as on a GPU: it was no slower here (decode 59.6 / 85.3 ms per step at batch 1 / 8 with it,
+# 69.0 / 100.7 without, two servers sharing 2 cores), and it makes CPU runs take the scheduling
+# path GPUs take (a request's output list one step behind the forward being sampled, a
+# look-ahead forward after its last token). No grammar backend: SGLang's default, xgrammar,
+# applies its token masks with GPU kernels only, and on a CPU its first grammar request raised
+# in the scheduler and took the whole server down; with none, SGLang answers such requests 400.
+CPU_ENGINE_ARGS = (
+    "--device", "cpu",
+    "--attention-backend", "torch_native",
+    "--sampling-backend", "pytorch",
+    "--grammar-backend", "none",
+    "--cuda-graph-backend-decode", "disabled",
+    "--cuda-graph-backend-prefill", "disabled",
+    "--max-total-tokens", "65536",
+)
+# A CUDA host without sgl_kernel/flashinfer (compat profile "cuda-bare"): SGLang's triton
+# attention and pytorch sampling need neither; no grammar backend (xgrammar's masks need its
+# CUDA kernels); no prefill CUDA graphs (their capture compiles paths that call sgl_kernel).
+# Decode keeps its CUDA graphs.
+BARE_CUDA_ENGINE_ARGS = (
+    "--attention-backend", "triton",
+    "--sampling-backend", "pytorch",
+    "--grammar-backend", "none",
+    "--disable-prefill-cuda-graph",
+)
+ENGINE_ARGS = {"cpu": CPU_ENGINE_ARGS, "cuda-bare": BARE_CUDA_ENGINE_ARGS, "cuda": ()}
+OWNED_FLAGS = ("--forward-hooks", "--enable-custom-logit-processor")
+# SGLang's parallel widths (each 1, or unset, for a single scheduler process)
+PARALLEL_SIZES = ("tp_size", "pp_size", "dp_size", "attn_dp_size", "attn_cp_size", "dcp_size")
+
+
+def hook_spec(config: HookConfig) -> list[dict]:
+    # SGLang calls the factory inside ModelRunner.initialize; it attaches mg to the sampler and
+    # registers no module hook (see hook.py), so the target pattern only has to match a module.
+    return [{
+        "name": "mg",
+        "target_modules": ["logits_processor"],
+        "hook_factory": "mg_server.seam.hook:make_hook",
+        "config": config.to_json_dict(),
+    }]
+
+
+def sglang_argv(cfg: ServeConfig, hook: HookConfig | None = None) -> list[str]:
+    """SGLang server flags: mg's defaults first so the user's pass-through flags win."""
+    for flag in OWNED_FLAGS:
+        if any(a == flag or a.startswith(flag + "=") for a in cfg.sglang_args):
+            raise ValueError(f"{flag} is set by mg-server itself and cannot be passed through")
+    argv = ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(cfg.port)]
+    argv += ENGINE_ARGS[cfg.profile]
+    argv += list(cfg.sglang_args)
+    hook = hook or HookConfig(metrics_dir=cfg.metrics_dir)
+    argv += ["--enable-custom-logit-processor", "--forward-hooks", json.dumps(hook_spec(hook))]
+    return argv
+
+
+def refuse_unsupported(server_args, mode: str) -> None:
+    """Configurations in which mg could not see or repair every step: refused at start-up."""
+    if mode == "off":
+        return
+    a = server_args
+    problems = []
+    if a.speculative_algorithm:
+        problems.append(f"--speculative-algorithm {a.speculative_algorithm}: speculative decoding emits "
+                        "tokens that mg's per-step seam does not decide")
+    if a.enable_dp_attention or any((getattr(a, n) or 1) > 1 for n in PARALLEL_SIZES):
+        problems.append("tensor/pipeline/data/context parallelism: mg's seam runs in a single scheduler process")
+    if a.kv_cache_dtype not in ("auto", "bfloat16"):
+        problems.append(f"--kv-cache-dtype {a.kv_cache_dtype}: the verifier's K/V columns are bfloat16")
+    if a.dtype not in ("auto", "bfloat16"):
+        problems.append(f"--dtype {a.dtype}: the verifier runs the model in bfloat16")
+    if a.enable_hierarchical_cache:
+        problems.append("--enable-hierarchical-cache: offloaded K/V would bypass mg's column repairs")
+    if problems:
+        raise ValueError("unsupported with --mg-mode " + mode + " (serve with --mg-mode off, or drop the flag):\n  - "
+                         + "\n  - ".join(problems))
+
+
+def refuse_dtype_mismatch(server_args, mode: str, verifier_dtype: str = "bfloat16") -> None:
+    """The dtype SGLang will run the model in (its own rule for --dtype auto: the config's dtype,
+    float32 configs downcast) must be the verifier's: mg never casts K/V columns or compares
+    logits across dtypes silently."""
+    if mode == "off":
+        return
+    from sglang.srt.configs.model_config import _get_and_verify_dtype
+
+    try:
+        conf = json.loads((Path(server_args.model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # not a local checkpoint: the seam checks the runner's pool at start-up
+    conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else conf
+    served = str(_get_and_verify_dtype(conf, server_args.dtype)).removeprefix("torch.")
+    if served != verifier_dtype:
+        raise ValueError(f"SGLang would run this model in {served} (--dtype {server_args.dtype}, the model's config "
+                         f"says {conf.get('dtype') or conf.get('torch_dtype')}); mg's verifier runs {verifier_dtype}: "
+                         f"pass --dtype {verifier_dtype}, or serve with --mg-mode off")
+
+
+def refuse_on_host(server_args, profile: str) -> None:
+    """Configurations that would let one request stop the server on this host (any mg mode)."""
+    if profile == "cpu" and server_args.grammar_backend == "xgrammar":
+        raise ValueError("--grammar-backend xgrammar does not run on a CPU host (its token masks are GPU "
+                         "kernels: the first grammar request would stop the server); use --grammar-backend none")
+
+
+def _fresh_metrics_dir(path: str) -> None:
+    # prometheus multiprocess files from an earlier run would be summed into this one's.
+    shutil.rmtree(path, ignore_errors=True)
+    Path(path).mkdir(parents=True)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # before any process creates a metric
+
+
+def served_context(server_args, model_path: str) -> int:
+    """The longest sequence SGLang serves: --context-length, else the model's own limit."""
+    if server_args.context_length:
+        return int(server_args.context_length)
+    try:
+        conf = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 4096
+    conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else conf
+    return int(conf.get("max_position_embeddings") or 4096)
+
+
+def verifier_pool_tokens(context_len: int) -> int:
+    """The verifier's K/V pool (tokens) when no memory budget sizes it: two longest sequences."""
+    return max(16384, 2 * context_len)
+
+
+def start_runtime(cfg: ServeConfig, context_len: int = 4096):
+    """Start the controller (which starts the verifier) and wait until both report ready. The
+    verifier accepts sequences as long as SGLang's (`context_len`), its pool holds two of them.
+
+    Returns (controller ipc path, ControllerInfo), or ("", None) in mode "off".
+    """
+    if cfg.mg_mode == "off":
+        return "", None
+    from mg_server.controller.client import ControllerClient
+    from mg_server.controller.server import ControllerConfig, start_controller
+    from mg_server.policy import resolve_tau
+    from mg_server.verifier.server import VerifierConfig
+    from mg_server.wire.channel import RpcError
+    from mg_server.wire.cleanup import shm_base
+    from mg_server.wire.liveness import beat_path, stale_reason
+
+    tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile)
+    verifier = VerifierConfig(
+        model_path=cfg.model_path, ipc_path=str(Path(cfg.run_dir) / "verifier.sock"),
+        shm_name=shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),
+        device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
+        memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=verifier_pool_tokens(context_len),
+        trace_calls=env.trace_calls(),
+    )
+    ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
+                            metrics_dir=cfg.metrics_dir, verifier=verifier, verify_timeout_s=cfg.verify_timeout_s,
+                            catchup_chunk=cfg.catchup_chunk, window=cfg.window)
+    proc = start_controller(ccfg)
+
+    def controller_gone() -> str:  # a dead or stopped controller fails the start now, not after start_timeout_s
+        if not proc.is_alive():
+            return f"the mg controller exited during start-up (code {proc.exitcode})"
+        return stale_reason(beat_path(ccfg.ipc_path))
+
+    try:
+        with ControllerClient(ccfg.ipc_path, timeout_s=ccfg.start_timeout_s, client_name="launcher",
+                              peer_check=controller_gone) as client:
+            info = client.hello()
+        if not info.verifier_up:
+            raise RuntimeError("the deterministic verifier did not start")
+    except BaseException as e:
+        # a controller that answered (its verifier failed) exits by itself, stopping the verifier
+        proc.join(10 if isinstance(e, RpcError) else 0)
+        if proc.is_alive():
+            proc.kill()  # a live non-daemon child would keep this process from exiting
+        if isinstance(e, RpcError):
+            raise RuntimeError(e.message) from None
+        raise
+    log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s, window %d", cfg.mg_mode, tau, source,
+             info.kernel_config_id, cfg.window)
+    log.info("mg verifier: device %s, K/V pool %d tokens, %s", info.verifier_device, info.verifier_pool_tokens,
+             f"{info.verifier_memory_bytes / (1 << 30):.2f} GB of device memory held"
+             + (f" (budget {cfg.verifier_memory_gb:g} GB)" if cfg.verifier_memory_gb else "")
+             if info.verifier_memory_bytes else "host memory")
+    # atexit runs last-registered first: the runtime stops, then its files go
+    atexit.register(_stop_runtime, proc, ccfg.ipc_path)
+    threading.Thread(target=_watch_runtime, args=(proc,), name="mg-runtime-watch", daemon=True).start()
+    return ccfg.ipc_path, info
+
+
+def _stop_runtime(proc, ipc_path: str) -> None:
+    from mg_server.controller.client import ControllerClient
+
+    if proc.is_alive():
+        try:
+            with ControllerClient(ipc_path, timeout_s=5, client_name="launcher") as client:
+                client.shutdown()
+        except Exception:  # noqa: BLE001 - it is killed below
+            pass
+        proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+
+
+def _watch_runtime(proc) -> None:
+    """If the controller dies, stop the whole server: deterministic requests have no home."""
+    from mg_server.launch.shutdown import STOPPING
+
+    proc.join()
+    if STOPPING.is_set():  # a stop in progress ends it: not news
+        return
+    log.error("mg controller exited (code %s); shutting the server down", proc.exitcode)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _instance_files(cfg: ServeConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(folders, shared-memory names) this server instance owns (wire.cleanup)."""
+    from mg_server.wire.cleanup import shm_base
+
+    return (cfg.run_dir, cfg.metrics_dir), (shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),)
+
+
+def _vocab_size(model_path: str) -> int:
+    """The model's vocabulary size from its config.json (0 if it has none: ids go unchecked)."""
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    size = text.get("vocab_size", 0)
+    return size if isinstance(size, int) and size > 0 else 0
+
+
+def serve(cfg: ServeConfig) -> None:
+    from mg_server.launch import compat, leftovers
+    from mg_server.wire.cleanup import remove_instance
+
+    def cleanup() -> None:
+        from mg_server.launch.shutdown import STOPPING
+
+        remove_instance(*_instance_files(cfg))
+        leftovers.remove()  # SGLang's own sockets and slot file of this instance
+        if STOPPING.is_set():  # a stop that was asked for, its drain done: say so, and end here
+            log.info("mg-server stopped cleanly")
+            logging.shutdown()
+            # why os._exit: every child is gone and every file removed; the interpreter's own
+            # finalization adds only third-party noise (Triton's nanobind reports ~50 "leaked" lines)
+            os._exit(0)
+
+    atexit.register(cleanup)  # registered first, so it runs after the runtime has stopped
+    # /health answers from mg's runtime state and SGLang's status at once; SGLang's one-token probe
+    # stays on /health_generate. Why: the probe waits at least 1 s and up to 20 s for the scheduler,
+    # which mg's finish barrier can hold that long on a CPU, and a probe that times out marks the
+    # server unhealthy, which makes SGLang skip its SIGTERM drain (a user's own setting is kept)
+    os.environ.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "false")
+    log.info("SGLang compatibility: %s", compat.install(cfg.profile).summary())
+    _fresh_metrics_dir(cfg.metrics_dir)
+
+    from mg_server.launch import seams
+
+    version = seams.check(cfg.allow_sglang)
+    if cfg.mg_mode != "off":
+        seams.check_window()
+    if version not in seams.TESTED:
+        log.warning("mg: SGLang %s is not a tested version (%s); starting because --mg-allow-sglang names it",
+                    version, seams.RANGE)
+    from mg_server import metrics
+
+    metrics.sglang_version(version, version in seams.TESTED)
+    from sglang.srt.entrypoints.http_server import app, launch_server
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="mg-server serve (SGLang flags)")
+    ServerArgs.add_cli_args(parser)
+    # Parsed once before mg's processes start, to refuse what mg cannot serve (hook: no controller yet).
+    ns = parser.parse_args(sglang_argv(cfg))
+    parsed = ServerArgs.from_cli_args(ns)  # the flags as given (unresolved)
+    refuse_on_host(parsed, cfg.profile)
+    refuse_unsupported(parsed, cfg.mg_mode)
+    refuse_dtype_mismatch(parsed, cfg.mg_mode)
+    context_len = served_context(parsed, cfg.model_path)
+    from mg_server.front import admission
+    from mg_server.launch import shutdown
+
+    shutdown.install(cleanup, cfg.drain_timeout_s, (admission.stop, admission.drained, admission.cut))
+    leftovers.track()
+    controller_ipc, info = start_runtime(cfg, context_len)
+
+    from mg_server.front.middleware import DeterministicMiddleware
+    from mg_server.seam.processor import serialized
+    from mg_server.wire.fingerprint import system_fingerprint
+
+    # The finish barrier may wait for a whole context's catch-up, one verify timeout per chunk (a dead or
+    # stopped controller is noticed from its beat within seconds, whatever this bound).
+    chunks = -(-context_len // cfg.catchup_chunk) + 1
+    hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
+                      step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
+                      lagged_commit=cfg.lagged_commit)
+    server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
+    app.add_middleware(
+        DeterministicMiddleware,
+        config=FrontConfig(noop_processor=serialized(), metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
+                           kernel_config_id=info.kernel_config_id if info else "", model_path=cfg.model_path,
+                           system_fingerprint=system_fingerprint(info.weights_digest, info.kernel_config_id)
+                           if info else "", api_key=server_args.api_key or "",
+                           verdict_wait_s=cfg.verdict_wait_s, vocab_size=_vocab_size(cfg.model_path),
+                           max_deterministic=info.verifier_max_requests if info else 0, queue_size=cfg.queue_size),
+    )
+    # SGLang's own 20 kB server_args line is at debug (mg_server.logs): the settings mg's determinism
+    # depends on, as SGLang resolved them, in one line
+    log.info("mg-server: SGLang %s, model %s, http://%s:%d; cuda graph %s, overlap scheduler %s, attention %s",
+             version, cfg.model_path, cfg.host, cfg.port, "off" if server_args.disable_cuda_graph else "on",
+             "off" if server_args.disable_overlap_schedule else "on", server_args.attention_backend)
+    launch_server(server_args)

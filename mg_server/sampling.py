@@ -1,0 +1,123 @@
+"""Seeded sampling as a pure function of (logits, seed, position): Gumbel-max.
+
+    score[v] = logits[v] / T + g(seed, position, v)        token = argmax(score), ties -> lower id
+    margin   = T * (score_top1 - score_top2)               (logit units: the greedy tau applies)
+
+g is standard Gumbel noise, g = -log(-log(u)), with u in (0, 1) drawn by a counter-based hash
+of (seed, position, vocab id), so argmax(score) is a sample of softmax(logits / T) and needs no
+generator state: the fast path (mg's seam in SGLang's process) and the verifier compute the same
+noise for a step independently, whatever the batch. Both add the SAME noise to their own logits,
+so their score difference at a token pair is Δlogits / T; scaled by T it is the greedy margin's
+Δlogits, which tau bounds.
+
+Why the noise is bit-identical everywhere: it is built only from
+- integer ops on int64 tensors kept below 2**63 (32-bit lanes, products split into 16-bit
+  halves, masks after every step), which are exact on every device, and
+- fp64 `frexp` (exact) and +, -, *, / (IEEE correctly rounded, one torch op per kernel, so no
+  fused multiply-add can differ between a vectorised and a scalar loop or between devices),
+never a library log/exp, whose last bit can differ between torch's vectorised CPU loop, its
+scalar tail (which depends on how many threads split the row) and the GPU. Each element depends
+only on its own (seed, position, id): no reduction, so the batch cannot enter.
+
+Shapes: `gumbel_noise(seed, position, vocab, device)` -> [vocab] fp32; `sampled_scores(logits,
+temperature, seed, position)` with logits [vocab] (any float dtype, any device) -> [vocab] fp32.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+M32 = 0xFFFFFFFF
+M64 = (1 << 64) - 1
+# lowbias32's multipliers (C. Wellons' hash-prospector: a well-mixed 32-bit permutation).
+_C1, _C2 = 0x7FEB352D, 0x846CA68B
+_LN2 = math.log(2.0)
+# atanh series log(m) = 2 (s + s^3/3 + s^5/5 + ...), s = (m - 1) / (m + 1), |s| <= 0.1716 for
+# m in [sqrt(1/2), sqrt(2)): 8 terms leave a relative truncation error < 1e-13, far below the
+# fp32 the noise is rounded to (fewer terms: the noise of a 49152-id row costs ~8 ms on 1 core).
+_SERIES = tuple(1.0 / (2 * k + 1) for k in range(8))
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2**32 for x < 2**32 (int or int64 tensor) without exceeding 2**49."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & M32
+
+
+def _hash32(x):
+    """lowbias32 on 32-bit values (a Python int or an int64 tensor of values < 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, _C1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _C2)
+    return x ^ (x >> 16)
+
+
+def _key(seed: int, position: int) -> tuple[int, int]:
+    """Two 32-bit keys of (seed mod 2**64, position), computed with Python ints (exact)."""
+    seed &= M64
+    k = _hash32(seed & M32)
+    k = _hash32(k ^ (seed >> 32))
+    k0 = _hash32(k ^ (position & M32))
+    k1 = _hash32(k0 ^ ((position >> 32) & M32) ^ 0x9E3779B9)
+    return k0, k1
+
+
+def _log(x: Tensor) -> Tensor:
+    """Natural log of positive fp64 x from exact frexp and IEEE arithmetic only (see module doc).
+    x: [n] fp64 -> [n] fp64, relative error < 1e-13."""
+    m, e = torch.frexp(x)  # x = m * 2**e, m in [0.5, 1)
+    low = m < math.sqrt(0.5)
+    m = torch.where(low, m * 2.0, m)  # exact (power of two): m in [sqrt(1/2), sqrt(2))
+    e = (e - low.to(e.dtype)).to(torch.float64)
+    s = (m - 1.0) / (m + 1.0)
+    s2 = s * s
+    acc = torch.full_like(s, _SERIES[-1])
+    for c in reversed(_SERIES[:-1]):  # Horner, fixed order
+        acc = acc * s2 + c
+    return e * _LN2 + 2.0 * s * acc
+
+
+def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> Tensor:
+    """-> [vocab] fp32 standard Gumbel noise of (seed, position); bit-identical on every device."""
+    k0, k1 = _key(seed, position)
+    ids = torch.arange(vocab, dtype=torch.int64, device=device)  # [V] int64
+    x = _hash32(_hash32(ids ^ k0) ^ k1)  # [V] int64 in [0, 2**32)
+    # u in (0, 1) from the top 24 bits: (k + 0.5) / 2**24 is exact in fp64, never 0 or 1.
+    u = ((x >> 8).to(torch.float64) + 0.5) * (1.0 / (1 << 24))
+    return (-_log(-_log(u))).to(torch.float32)
+
+
+def sampled_scores(logits: Tensor, temperature: float, seed: int, position: int) -> Tensor:
+    """logits [V] (any float dtype/device) -> perturbed scores [V] fp32 = logits / T + gumbel.
+
+    The seam and the verifier call this on one row at a time: the same elementwise ops on the
+    same shapes, so equal logits give equal scores bit for bit."""
+    if not temperature > 0:
+        raise ValueError(f"seeded sampling needs a temperature > 0, got {temperature!r}")
+    noise = gumbel_noise(seed, position, logits.shape[-1], logits.device)
+    return logits.float() / float(temperature) + noise
+
+
+def sampled_pair(logits: Tensor, temperature: float, seed: int, position: int) -> Tensor:
+    """logits [V] -> [2] fp64 on logits' device: (top1 - top2 of the scores, computed in fp32,
+    then widened exactly; their argmax, ties -> lower id). Left on the device so that a caller can
+    read many rows back at once, by whatever copy it may use (the verifier: wire.zerocopy)."""
+    from mg_server.verifier.kernels import top2  # the verifier's batch-invariant top-2
+
+    vals, idx = top2(sampled_scores(logits, temperature, seed, position)[None])  # [1, 2] fp32, int64
+    return torch.stack(((vals[0, 0] - vals[0, 1]).double(), idx[0, 0].double()))
+
+
+def choice_of_pair(pair: list[float], temperature: float) -> tuple[int, float]:
+    """A read-back sampled_pair -> (token, margin in logit units = T * (top1 - top2))."""
+    return int(pair[1]), float(temperature) * pair[0]
+
+
+def sampled_choice(logits: Tensor, temperature: float, seed: int, position: int) -> tuple[int, float]:
+    """logits [V] -> (token, margin in logit units): argmax of the scores (ties -> lower id) and
+    T * (top1 - top2) of the scores."""
+    return choice_of_pair(sampled_pair(logits, temperature, seed, position).tolist(), temperature)

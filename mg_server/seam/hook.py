@@ -1,0 +1,353 @@
+"""mg's per-step seam in SGLang's scheduler process: a forward pre-hook on the runner's Sampler.
+
+Why the sampler and not a module of the model: on the GPU, decode runs as a replayed CUDA graph
+that holds the whole model, `logits_processor` included, so a module hook inside the model runs
+only while the graph is captured. SGLang's `Sampler` runs after every forward that samples
+(graph replay, eager decode, prefill, piecewise graphs) and outside any graph, and it receives
+the pre-sampling logits, the batch's sampling info (`custom_params`: mg's flag and SGLang's
+`Req`) and each row's position from the forward batch (decode: the input token's position;
+prefill: the last position of the row's chunk).
+
+How mg gets there: SGLang loads mg through `--forward-hooks`. The factory runs in
+`finalize_cuda_graph_capture(model_runner)` (scheduler process, after the K/V pool exists and the
+CUDA graphs are captured), takes that model runner from its caller's frame (the one reference
+SGLang's hook API gives a factory) and registers the pre-hook on `runner.sampler`; it returns no
+module hook.
+
+Positions come from the forward batch, never from `req.output_ids`: under the overlap scheduler
+the forward being sampled is one step ahead of the request's output list (the previous step's
+token is still on the GPU). mg does not need that list: every token of a protected request is
+chosen here (the row's logits are forced to mg's decision, fast or verified), so this module
+keeps each request's token list itself: t_0 .. t_{n-1} = prompt, then the tokens it decided.
+A row is a step iff its position is n - 1; a smaller position is a non-final prefill chunk
+(SGLang drops that token); a larger one means mg missed a step, and the request fails.
+
+Seeded sampling (temperature > 0 and a seed in custom_params, set by the front): the row's fast
+token and margin are those of the perturbed scores logits / T + Gumbel(seed, position)
+(`mg_server.sampling.sampled_choice`, the function the verifier applies to its own fp32 row, so
+the noise is bit-identical: elementwise integer and IEEE ops only, on the same device type).
+SGLang itself decodes such a request greedily (the front pins its temperature to 0) over the
+logits mg forces to the decided token.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import weakref
+from http import HTTPStatus
+
+import torch
+from torch import Tensor
+
+from mg_server import env, metrics
+from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig,
+                              instance_key)
+from mg_server.sampling import sampled_choice
+from mg_server.seam.link import ControllerLink, Tracked
+from mg_server.seam.reasons import public_reason, unmodelled
+from mg_server.seam.window import WindowSeam
+from mg_server.wire import protocol as P
+
+log = logging.getLogger(__name__)
+
+
+def the_req(ref):
+    """SGLang's Req behind custom_params["__req__"]: the object itself, or (0.5.23) a weak proxy.
+    mg keeps the Req until it has reported the request's end (link.Tracked), after SGLang may
+    have dropped it, so it holds the object: a bound method's __self__ is the proxy's referent."""
+    return ref.finished.__self__ if isinstance(ref, weakref.ProxyTypes) else ref
+
+
+def protected_rows(sampling_info) -> list[tuple[int, object, str]]:
+    """(row, Req, instance key) of the batch's requests that carry mg's flag (cheap: CPU lists
+    only). The key (rid + the front's instance id) names the request in all of mg's bookkeeping."""
+    if sampling_info is None or not sampling_info.has_custom_logit_processor:
+        return []  # plain batches: mg's flag travels with a custom logit processor, so none here
+    params = sampling_info.custom_params or ()
+    return [(i, req, instance_key(req.rid, p.get(INSTANCE_PARAM)))
+            for i, p in enumerate(params) if p and p.get(DETERMINISTIC_PARAM) for req in [the_req(p["__req__"])]]
+
+
+def only_mg_processors(sampling_info) -> bool:
+    """True if every custom logit processor of the batch is mg's no-op flag carrier (SGLang
+    applies it with index kernels only: no host wait)."""
+    entries = getattr(sampling_info, "custom_logit_processor", None) or {}
+    return bool(entries) and all(type(e.processor).__name__ == "MgFlagProcessor"
+                                 and type(e.processor).__module__.startswith("mg_server") for e in entries.values())
+
+
+def pool_row(req) -> int | None:
+    """The request's row of SGLang's req_to_token table (None once its K/V is released)."""
+    return req.kv.req_pool_idx
+
+
+def top2(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """logits: [rows, vocab] -> (margin [rows] fp32 = top1 - top2, argmax [rows] int64)."""
+    top = logits.float().topk(2, dim=-1)  # ties: topk order; only the margin (0) matters then
+    return top.values[:, 0] - top.values[:, 1], top.indices[:, 0]
+
+
+def sampling_rule(req) -> tuple[float, int]:
+    """(temperature, seed) of a protected request: (0.0, 0) is greedy (see module doc)."""
+    params = req.sampling_params.custom_params or {}
+    temperature = params.get(TEMPERATURE_PARAM) or 0.0
+    return (float(temperature), int(params.get(SEED_PARAM) or 0)) if temperature > 0 else (0.0, 0)
+
+
+def force_tokens(logits: Tensor, rows: list[int], tokens: list[int]) -> None:
+    """Make any sampler pick tokens[k] in rows[k] (in place): greedy argmax, and a one-hot
+    softmax for the sampling path a mixed batch takes."""
+    dev = logits.device
+    sel = torch.tensor(rows, dtype=torch.int64, device=dev)
+    logits.index_fill_(0, sel, float("-inf"))
+    logits[sel, torch.tensor(tokens, dtype=torch.int64, device=dev)] = 0.0
+
+
+def find_model_runner():
+    """The ModelRunner whose model SGLang is registering forward hooks on right now: a local of
+    register_forward_hooks' caller (see module doc)."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_name != "register_forward_hooks":
+        frame = frame.f_back
+    if frame is not None and frame.f_back is not None:
+        model = frame.f_locals.get("model")
+        for runner in frame.f_back.f_locals.values():
+            if isinstance(runner, ModelRunner) and runner.model is model:
+                return runner
+    raise RuntimeError("mg: SGLang's hook factory was not called with its model runner in reach; this "
+                       "SGLang attaches forward hooks differently from the supported versions")
+
+
+class StepSeam(WindowSeam):
+    """The forward pre-hook on SGLang's Sampler (see module doc)."""
+
+    def __init__(self, config: HookConfig, runner):
+        self.config = config
+        self.faults = env.faults()  # test-only fault injection (env.Faults), never a production setting
+        self.runner = runner
+        self.steps, self.margin, self.control = metrics.hook_metrics(config.margin_buckets)
+        self.link = ControllerLink(config) if config.controller_ipc else None
+        self.lagged = None  # CUDA: the one-forward-late control path (lagged.py)
+        self._released_first: set[str] = set()  # first rows released early (window.py)
+        if self.link is not None:
+            from mg_server.seam import rollback
+            from mg_server.seam.lagged import attach
+
+            rollback.install()
+
+            self.lagged = attach(self, config, runner)
+
+    def __call__(self, module, args):
+        # Sampler.forward(logits_output, sampling_info, return_logprob, top_logprobs_nums,
+        #                 token_ids_logprobs, positions); checked by seams.check().
+        if self.lagged is not None:
+            self.lagged.drain(wait=True)  # earlier forwards first: their tokens set this one's positions
+        rows = protected_rows(args[1])
+        if not rows:
+            return None
+        # The lagged path needs a sampler that does not wait for the gated stream: only mg's
+        # processor may be in the batch (a user's could read the logits on the host); seeded rows
+        # and a forward that carries a due rollback (window.py) take the synchronous path.
+        if self.lagged is not None and only_mg_processors(args[1]) and (
+                self.faults.missed_flip < 0 or self.lagged.inline) and not any(
+                sampling_rule(req)[0] > 0 for _, req, _ in rows) and self.lagged.fits(rows) and not (
+                self._rollback_due(rows)):
+            t0 = time.perf_counter()
+            self.lagged.launch(args[0].next_token_logits, args[5], rows)
+            self.control.observe(time.perf_counter() - t0)
+            return None
+        t0 = time.perf_counter()
+        logits = args[0].next_token_logits  # [bs, vocab] on the model's device, pre-sampling
+        idx = torch.tensor([i for i, _, _ in rows], dtype=torch.int64, device=logits.device)
+        sub = logits.index_select(0, idx)  # [rows, vocab], the protected rows' logits
+        margin, fast = top2(sub)  # [rows] fp32, [rows] int64
+        pos = args[5].to(logits.device).index_select(0, idx)  # [rows] positions from the forward batch
+        # One device-to-host copy for all three; fp64 holds every token id and position exactly.
+        packed = torch.stack([margin.double(), fast.double(), pos.double()], dim=1).tolist()
+        steps = [(i, req, int(p), m, int(f), key) for (i, req, key), (m, f, p) in zip(rows, packed)]
+        for k, (i, req, p, _, _, key) in enumerate(steps):
+            temperature, seed = sampling_rule(req)
+            if temperature > 0:  # seeded sampling: the perturbed scores decide (module doc)
+                tok, m = sampled_choice(sub[k], temperature, seed, p)
+                steps[k] = (i, req, p, m, tok, key)
+        if self.link is None:
+            # Mode off: count, and leave greedy rows' logits alone. Without mg's own token list, a
+            # row is a step once its position reaches the prompt's last.
+            self._count([s for s in steps if s[2] >= len(s[1].origin_input_ids) - 1])
+            # Seeded rows still sample by mg's rule (SGLang decodes them greedily), unverified.
+            seeded = [(s[0], s[4]) for s in steps if sampling_rule(s[1])[0] > 0]
+            if seeded:
+                force_tokens(logits, [i for i, _ in seeded], [t for _, t in seeded])
+            return None
+        if self.faults.missed_flip >= 0:
+            steps = self._inject_missed_flip(logits, steps)
+        if not self._control(logits, steps):
+            self.control.observe(time.perf_counter() - t0)
+        return None  # the logits were edited in place
+
+    def _inject_missed_flip(self, logits: Tensor, steps):
+        """Test-only fault (env.Faults.missed_flip = k): the k-th answer token of every
+        protected request is its runner-up, presented as the fast path's argmax with a huge
+        margin (Faults.flip_margin), so it is fast-committed and only the audit can find it: a
+        missed flip on demand. (With margin 0 it is a low-margin step, checked within a few forwards.)"""
+        k, out = self.faults.missed_flip, []
+        for i, req, pos, margin, fast, key in steps:
+            if pos - len(req.origin_input_ids) + 1 == k:
+                fast, margin = int(logits[i].float().topk(2).indices[1]), self.faults.flip_margin
+            out.append((i, req, pos, margin, fast, key))
+        return out
+
+    def _count(self, steps) -> None:
+        self.steps.inc(len(steps))
+        for s in steps:
+            self.margin.observe(s[3])
+
+    def _classify(self, steps):
+        """Split rows into steps for the controller and failures (caller holds the lock)."""
+        live, fails = [], []
+        for i, req, pos, margin, fast, key in steps:
+            t = self.link.tracked.get(key)
+            if t is not None and t.req is not req:
+                fails.append((req, key, f"request id {req.rid!r} is already in use"))
+                continue
+            if t is not None and t.failed:
+                continue
+            n = len(t.tokens) if t is not None else len(req.origin_input_ids)
+            if pos < n - 1:
+                continue  # a non-final prefill chunk: SGLang discards this row's token
+            why = unmodelled(req) if t is None else ""
+            if why:
+                fails.append((req, key, why))
+                continue
+            if pos > n - 1:
+                fails.append((req, key, f"mg missed a step: position {pos}, but it holds {n} tokens"))
+                continue
+            live.append((i, req, pos, margin, fast, t is None, key))
+        return live, fails
+
+    def _control(self, logits: Tensor, steps) -> bool:
+        """Apply due rollbacks, commit every other step row fast and report it to the controller,
+        force each decided token. True if any row was rolled back (its token is the verifier's)."""
+        link = self.link
+        with link.lock:
+            live, fails = self._classify(steps)
+            rolled = self._roll_back(live, fails)
+        self._count(live)
+        done = self.commit(live, self.report(live), fails) + rolled
+        if done:
+            force_tokens(logits, [i for i, _ in done], [d.token for _, d in done])
+        return any(d.verified for _, d in done)
+
+    def report(self, live) -> list[P.StepDecision]:
+        """Report classified step rows to the controller, one way: every row is committed with its
+        fast token and checked behind (controller/window.py). An unreachable controller fails them."""
+        link = self.link
+        if not live:
+            return []
+        rows = self.step_rows(live)
+        self.mark_window_rows(rows, live)
+        try:
+            with link.rpc_lock:
+                link.client.report(rows)
+            return [P.StepDecision(rid=r.rid, token=r.fast_token) for r in rows]
+        except Exception as e:  # noqa: BLE001 - controller unreachable: fail these requests loudly
+            return [P.StepDecision(rid=r.rid, error=f"mg controller unavailable: {e}") for r in rows]
+
+    def commit(self, live, decisions: list[P.StepDecision], fails: list) -> list[tuple[int, P.StepDecision]]:
+        """Apply the decisions to mg's token lists, and the failures (`fails` plus errors here:
+        marked in mg's state, the requests aborted). Returns (batch row, decision) of every
+        committed row."""
+        link, done = self.link, []
+        with link.lock:
+            for (i, req, pos, *_, key), d in zip(live, decisions):
+                t = link.tracked.get(key)
+                if t is None:  # (not setdefault: a new Tracked copies the prompt, at every step of every row)
+                    t = link.tracked[key] = self.new_tracked(req)
+                if d.error:
+                    fails.append((req, key, d.error))
+                    continue
+                t.tokens.append(d.token)
+                done.append((i, d))
+        self.fail(fails)
+        return done
+
+    def fail(self, fails: list) -> None:
+        """Fail (req, key, why) rows: marked in mg's state (later forwards are not steps), the
+        requests aborted with a reason the client may see."""
+        link = self.link
+        with link.lock:
+            for req, key, _ in fails:
+                t = link.tracked.get(key)
+                if t is not None and t.req is req:
+                    t.failed = True
+        for req, _, why in fails:
+            self._fail(req, why)
+
+    def new_tracked(self, req) -> Tracked:
+        t = Tracked(req, list(req.origin_input_ids))
+        self.hold(req, t)
+        return t
+
+    @staticmethod
+    def step_rows(live) -> list[P.StepRow]:
+        """The controller's rows for classified step rows (the prompt and rule on a first step)."""
+        rows = []
+        for _, req, pos, margin, fast, first, key in live:
+            r = P.StepRow(rid=key, pos=pos, prompt=list(req.origin_input_ids) if first else [],
+                          margin=margin, fast_token=fast)
+            if first:  # the decoding rule travels with the prompt
+                r.temperature, r.seed = sampling_rule(req)
+            rows.append(r)
+        return rows
+
+    @staticmethod
+    def _fail(req, why: str) -> None:
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        log.error("mg: deterministic request %s failed: %s", req.rid, why)
+        # The client learns what it can act on (a parameter, its request id); mg's internal
+        # state (positions, token counts, controller and verifier errors) stays in the log.
+        public = public_reason(why)
+        if req.to_finish is None:  # the first reason is the one the client gets
+            req.to_finish = FINISH_ABORT(f"deterministic decoding failed: {public}", HTTPStatus.SERVICE_UNAVAILABLE,
+                                         "ServiceUnavailable")
+
+
+def check_runner(runner) -> None:
+    """Refuse, at start-up, model runners whose K/V layout mg cannot repair."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = runner.token_to_kv_pool
+    if not isinstance(pool, MHATokenToKVPool):
+        raise RuntimeError(f"mg supports SGLang's MHATokenToKVPool K/V layout; this model uses "
+                           f"{type(pool).__name__} (serve it with --mg-mode off)")
+    # why: mg's repairs address a position's K/V as one row [kv_heads, head_dim] of each layer
+    layout = getattr(pool, "kv_cache_layout", "nhd")
+    if layout != "nhd":
+        raise RuntimeError(f"mg repairs SGLang's token-major ('nhd') K/V layout; this pool is {layout!r} "
+                           "(serve it with --mg-mode off)")
+
+
+def check_dtype(runner, verifier_dtype: str) -> None:
+    """Refuse, at start-up, a K/V pool whose dtype is not the verifier's (no silent cast)."""
+    pool_dtype = str(runner.token_to_kv_pool.k_buffer[0].dtype).removeprefix("torch.")
+    if pool_dtype != verifier_dtype:
+        raise RuntimeError(f"mg: SGLang's K/V cache is {pool_dtype} but the verifier's is {verifier_dtype}; "
+                           f"serve with --dtype {verifier_dtype} (or --mg-mode off)")
+
+
+def make_hook(config: dict):
+    """Factory named in SGLang's --forward-hooks spec: attaches the seam, registers no module hook."""
+    runner = find_model_runner()
+    check_runner(runner)
+    seam = StepSeam(HookConfig.from_json_dict(config), runner)
+    if seam.link is not None and seam.link.info.shm is not None:
+        check_dtype(runner, seam.link.info.shm.dtype)
+    runner.sampler.register_forward_pre_hook(seam)
+    log.info("mg: step seam attached to %s.sampler (controller: %s); no module hook is needed",
+             type(runner).__name__, config.get("controller_ipc") or "none")
+    return None

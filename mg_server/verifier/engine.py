@@ -1,0 +1,304 @@
+"""Shadow K/V caches per protected request, lazy catch-up and batched verify forwards.
+
+In-process core of the verifier worker (no sockets here). One `VerifyItem` (see protocol.py)
+teacher-forces the tokens t_start..t_pos the verifier has not seen, writing their K/V into the
+request's shadow cache, and answers for position pos: the greedy token t_{pos+1}, its margin and
+the K/V column of position pos. Catch-up rows are ordinary rows of the same forward, so the
+verifier also records its own argmax/margin at every caught-up position (the audit).
+Several requests share one forward; the kernels are batch-invariant, so this changes nothing.
+An item with temperature > 0 is decoded by seeded sampling (protocol module doc): its rows'
+tokens and margins come from `sampling.sampled_choice` (or its device half, `sampled_pair`) of
+their fp32 logits row, the function mg's seam calls on the fast path's row, so both add
+bit-identical noise.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from mg_server.verifier import ops
+from mg_server.verifier.model import KVPool, Segment, VerifierModel
+from mg_server.wire.protocol import ErrorCode, ErrorReply, VerifyItem
+
+
+@dataclass
+class SeqState:
+    rid: str
+    table_row: int  # this request's row of the engine's device-side slot table
+    slots: list[int] = field(default_factory=list)  # pool slot of positions 0..len-1
+    last_pred: int = -1  # the verifier's token for position len (from its last forward)
+    prompt_len: int = 0  # t_q with q < prompt_len are prompt tokens: not audited
+    last_used: float = 0.0  # time.monotonic() of the last forward (for idle eviction)
+
+    @property
+    def length(self) -> int:
+        return len(self.slots)
+
+
+@dataclass
+class StepOutput:
+    """Result for one item (in-process form; the server turns it into a VerifyResult)."""
+
+    rid: str
+    pos: int
+    token: int
+    margin: float
+    kv_column: Tensor  # [L, 2, Hkv, D] model dtype, device: K/V of position pos (0 = K, 1 = V)
+    logits: Tensor  # [V] fp32, device: the logits row of position pos (a view: valid until the next forward)
+    audit_tokens: list[int]
+    audit_margins: list[float]
+    first_mismatch: int
+    batch_rows: int
+    batch_requests: int
+    forward_ms: float
+    digest: bytes = b""  # VerifyItem.want_digest: blake2b of `logits`, taken before any later forward
+
+
+class VerifierEngine:
+    def __init__(self, model: VerifierModel, max_requests: int, pool_tokens: int, max_seq_len: int,
+                 evict_idle_s: float = float("inf"), cuda_graphs: bool = True,
+                 graph_buckets: tuple[int, ...] | None = None):
+        self.model = model
+        self.evict_idle_s = evict_idle_s  # when full, requests idle this long are dropped (LRU first)
+        self.max_requests = max_requests
+        self.max_seq_len = min(max_seq_len, model.max_positions)
+        self.pool = KVPool(model.spec, pool_tokens, model.dtype, model.device)
+        scratch = pool_tokens - 1  # the padding rows of a CUDA graph read and write only this slot
+        self._free: list[int] = list(range(scratch - 1, -1, -1))  # stack of free slots
+        # Slot of every position of every request, on the device: attention reads a request's
+        # K/V through its row (the last row is the padding rows' table: [scratch, ...]).
+        self.kv_table = torch.full((max_requests + 1, self.max_seq_len), scratch, dtype=torch.int64,
+                                   device=model.device)  # [requests + 1, max_seq_len] int64
+        self._free_rows: list[int] = list(range(max_requests - 1, -1, -1))
+        self.seqs: dict[str, SeqState] = {}
+        self.forwards = 0
+        self.graph_forwards = 0  # graph replays (a forward of more rows than the largest bucket takes several)
+        self.graphs = None
+        if cuda_graphs and model.device.type == "cuda":
+            from mg_server.verifier.graphs import BUCKETS, RowGraphs
+
+            self.graphs = RowGraphs(model, self.pool, self.kv_table, self.max_seq_len, scratch, max_requests,
+                                    graph_buckets or BUCKETS)  # (rows per graph: graphs.BUCKETS)
+            self.graphs.capture()
+
+    # ---- request table -------------------------------------------------------------------
+    def release(self, rid: str) -> bool:
+        st = self.seqs.pop(rid, None)
+        if st is None:
+            return False
+        self._free.extend(reversed(st.slots))
+        self._free_rows.append(st.table_row)
+        return True
+
+    def _truncate(self, st: SeqState, length: int) -> None:
+        drop = st.slots[length:]
+        del st.slots[length:]
+        self._free.extend(reversed(drop))
+        st.last_pred = -1
+
+    def _evict_idle(self, need_tokens: int, need_requests: int, keep: set[str]) -> None:
+        """Free least-recently-used requests idle > evict_idle_s until the need is met (a caller
+        that comes back gets UNKNOWN_REQUEST and resends its prefix from position 0)."""
+        now = time.monotonic()
+        for st in sorted(self.seqs.values(), key=lambda x: x.last_used):
+            if len(self._free) >= need_tokens and len(self.seqs) + need_requests <= self.max_requests:
+                return
+            if st.rid not in keep and now - st.last_used > self.evict_idle_s:
+                self.release(st.rid)
+
+    @property
+    def pool_used(self) -> int:
+        return self.pool.n_tokens - 1 - len(self._free)  # the scratch slot is never a request's
+
+    def _check(self, it: VerifyItem, busy: set[str], reserved: int = 0) -> ErrorReply | int:
+        """Validate an item against the request table; on success, prepare its state and return
+        the pool slots it takes. `reserved`: slots already promised to earlier items of the same
+        forward (each item's need alone could fit where all of them together do not)."""
+        n = len(it.tokens)
+        start = it.pos + 1 - n
+        if n == 0 or start < 0:
+            return ErrorReply(code=ErrorCode.BAD_REQUEST, rid=it.rid,
+                              message=f"need 1..pos+1 tokens, got {n} for pos {it.pos}")
+        if it.pos + 1 > self.max_seq_len:
+            return ErrorReply(code=ErrorCode.TOO_LONG, rid=it.rid,
+                              message=f"pos {it.pos} needs {it.pos + 1} positions > max_seq_len {self.max_seq_len}")
+        vocab = self.model.spec.vocab
+        if min(it.tokens) < 0 or max(it.tokens) >= vocab:
+            return ErrorReply(code=ErrorCode.BAD_REQUEST, rid=it.rid, message=f"token id outside [0, {vocab})")
+        st = self.seqs.get(it.rid)
+        if st is None:
+            if start != 0:
+                return ErrorReply(code=ErrorCode.UNKNOWN_REQUEST, rid=it.rid, expected_pos=0,
+                                  message=f"no shadow cache for {it.rid!r}; the first item must start at 0")
+            need = n
+        else:
+            if start != st.length and not (it.rewind and start <= st.length):
+                return ErrorReply(code=ErrorCode.POSITION_MISMATCH, rid=it.rid, expected_pos=st.length,
+                                  message=f"tokens start at {start}, verifier holds {st.length} positions")
+            need = it.pos + 1 - min(start, st.length)
+        self._evict_idle(need + reserved, int(st is None), busy | {it.rid})
+        if st is None and len(self.seqs) >= self.max_requests:
+            return ErrorReply(code=ErrorCode.NO_CAPACITY, rid=it.rid,
+                              message=f"{self.max_requests} requests already held")
+        if need > len(self._free) - reserved:
+            return ErrorReply(code=ErrorCode.NO_CAPACITY, rid=it.rid,
+                              message=f"K/V pool has {len(self._free) - reserved} free tokens, need {need} "
+                                      f"(pool: {self.pool.n_tokens} tokens)")
+        if st is None:
+            self.seqs[it.rid] = SeqState(it.rid, self._free_rows.pop(), prompt_len=it.prompt_len or n,
+                                         last_used=time.monotonic())
+        elif start < st.length:  # rewind
+            self._truncate(st, start)
+        return n
+
+    # ---- forward ------------------------------------------------------------------------
+    def step(self, items: list[VerifyItem]) -> list[StepOutput | ErrorReply]:
+        """Serve items in order; items of one rid go to successive forwards, the rest batch."""
+        out: list[StepOutput | ErrorReply | None] = [None] * len(items)
+        pending = list(range(len(items)))
+        while pending:
+            batch, later, seen = [], [], set()
+            for i in pending:
+                (later if items[i].rid in seen else batch).append(i)
+                seen.add(items[i].rid)
+            ok, errors = self._admit([items[i] for i in batch])
+            for k, err in errors.items():
+                out[batch[k]] = err
+            ok = [batch[k] for k in ok]
+            if ok:
+                try:
+                    for i, res in zip(ok, self._forward([items[i] for i in ok])):
+                        out[i] = res
+                except Exception as e:  # noqa: BLE001 - drop the half-written requests, keep serving
+                    for i in ok:
+                        self.release(items[i].rid)
+                        out[i] = ErrorReply(code=ErrorCode.INTERNAL, rid=items[i].rid,
+                                            message=f"{type(e).__name__}: {e}")
+            pending = later
+        return out  # type: ignore[return-value]
+
+    def _admit(self, items: list[VerifyItem]) -> tuple[list[int], dict[int, ErrorReply]]:
+        """_check each item of one forward (distinct rids) in order, the pool slots of those
+        admitted reserved for the next: (indices admitted, index -> error of the others)."""
+        ok, errors, reserved = [], {}, 0
+        for k, it in enumerate(items):
+            got = self._check(it, {items[j].rid for j in ok}, reserved)
+            if isinstance(got, int):
+                ok.append(k)
+                reserved += got
+            else:
+                errors[k] = got
+        return ok, errors
+
+    def _forward(self, items: list[VerifyItem]) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        dev = self.model.device
+        tokens, positions, out_slots, table_rows, segs, metas = [], [], [], [], [], []
+        for it in items:
+            st = self.seqs[it.rid]
+            st.last_used = time.monotonic()
+            start = it.pos + 1 - len(it.tokens)
+            new = [self._free.pop() for _ in it.tokens]
+            prev_pred = st.last_pred
+            st.slots.extend(new)
+            segs.append(Segment(row_start=len(tokens), n_rows=len(it.tokens), q_start=start,
+                                kv_indices=self.kv_table[st.table_row, : it.pos + 1]))
+            metas.append((st, start, prev_pred))
+            tokens.extend(it.tokens)
+            positions.extend(range(start, it.pos + 1))
+            out_slots.extend(new)
+            table_rows.extend([st.table_row] * len(new))
+        t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
+        # row -> (temperature, seed, position): the rows that decide a sampled token (position >=
+        # prompt_len - 1); rows inside the prompt decide nothing (not audited) and keep the greedy
+        # argmax, which spares a long prompt's catch-up the noise of every row
+        sampled: dict[int, tuple[float, int, int]] = {}
+        for it, seg, (st, start, _) in zip(items, segs, metas):
+            if it.temperature > 0:
+                sampled.update({seg.row_start + j: (it.temperature, it.seed, start + j)
+                                for j in range(seg.n_rows) if start + j + 1 >= st.prompt_len})
+        if self.graphs is not None:  # the graph writes the new positions' slots into kv_table itself
+            answers = [s.row_start + s.n_rows - 1 for s in segs]  # each item's answer row
+            logits, top = self._graph_rows(tokens, positions, out_slots, table_rows, answers, sampled)
+        else:
+            self.kv_table[t(table_rows), t(positions)] = t(out_slots)  # the new positions' slots
+            logits = self.model.forward(t(tokens), t(positions), t(out_slots), segs, self.pool)  # [R, V] fp32
+            top = ops.margin_rows(logits).tolist()  # [R, 2] fp64 (margin, argmax): one device-to-host copy
+            for r, (temp, seed, pos) in sampled.items():
+                tok, m = ops.sampled_choice(logits[r], temp, seed, pos)
+                top[r] = [m, float(tok)]
+        margins = [row[0] for row in top]
+        preds = [int(row[1]) for row in top]
+        self.forwards += 1
+        ms = (time.perf_counter() - t0) * 1e3
+        results = []
+        for it, seg, (st, start, prev_pred) in zip(items, segs, metas):
+            last = seg.row_start + seg.n_rows - 1
+            audit_t = preds[seg.row_start:last]
+            audit_m = margins[seg.row_start:last]
+            first_mm = -1
+            if start >= st.prompt_len and prev_pred >= 0 and prev_pred != it.tokens[0]:
+                first_mm = start - 1
+            else:
+                for j, tok in enumerate(audit_t):
+                    if start + j + 1 >= st.prompt_len and tok != it.tokens[j + 1]:
+                        first_mm = start + j
+                        break
+            st.last_pred = preds[last]
+            results.append(StepOutput(
+                rid=it.rid, pos=it.pos, token=preds[last], margin=margins[last],
+                kv_column=self.pool.column(st.slots[it.pos]), logits=logits[last],
+                audit_tokens=audit_t, audit_margins=audit_m, first_mismatch=first_mm,
+                batch_rows=len(tokens), batch_requests=len(items), forward_ms=ms,
+                digest=_digest(logits[last]) if it.want_digest else b""))
+        return results
+
+    def _graph_rows(self, tokens: list[int], positions: list[int], slots: list[int], table_rows: list[int],
+                    answers: list[int], sampled: dict[int, tuple[float, int, int]]):
+        """Replay the captured graphs over the rows, at most the largest bucket per replay.
+
+        -> (logits, each row's [margin, argmax]: RowGraphs.run, the `sampled` rows' replaced by
+        their seeded choice [T * (top1 - top2), token]). logits is the graph's [R, V] fp32 output
+        when one replay serves all rows, else {answer row: [V] fp32} (RowGraphs.kept; the rest of a
+        long catch-up's rows are never read, and R x V fp32 would be ~1 GB for an 8B vocabulary).
+        Sampled rows are decided after their own replay, before the next overwrites them.
+        Nothing here allocates device or page-locked memory, and every copy is a kernel
+        (wire.zerocopy).
+        Why chunks keep every row's bits: a row reads only K/V of its own request's positions
+        <= its own, and chunks go in row order, so those are written (by an earlier replay or this
+        one) exactly as one forward would write them; each row's arithmetic does not depend on
+        the other rows of its replay (batch-invariant kernels). Before, a forward of more rows
+        than the largest bucket ran op by op: 24 ms where a replay takes 2.4 ms (smol, H100).
+        """
+        from mg_server.wire.zerocopy import copy_  # (graphs exist on CUDA only)
+
+        g, n = self.graphs, self.graphs.max_rows
+        logits: Tensor | dict[int, Tensor] = {}
+        tops: list = []
+        for a in range(0, len(tokens), n):
+            lg, top = g.run(tokens[a:a + n], positions[a:a + n], slots[a:a + n], table_rows[a:a + n])
+            self.graph_forwards += 1
+            if rows := [r for r in sampled if a <= r < a + n]:  # (temporaries: the caching allocator's)
+                pairs = g.read(torch.stack([ops.sampled_pair(lg[r - a], *sampled[r]) for r in rows]))
+                for r, pair in zip(rows, pairs):
+                    tok, m = ops.choice_of_pair(pair, sampled[r][0])
+                    top[r - a] = [m, float(tok)]
+            if len(tokens) <= n:
+                logits = lg
+            else:
+                for j, r in enumerate(answers):
+                    if a <= r < a + n:
+                        # on CUDA a kernel's copy, not a copy engine's (wire.zerocopy)
+                        logits[r] = copy_(lg[r - a], g.kept[j]) if lg.is_cuda else g.kept[j].copy_(lg[r - a])
+            tops += top
+        return logits, tops
+
+
+def _digest(row: Tensor) -> bytes:
+    """blake2b of a [V] fp32 logits row (a diagnostic: its copy to the host may use the copy engine)."""
+    return hashlib.blake2b(row.cpu().numpy().tobytes(), digest_size=16).digest()

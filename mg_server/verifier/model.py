@@ -1,0 +1,285 @@
+"""A compact, batch-invariant decoder for the Llama family, Qwen2/Qwen2.5 and Qwen3.
+
+Loads a Hugging Face checkpoint folder (config.json + *.safetensors) directly and calls the
+batch-invariant kernels (`ops`) for every reduction: projections, norms, attention, top-2.
+Everything else is elementwise, gathers or copies, which cannot depend on the batch.
+
+RoPE is the rotate-half ("NeoX") form that HF Llama/Qwen and SGLang's default rotary embedding
+use: for a head vector x = [x1, x2] (halves of head_dim), rope(x) = x*cos + [-x2, x1]*sin with
+cos/sin of pos * inv_freq repeated twice. K is stored *after* RoPE, per layer per token as
+[kv_heads, head_dim] in the model dtype: the layout of SGLang's MHATokenToKVPool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from mg_server.verifier import ops
+
+FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str  # "llama" | "qwen2" | "qwen3"
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    eps: float
+    rope_theta: float
+    rope_scaling: tuple  # sorted (key, value) pairs of the HF rope parameters, () if none
+    tie_embeddings: bool
+
+    @staticmethod
+    def from_hf_config(cfg: dict) -> "ModelSpec":
+        mt = cfg.get("model_type")
+        if mt not in FAMILIES:
+            raise ValueError(f"unsupported model_type {mt!r} (supported: {sorted(FAMILIES)})")
+        if cfg.get("use_sliding_window") or (mt == "mistral" and cfg.get("sliding_window")):
+            raise ValueError("sliding-window attention is not supported by the verifier")
+        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5
+        if cfg.get("rope_scaling"):  # transformers 4 layout
+            rope.update(cfg["rope_scaling"])
+        theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+        rope.pop("rope_theta", None)
+        rtype = rope.get("rope_type", rope.get("type", "default"))
+        if rtype not in ("default", "llama3", "linear"):
+            raise ValueError(f"unsupported rope_type {rtype!r}")
+        n_heads = int(cfg["num_attention_heads"])
+        return ModelSpec(
+            family=FAMILIES[mt],
+            n_layers=int(cfg["num_hidden_layers"]),
+            hidden=int(cfg["hidden_size"]),
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // n_heads),
+            intermediate=int(cfg["intermediate_size"]),
+            vocab=int(cfg["vocab_size"]),
+            eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if k != "type")),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+
+def model_identity(model_dir: str | Path, dtype: torch.dtype) -> str:
+    """Identity of (config, weight files, dtype): sha256 of config.json and the files' names+sizes.
+
+    Cheap (no weight hashing) yet changes whenever the checkpoint is swapped or re-exported.
+    """
+    d = Path(model_dir)
+    h = hashlib.sha256((d / "config.json").read_bytes())
+    for f in sorted(d.glob("*.safetensors")):
+        h.update(f"{f.name}:{f.stat().st_size};".encode())
+    h.update(str(dtype).encode())
+    return h.hexdigest()[:24]
+
+
+def _inv_freq(spec: ModelSpec) -> Tensor:
+    d = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [D/2] fp32
+    rs = dict(spec.rope_scaling)
+    rtype = rs.get("rope_type", "default")
+    if rtype == "linear":
+        inv = inv / float(rs["factor"])
+    elif rtype == "llama3":
+        factor, lo, hi = float(rs["factor"]), float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+        old = float(rs["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv
+
+
+@dataclass
+class Layer:
+    ln1: Tensor  # [H] dtype
+    wqkv: object  # prepared [(Hq+2Hkv)*D, H]: q, k, v rows fused (fixed at load, so N never varies)
+    bqkv: Tensor | None  # [(Hq+2Hkv)*D] dtype (Qwen2 / attention_bias)
+    q_norm: Tensor | None  # [D] dtype (Qwen3)
+    k_norm: Tensor | None  # [D] dtype (Qwen3)
+    wo: object  # prepared [H, Hq*D]
+    ln2: Tensor  # [H] dtype
+    w_gate_up: object  # prepared [2I, H]: gate rows then up rows
+    w_down: object  # prepared [H, I]
+
+
+class KVPool:
+    """Token-slot K/V storage for all layers: k/v [L, P, Hkv, D] in the model dtype.
+
+    A slot holds one token's K (after RoPE) and V for every layer, like SGLang's pool.
+    """
+
+    def __init__(self, spec: ModelSpec, n_tokens: int, dtype: torch.dtype, device: torch.device):
+        shape = (spec.n_layers, n_tokens, spec.n_kv_heads, spec.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)  # [L, P, Hkv, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=device)  # [L, P, Hkv, D]
+        self.n_tokens = n_tokens
+
+    def column(self, slot: int) -> Tensor:
+        """The K/V column stored in `slot`: [L, 2, Hkv, D] (index 0 = K after RoPE, 1 = V)."""
+        return torch.stack([self.k[:, slot], self.v[:, slot]], dim=1)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's rows in a batched forward."""
+
+    row_start: int  # first row of this request in the batch
+    n_rows: int  # tokens teacher-forced (positions q_start .. q_start+n_rows-1)
+    q_start: int  # absolute position of the first row
+    kv_indices: Tensor  # [q_start+n_rows] int64 pool slots of positions 0..q_start+n_rows-1
+
+
+class VerifierModel:
+    def __init__(self, spec: ModelSpec, tensors: dict[str, Tensor], dtype: torch.dtype,
+                 device: torch.device, max_positions: int):
+        self.spec, self.dtype, self.device = spec, dtype, device
+        s = spec
+
+        def t(name: str) -> Tensor:
+            return tensors[name].to(device=device, dtype=dtype)
+
+        def opt(name: str) -> Tensor | None:
+            return t(name) if name in tensors else None
+
+        self.embed = t("model.embed_tokens.weight")  # [V, H] dtype
+        self.final_norm = t("model.norm.weight")  # [H] dtype
+        lm = tensors.get("lm_head.weight")
+        if lm is None or s.tie_embeddings:
+            lm = tensors["model.embed_tokens.weight"]
+        # Logits in fp32 (fp32 output of an fp32 accumulator): margins are not quantised to bf16
+        # steps of ~0.1. The weight stays in the model dtype: an fp32 copy holds the same values
+        # (twice the bytes, and no tensor cores on the GPU).
+        self.lm_head = ops.prepare_weight(lm.to(device=device, dtype=dtype))  # [V, H]
+        self.layers: list[Layer] = []
+        for i in range(s.n_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            wqkv = torch.cat([t(a + "q_proj.weight"), t(a + "k_proj.weight"), t(a + "v_proj.weight")])
+            bias = [opt(a + n + "_proj.bias") for n in "qkv"]
+            bqkv = torch.cat(bias) if bias[0] is not None else None
+            w_gu = torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")])
+            self.layers.append(Layer(
+                ln1=t(p + "input_layernorm.weight"),
+                wqkv=ops.prepare_weight(wqkv), bqkv=bqkv,
+                q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"),
+                wo=ops.prepare_weight(t(a + "o_proj.weight")),
+                ln2=t(p + "post_attention_layernorm.weight"),
+                w_gate_up=ops.prepare_weight(w_gu),
+                w_down=ops.prepare_weight(t(p + "mlp.down_proj.weight")),
+            ))
+        if s.family == "qwen3" and self.layers[0].q_norm is None:
+            raise ValueError("qwen3 checkpoint without q_norm/k_norm weights")
+        # RoPE tables [max_positions, D] fp32. cos/sin by Python's scalar libm, one call per
+        # value: torch's vectorised and scalar-tail paths may differ, which would make a
+        # position's bits depend on the table length (max_positions) or the device.
+        inv = _inv_freq(spec).tolist()  # [D/2] fp32 values
+        freqs = torch.tensor([[float(p * f) for f in inv] for p in range(max_positions)],
+                             dtype=torch.float32)  # the fp32 product HF forms
+        fl = freqs.to(torch.float64).flatten().tolist()
+        cos = torch.tensor([math.cos(a) for a in fl], dtype=torch.float32).view(freqs.shape)
+        sin = torch.tensor([math.sin(a) for a in fl], dtype=torch.float32).view(freqs.shape)
+        self.cos = torch.cat([cos, cos], -1).to(device)  # [P, D] fp32
+        self.sin = torch.cat([sin, sin], -1).to(device)  # [P, D] fp32
+        self.max_positions = max_positions
+        self.scale = 1.0 / math.sqrt(s.head_dim)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
+             max_positions: int) -> "VerifierModel":
+        from safetensors import safe_open
+
+        d = Path(model_dir)
+        spec = ModelSpec.from_hf_config(json.loads((d / "config.json").read_text()))
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors in {d}")
+        tensors: dict[str, Tensor] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    tensors[k] = sf.get_tensor(k)
+        return cls(spec, tensors, dtype, torch.device(device), max_positions)
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, positions: Tensor, out_slots: Tensor, segments: list[Segment],
+                pool: KVPool) -> Tensor:
+        """Teacher-force `tokens` and return fp32 logits [R, V] for every row.
+
+        tokens/positions/out_slots [R] int64 (device); each row's K/V is written to its slot
+        before attention, so prefill, chunked prefill and decode read the same K/V layout.
+        Attention is per request (its own causal K/V history), rows of all requests concatenated.
+        """
+        def attend(li: int, q: Tensor) -> Tensor:  # q [R, Hq, D] -> [R, Hq, D]
+            parts = [ops.attention_paged(q[g.row_start: g.row_start + g.n_rows], pool.k[li], pool.v[li],
+                                         g.kv_indices, g.q_start, self.scale) for g in segments]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        return self._run(tokens, positions, out_slots, pool, attend)
+
+    @torch.inference_mode()
+    def forward_rows(self, tokens: Tensor, positions: Tensor, out_slots: Tensor, table_row: Tensor,
+                     kv_table: Tensor, pool: KVPool, max_len: int, logits_out: Tensor | None = None) -> Tensor:
+        """`forward` with every per-step size read from device tensors, so a CUDA graph of it
+        serves any positions: row r attends to kv_table[table_row[r], :positions[r] + 1].
+
+        tokens/positions/out_slots/table_row [R] int64 (device); kv_table [tables, L] int64.
+        logits_out: [R, V] fp32 contiguous (CUDA), where the logits are written (graphs.py: every
+        bucket's graph writes one shared buffer). Bit-equal per row to `forward` (the row-wise
+        attention kernels keep each row's reduction).
+        """
+        def attend(li: int, q: Tensor) -> Tensor:
+            return ops.attention_rows(q, pool.k[li], pool.v[li], kv_table, table_row, positions, max_len,
+                                      self.scale)
+
+        return self._run(tokens, positions, out_slots, pool, attend, logits_out)
+
+    def _run(self, tokens: Tensor, positions: Tensor, out_slots: Tensor, pool: KVPool, attend,
+             logits_out: Tensor | None = None) -> Tensor:
+        s = self.spec
+        r = tokens.shape[0]
+        hq, hkv, d = s.n_heads, s.n_kv_heads, s.head_dim
+        residual = self.embed[tokens]  # [R, H] dtype
+        m = None  # [R, H] dtype: the previous layer's MLP output, not yet added to the residual
+        for li, lay in enumerate(self.layers):
+            # each RMSNorm runs inside the next projection (ops.norm_matmul: one kernel on CUDA)
+            if m is None:
+                qkv = ops.matmul(ops.rms_norm(residual, lay.ln1, s.eps), lay.wqkv, lay.bqkv)
+            else:
+                qkv, residual = ops.norm_matmul(m, residual, lay.ln1, s.eps, lay.wqkv, lay.bqkv)
+            # qkv [R, (Hq+2Hkv)*D] dtype
+            qk = qkv[:, : (hq + hkv) * d].view(r, hq + hkv, d)  # q heads then k heads (a view)
+            v = qkv[:, (hq + hkv) * d:].view(r, hkv, d)
+            if lay.q_norm is not None:  # Qwen3: per-head RMSNorm over head_dim, before RoPE
+                qn = ops.rms_norm(qk[:, :hq].reshape(r * hq, d), lay.q_norm, s.eps).view(r, hq, d)
+                kn = ops.rms_norm(qk[:, hq:].reshape(r * hkv, d), lay.k_norm, s.eps).view(r, hkv, d)
+                qk = torch.cat([qn, kn], dim=1)
+            # RoPE on q and k heads, K (after RoPE) and V into the rows' slots: one fused launch
+            q = ops.rope_store(qk, v, self.cos, self.sin, positions, out_slots, pool.k[li], pool.v[li], hq)
+            attn = attend(li, q)  # [R, Hq, D] dtype
+            o = ops.matmul(attn.reshape(r, hq * d), lay.wo)  # [R, H] dtype
+            gu, residual = ops.norm_matmul(o, residual, lay.ln2, s.eps, lay.w_gate_up)  # [R, 2I] dtype
+            # silu via the kernels (torch's CPU silu changes bits with the number of rows), inside
+            # the down projection on CUDA
+            m = ops.silu_matmul(gu, lay.w_down)  # [R, H] dtype
+        h, residual = ops.add_rms_norm(m, residual, self.final_norm, s.eps)
+        if logits_out is not None:  # CUDA only: the kernel ops.matmul runs there, writing in place
+            from mg_server.verifier.kernels.matmul_triton import matmul as matmul_into
+
+            return matmul_into(h, self.lm_head, out=logits_out)  # [R, V] fp32, the same bits
+        return ops.matmul(h, self.lm_head, out_dtype=torch.float32)  # [R, V] fp32

@@ -1,0 +1,115 @@
+"""Verifier-alone decoding: the canonical answer of a deterministic request (greedy, or seeded
+sampling with `temperature` > 0 and a seed per prompt).
+
+Several prompts are decoded in the same forwards: the verifier's kernels are batch-invariant
+(tested: 1 vs 8 co-batched requests give bitwise-equal results), so this equals decoding each
+prompt alone and is much faster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mg_server.wire.protocol import ErrorReply, VerifyItem
+
+
+@dataclass
+class Reference:
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)  # generated tokens
+    margins: list[float] = field(default_factory=list)  # verifier margin at each generated token
+
+
+def greedy_reference(engine, prompts: list[list[int]], max_new: int, stop_ids: tuple[int, ...] = (),
+                     rid_prefix: str = "ref", progress=None, temperature: float = 0.0,
+                     seeds: list[int] | None = None) -> list[Reference]:
+    """Decode each prompt for max_new tokens (or until a stop id, which is kept): greedily, or,
+    with temperature > 0, by seeded sampling with seeds[i] for prompt i (the rule mg applies to
+    a deterministic request with that temperature and seed).
+    `progress(n)`, if given, is called after every forward with the tokens it produced."""
+    if temperature > 0 and (seeds is None or len(seeds) != len(prompts)):
+        raise ValueError("seeded sampling needs one seed per prompt")
+    refs = [Reference(prompt=list(p)) for p in prompts]
+    live = list(range(len(refs)))
+    try:
+        while live:
+            items = []
+            for i in live:
+                r = refs[i]
+                seq = r.prompt + r.tokens
+                new = seq if not r.tokens else seq[-1:]
+                items.append(VerifyItem(rid=f"{rid_prefix}-{i}", pos=len(seq) - 1, tokens=new,
+                                        prompt_len=len(r.prompt) if not r.tokens else 0,
+                                        temperature=temperature, seed=seeds[i] if temperature > 0 else 0))
+            outs = engine.step(items)
+            if progress is not None:
+                progress(len(items))
+            for i, out in zip(list(live), outs):
+                if isinstance(out, ErrorReply):
+                    raise RuntimeError(f"reference decoding failed: [{out.code}] {out.message}")
+                refs[i].tokens.append(out.token)
+                refs[i].margins.append(out.margin)
+                if len(refs[i].tokens) >= max_new or out.token in stop_ids:
+                    live.remove(i)
+    finally:
+        for i in range(len(refs)):
+            engine.release(f"{rid_prefix}-{i}")
+    return refs
+
+
+# GPU memory kept free for one verify forward's activations and fp32 logits rows (the
+# catch-up of a 512-token prompt on a 128k vocabulary alone is 0.26 GB of logits).
+WORKSPACE_BYTES = 3 << 30
+
+
+def checkpoint_bytes(model_path: str, dtype_bytes: int = 2) -> tuple[int, int]:
+    """(weight bytes, K/V bytes per token) of a checkpoint in a `dtype_bytes` dtype, counted from
+    config.json's dimensions (before anything loads: the launcher leaves room for an in-process
+    verifier, and checks SGLang's own copy still fits)."""
+    import json
+    from pathlib import Path
+
+    from mg_server.verifier.model import ModelSpec
+
+    s = ModelSpec.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
+    q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
+    layer = s.hidden * (q + 2 * kv) + q * s.hidden + 3 * s.hidden * s.intermediate + 2 * s.hidden
+    params = s.n_layers * layer + s.vocab * s.hidden * (1 if s.tie_embeddings else 2) + s.hidden
+    return params * dtype_bytes, 2 * s.n_layers * kv * dtype_bytes
+
+
+def pool_tokens_for_budget(model, memory_gb: float, max_seq_len: int, cap: int = 1 << 18) -> int:
+    """K/V pool tokens that fit a CUDA memory budget next to the loaded weights and a workspace."""
+    import torch
+
+    weights = torch.cuda.memory_allocated(model.device)
+    s = model.spec
+    per_token = 2 * s.n_layers * s.n_kv_heads * s.head_dim * model.dtype.itemsize
+    tokens = min(cap, (int(memory_gb * (1 << 30)) - weights - WORKSPACE_BYTES) // per_token)
+    if tokens < max_seq_len:
+        raise ValueError(
+            f"verifier memory budget {memory_gb:g} GB is too small: weights take {weights / (1 << 30):.2f} GB, "
+            f"the workspace {WORKSPACE_BYTES / (1 << 30):.1f} GB, and one {max_seq_len}-token request needs "
+            f"{max_seq_len * per_token / (1 << 30):.2f} GB of K/V")
+    return int(tokens)
+
+
+def load_engine(model_path: str, dtype: str = "bfloat16", device: str = "cpu", max_seq_len: int = 4096,
+                max_requests: int = 64, pool_tokens: int = 32768, evict_idle_s: float = float("inf"),
+                memory_gb: float = 0.0, cuda_graphs: bool = True):
+    """A verifier engine: the worker process builds its own with this too.
+
+    memory_gb > 0 (CUDA only): size the K/V pool from that budget instead of `pool_tokens`.
+    cuda_graphs (CUDA only): replay captured graphs for forwards of up to 128 rows.
+    """
+    import torch
+
+    from mg_server.verifier.engine import VerifierEngine
+    from mg_server.verifier.model import VerifierModel
+
+    model = VerifierModel.load(model_path, getattr(torch, dtype), device, max_seq_len)
+    if memory_gb > 0:
+        if model.device.type != "cuda":
+            raise ValueError("a verifier memory budget applies to CUDA devices only")
+        pool_tokens = pool_tokens_for_budget(model, memory_gb, max_seq_len)
+    return VerifierEngine(model, max_requests, pool_tokens, max_seq_len, evict_idle_s, cuda_graphs)

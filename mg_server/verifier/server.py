@@ -1,0 +1,350 @@
+"""The verifier worker process: zmq ROUTER on an ipc:// path, shared slot buffer for K/V columns.
+
+Entry point: `run_verifier(cfg)` (in the child) or `start_verifier(cfg)` (spawns it). The worker
+binds before loading the model, so a client's hello simply waits in the queue; if loading fails,
+the worker stays up and answers every message with a typed error (`load_failed`, naming the
+cause) instead of vanishing. From its first moment it beats and watches the process that
+started it (wire.liveness): if that one dies, the worker removes its shared memory and exits.
+Messages are served in arrival order; consecutive Verify messages are coalesced into one batched
+step (batch-invariant kernels make that safe); control messages flush pending verifies first.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import multiprocessing as mp
+import os
+import threading
+import time
+import traceback
+from dataclasses import dataclass, replace
+
+import torch
+import zmq
+
+from mg_server.wire import protocol as P
+from mg_server.wire.shm import SlotBuffer
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    model_path: str  # Hugging Face checkpoint folder (config.json + *.safetensors)
+    ipc_path: str  # filesystem path of the ipc:// socket, unique per worker instance
+    dtype: str = "bfloat16"  # model dtype (weights, activations, K/V); logits are fp32
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    n_slots: int = 64  # K/V-column slots in the shared buffer (reused round-robin)
+    max_seq_len: int = 4096  # longest request (positions) the verifier accepts
+    max_requests: int = 64  # shadow caches held at once
+    pool_tokens: int = 16384  # K/V pool capacity in tokens, shared by all requests
+    evict_idle_s: float = 600.0  # when full, drop requests idle this long (clients that vanished)
+    max_batch_items: int = 64  # items coalesced into one step
+    num_threads: int = 0  # torch CPU threads (0: leave torch's default); results do not depend on it
+    memory_gb: float = 0.0  # CUDA memory budget (weights + K/V pool + workspace); 0: pool_tokens as given
+    shm_name: str = ""  # shared-memory name; "" derives one from ipc_path
+    poll_ms: int = 50  # receive poll period
+    parent_pid: int = 0  # the process that started the worker: it exits once that one is gone (0: no watch)
+    trace_calls: int = 0  # diagnostics (env.trace_calls): 1 log each call's phases and GC pauses, 2 + CUDA allocations
+
+    def __post_init__(self):
+        # Results of one step occupy distinct slots until the client copies them out.
+        if self.n_slots < self.max_batch_items:
+            raise ValueError(f"n_slots ({self.n_slots}) must be >= max_batch_items ({self.max_batch_items})")
+
+    @property
+    def endpoint(self) -> str:
+        return "ipc://" + self.ipc_path
+
+    @property
+    def shm_base(self) -> str:
+        return self.shm_name or "mgv_" + hashlib.sha1(self.ipc_path.encode()).hexdigest()[:16]
+
+
+def _err(code: str, message: str, msg_id: int = 0) -> P.Error:
+    return P.Error(msg_id=msg_id, error=P.ErrorReply(code=code, message=message))
+
+
+class VerifierServer:
+    def __init__(self, cfg: VerifierConfig):
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(cfg.endpoint)
+        self.engine = None
+        self.shm: SlotBuffer | None = None
+        self.load_error = ""
+        self.next_slot = 0
+        self.gen = 0  # global generation counter of written slots
+        self._allocs = 0  # trace_calls: the device's CUDA allocation count after the last call
+        self._gc_t0 = 0.0  # trace_calls: when the running collection started
+        self.served = self.errors = 0
+        self.running = True
+
+    def load(self) -> None:
+        from mg_server.verifier import ops
+        from mg_server.verifier.model import model_identity
+        from mg_server.verifier.reference import load_engine
+        from mg_server.wire.fingerprint import weights_digest
+
+        cfg = self.cfg
+        try:
+            if cfg.num_threads > 0:
+                torch.set_num_threads(cfg.num_threads)
+            dtype = getattr(torch, cfg.dtype)
+            self.engine = load_engine(cfg.model_path, cfg.dtype, cfg.device, cfg.max_seq_len, cfg.max_requests,
+                                      cfg.pool_tokens, cfg.evict_idle_s, cfg.memory_gb)
+            model = self.engine.model
+            s = model.spec
+            self.shm = SlotBuffer.create(cfg.shm_base, cfg.n_slots, s.n_layers, s.n_kv_heads, s.head_dim,
+                                         dtype, model.device)
+            self.model_id = model_identity(cfg.model_path, dtype)
+            self.weights_digest = weights_digest(cfg.model_path)  # once: system_fingerprint
+            self.kernel_config_id = ops.config_id(model.device)  # the backend that serves the device
+            if model.device.type == "cuda":
+                self._warm_up()
+            if cfg.trace_calls:
+                print(f"[mg-verifier] gc: {len(gc.get_objects())} objects tracked, {gc.get_freeze_count()} frozen, "
+                      f"thresholds {gc.get_threshold()}", flush=True)
+                gc.callbacks.append(self._trace_gc)
+            # What the worker holds now (weights, K/V pool, slots): CUDA only, 0 on CPU.
+            self.memory_bytes = torch.cuda.memory_allocated(model.device) if model.device.type == "cuda" else 0
+        except Exception as e:  # noqa: BLE001 - reported to every client, see module doc
+            self.load_error = f"verifier failed to load {cfg.model_path!r}: {type(e).__name__}: {e}"
+            traceback.print_exc()
+
+    def _warm_up(self) -> None:
+        """Compile and load every kernel a verify call launches, now: compiled on a first request,
+        they would take it past its deadline."""
+        from mg_server.wire import zerocopy
+
+        t0 = time.perf_counter()
+        # A short prompt and a step; then several long prompts in one call (chunked graph replays)
+        # and a step of each, so the caching allocator holds blocks for the buffers a step
+        # allocates on this stream; a seeded request's rows; the slot buffer's write.
+        eng = self.engine
+        if eng.model.device.type == "cuda":
+            zerocopy.warm_up(eng.model.device)
+        rids = [f"mg-warm-up-{k}" for k in range(min(8, eng.max_requests))]
+        n = max(18, min(150, eng.max_seq_len - 1, (eng.pool.n_tokens - 64) // len(rids)))  # a long prompt that fits
+        calls = [[P.VerifyItem(rid=rids[0], pos=16, tokens=[1] * 17)], [P.VerifyItem(rid=rids[0], pos=17, tokens=[1])],
+                 [P.VerifyItem(rid=r, pos=n - 2, tokens=[1] * (n - 1)) for r in rids[1:]],
+                 [P.VerifyItem(rid=r, pos=n - 1 if k else 18, tokens=[1]) for k, r in enumerate(rids)],
+                 [P.VerifyItem(rid="mg-warm-up-s", pos=16, tokens=[1] * 17, temperature=0.7, seed=1)],
+                 [P.VerifyItem(rid="mg-warm-up-s", pos=17, tokens=[1], temperature=0.7, seed=1)]]
+        for items in calls:
+            for res in self.engine.step(items):
+                if isinstance(res, P.ErrorReply):
+                    raise RuntimeError(f"warm-up forward failed: [{res.code}] {res.message}")
+        self.shm.write_many([(0, eng.pool.column(0), -1)])  # generation -1: slot 0 stays unwritten
+        for r in [*rids, "mg-warm-up-s"]:
+            self.engine.release(r)
+        print(f"[mg-verifier] kernels warmed up in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    # ---- handlers -----------------------------------------------------------------------
+    def _hello(self, m: P.Hello) -> P.Message:
+        if m.protocol_version != P.PROTOCOL_VERSION:
+            return _err(P.ErrorCode.PROTOCOL_MISMATCH,
+                        f"server speaks {P.PROTOCOL_VERSION}, client {m.protocol_version}", m.msg_id)
+        if m.expect_model_id and m.expect_model_id != self.model_id:
+            return _err(P.ErrorCode.MODEL_MISMATCH, f"model {self.model_id} != expected {m.expect_model_id}",
+                        m.msg_id)
+        if m.expect_kernel_config_id and m.expect_kernel_config_id != self.kernel_config_id:
+            return _err(P.ErrorCode.MODEL_MISMATCH,
+                        f"kernel config {self.kernel_config_id} != expected {m.expect_kernel_config_id}", m.msg_id)
+        eng = self.engine
+        s = eng.model.spec
+        return P.HelloReply(
+            msg_id=m.msg_id, protocol_version=P.PROTOCOL_VERSION, model_id=self.model_id,
+            kernel_config_id=self.kernel_config_id, weights_digest=self.weights_digest, family=s.family,
+            n_layers=s.n_layers, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, vocab=s.vocab, dtype=self.cfg.dtype,
+            device=str(eng.model.device), max_seq_len=eng.max_seq_len, max_requests=eng.max_requests,
+            shm=self.shm.spec, pool_tokens=eng.pool.n_tokens, memory_bytes=self.memory_bytes)
+
+    def _verify(self, batch: list[tuple[bytes, P.Verify]]) -> None:
+        items, owners = [], []
+        now = time.time_ns()
+        late: dict[int, P.ErrorReply] = {}
+        for k, (_, m) in enumerate(batch):
+            for it in m.items:
+                if it.deadline_ns and now > it.deadline_ns:
+                    late[len(owners)] = P.ErrorReply(code=P.ErrorCode.DEADLINE, rid=it.rid,
+                                                     message="deadline passed before the verifier started")
+                else:
+                    items.append(it)
+                owners.append(k)
+        trace = self.cfg.trace_calls > 0 and self.engine.model.device.type == "cuda"
+        t = [time.perf_counter()]
+        allocs = self._alloc_count() if trace else -1
+        outs = iter(self.engine.step(items)) if items else iter(())
+        t.append(time.perf_counter())
+        replies: list[list] = [[] for _ in batch]
+        writes: list[tuple] = []  # (slot, column, gen): written with one sync before any reply goes
+        for n, k in enumerate(owners):
+            res = late[n] if n in late else next(outs)
+            if isinstance(res, P.ErrorReply):
+                self.errors += 1
+                replies[k].append(res)
+                continue
+            it_digest = batch[k][1].items[len(replies[k])].want_digest
+            replies[k].append(self._result(res, writes, it_digest))
+            self.served += 1
+        self.shm.write_many(writes)
+        t.append(time.perf_counter())
+        for (ident, m), results in zip(batch, replies):
+            self._send(ident, P.VerifyReply(msg_id=m.msg_id, results=results))
+        if trace:
+            self._trace(items, now, t + [time.perf_counter()], allocs)
+
+    def _alloc_count(self) -> int:  # (-1: not counted; memory_stats builds a big dict, its garbage feeds gc)
+        if self.cfg.trace_calls < 2:
+            return -1
+        return torch.cuda.memory_stats(self.engine.model.device).get("num_device_alloc", 0)
+
+    def _trace_gc(self, phase: str, info: dict) -> None:
+        """cfg.trace_calls: log each garbage collection of this process that takes over 5 ms."""
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif (ms := 1e3 * (time.perf_counter() - self._gc_t0)) > 5:
+            print(f"[mg-verifier] {time.time():.3f} gc of generation {info['generation']} took {ms:.1f} ms "
+                  f"({info['collected']} collected, {gc.get_freeze_count()} objects frozen) in thread "
+                  f"{threading.current_thread().name}", flush=True)
+
+    def _trace(self, items: list[P.VerifyItem], now_ns: int, t: list[float], before: int) -> None:
+        """cfg.trace_calls: one line per call. Why the deadline: the controller stamps each item's
+        deadline as its send time + verify_timeout_s, so the time left says how long the call
+        waited before this worker took it."""
+        after = self._alloc_count()
+        left = min((it.deadline_ns - now_ns) / 1e6 for it in items) if items else 0.0
+        ms = [1e3 * (b - a) for a, b in zip(t, t[1:])]
+        print(f"[mg-verifier] {time.time():.3f} call of {len(items)} items, {sum(len(it.tokens) for it in items)} "
+              f"rows: step {ms[0]:.2f} ms, results+slots {ms[1]:.2f} ms, send {ms[2]:.2f} ms; deadline in "
+              f"{left:.1f} ms at the start" + (f"; CUDA allocations {before - self._allocs} since the last call, "
+                                                f"{after - before} during it" if after >= 0 else ""), flush=True)
+        self._allocs = after
+
+    def _result(self, res, writes: list[tuple], digest: bool) -> P.VerifyResult:
+        """The wire form of an engine result, with a slot of its own for its K/V column."""
+        slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.cfg.n_slots
+        self.gen += 1
+        gen = self.gen
+        writes.append((slot, res.kv_column, gen))
+        return P.VerifyResult(
+            rid=res.rid, pos=res.pos, token=res.token, margin=res.margin, slot=slot, gen=gen,
+            audit_tokens=res.audit_tokens, audit_margins=res.audit_margins,
+            first_mismatch=res.first_mismatch, digest=res.digest if digest else b"",
+            batch_rows=res.batch_rows, batch_requests=res.batch_requests, forward_ms=res.forward_ms)
+
+    def _control(self, m: P.Message) -> P.Message:
+        if isinstance(m, P.Hello):
+            return self._hello(m)
+        if isinstance(m, P.Release):
+            return P.Ack(msg_id=m.msg_id, n=sum(self.engine.release(r) for r in m.rids))
+        if isinstance(m, P.Stats):
+            e = self.engine
+            return P.StatsReply(msg_id=m.msg_id, requests=len(e.seqs), pool_tokens_used=e.pool_used,
+                                pool_tokens=e.pool.n_tokens, served_items=self.served,
+                                forwards=e.forwards, errors=self.errors)
+        if isinstance(m, P.Shutdown):
+            self.running = False
+            return P.Ack(msg_id=m.msg_id)
+        return _err(P.ErrorCode.BAD_REQUEST, f"unexpected message {type(m).__name__}", m.msg_id)
+
+    # ---- loop ---------------------------------------------------------------------------
+    def _send(self, ident: bytes, msg: P.Message) -> None:
+        self.sock.send_multipart([ident, P.encode(msg)])
+
+    def _handle_batch(self, frames: list[list[bytes]]) -> None:
+        pending: list[tuple[bytes, P.Verify]] = []
+
+        def flush():
+            if pending:
+                try:
+                    self._verify(pending)
+                except Exception as e:  # noqa: BLE001 - the worker survives; callers get an error
+                    traceback.print_exc()
+                    for ident, m in pending:
+                        self._send(ident, _err(P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", m.msg_id))
+                pending.clear()
+
+        for fr in frames:
+            ident = fr[0]
+            try:
+                m = P.decode(fr[-1])
+            except Exception as e:  # noqa: BLE001 - malformed bytes
+                self.errors += 1
+                self._send(ident, _err(P.ErrorCode.BAD_REQUEST, f"undecodable message: {e}"))
+                continue
+            if self.load_error and not isinstance(m, P.Shutdown):
+                self._send(ident, _err(P.ErrorCode.LOAD_FAILED, self.load_error, m.msg_id))
+                continue
+            if isinstance(m, P.Verify):
+                if not 0 < len(m.items) <= self.cfg.n_slots:  # each result needs its own live slot
+                    self._send(ident, _err(P.ErrorCode.BAD_REQUEST,
+                                           f"{len(m.items)} items; 1..{self.cfg.n_slots} per message", m.msg_id))
+                    continue
+                pending.append((ident, m))
+                if sum(len(x.items) for _, x in pending) >= self.cfg.max_batch_items:
+                    flush()
+                continue
+            flush()
+            try:
+                reply = self._control(m)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                reply = _err(P.ErrorCode.INTERNAL, f"{type(e).__name__}: {e}", m.msg_id)
+            self._send(ident, reply)
+        flush()
+
+    def serve_forever(self) -> None:
+        try:
+            while self.running:
+                if not self.sock.poll(self.cfg.poll_ms):
+                    continue
+                frames = []
+                while len(frames) < self.cfg.max_batch_items:  # drain what is queued: one batch
+                    try:
+                        frames.append(self.sock.recv_multipart(zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                self._handle_batch(frames)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+        self.sock.close(0)
+        self.ctx.term()
+
+    def remove_shared_memory(self) -> None:
+        """From the lifeline thread of an orphaned worker: the names go, the mappings stay
+        valid until the process exits (the main thread may be writing a slot)."""
+        if self.shm is not None:
+            self.shm.unlink()
+
+
+def run_verifier(cfg: VerifierConfig) -> None:
+    """Process entry point: bind, load, serve until a Shutdown message (or the parent is gone)."""
+    from mg_server.wire.channel import set_process_title
+    from mg_server.wire.liveness import Lifeline, beat_path
+
+    set_process_title("mg::verifier")
+    server = VerifierServer(cfg)
+    lifeline = Lifeline(beat_path(cfg.ipc_path), cfg.parent_pid, server.remove_shared_memory, "mg-verifier-life")
+    lifeline.start()
+    try:
+        server.load()
+        server.serve_forever()
+    finally:
+        lifeline.stop()
+
+
+def start_verifier(cfg: VerifierConfig) -> mp.Process:
+    """Spawn a worker process (spawn start method: no forked torch/zmq state) that stops once
+    this process is gone."""
+    cfg = replace(cfg, parent_pid=os.getpid())
+    proc = mp.get_context("spawn").Process(target=run_verifier, args=(cfg,), name="mg-verifier", daemon=True)
+    proc.start()
+    return proc
