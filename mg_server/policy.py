@@ -3,7 +3,7 @@
 Modes: `off` (never verify: plain SGLang), `margin` (verify when the fast path's top-1/top-2
 logit margin is below tau), `always` (verify every step; the LLM-42-like upper bound on cost).
 tau comes from an explicit value, a profile file (`serve --profile`, written by `mg-server
-calibrate`) or the model's shipped profile (JSON under mg_server/profiles/).
+calibrate`) or the model's shipped profile for the serving device (mg_server/profiles/MODEL.DEVICE.json).
 """
 
 from __future__ import annotations
@@ -51,19 +51,27 @@ def read_profile(path: Path) -> dict:
     return d
 
 
-def load_profile(model_name: str, profile_dir: Path = PROFILE_DIR) -> dict | None:
-    """The calibration profile of a model (by checkpoint folder name), if one is shipped."""
-    path = profile_dir / f"{model_name}.json"
+def profile_name(model_name: str, device: str) -> str:
+    """A shipped profile's file name. Per device, why: tau bounds how far the fast path's margins
+    drift from the verifier's, and both kernel sets differ between CPU and GPU (SmolLM2: 0.547 on
+    CPU, 0.641 on an H100)."""
+    return f"{model_name}.{device}.json"
+
+
+def load_profile(model_name: str, device: str, profile_dir: Path = PROFILE_DIR) -> dict | None:
+    """The calibration profile of a model (by checkpoint folder name) on a device ("cpu" or
+    "cuda"), if one is shipped."""
+    path = profile_dir / profile_name(model_name, device)
     return read_profile(path) if path.exists() else None
 
 
 def resolve_tau(model_path: str, tau: float | None, mode: str = "margin",
-                profile_path: str | None = None) -> tuple[float, str]:
+                profile_path: str | None = None, device: str = "cpu") -> tuple[float, str]:
     """(tau, where it came from): an explicit value wins, then a profile file given by the user
-    (`serve --profile`), then the model's shipped profile. Only mode margin reads tau; the others
-    get 0 when no value is given (a given profile file is still checked). A model without a
-    profile serves with tau 0: tau only says which steps are checked early, and every token is
-    checked before it leaves whatever tau is."""
+    (`serve --profile`), then the model's shipped profile for `device`. Only mode margin reads
+    tau; the others get 0 when no value is given (a given profile file is still checked). A model
+    without a profile serves with tau 0: tau only says which steps are checked early, and every
+    token is checked before it leaves whatever tau is."""
     if tau is not None:
         return tau, "flag"
     name = Path(model_path).name
@@ -73,10 +81,12 @@ def resolve_tau(model_path: str, tau: float | None, mode: str = "margin",
     if profile is not None:
         source = f"profile {profile_path}"
     else:
-        profile = load_profile(name)
+        profile = load_profile(name, device)
         if profile is None:
-            return 0.0, "no profile: steps are checked in windows only"
-        source = f"profile {name}.json"
+            return 0.0, f"no {device} profile: steps are checked in windows only"
+        source = f"profile {profile_name(name, device)}"
     if profile.get("model", name) != name:  # tau is per model: say so when the names differ
         source += f", calibrated for {profile['model']!r}, not {name!r}"
+    if profile.get("device", device) != device:  # and per device
+        source += f", calibrated on {profile['device']}, served on {device}"
     return float(profile["tau"]), source

@@ -55,7 +55,7 @@ def test_n_above_what_the_verifier_holds_is_a_400_naming_n(server):
 def test_past_the_full_queue_a_429_with_retry_after_and_the_queued_request_is_served(server):
     out: dict = {}
     # 64 seeded samples hold every verifier slot; the next request waits (queue 1), the one after is a 429
-    big = post_in_thread(server.url + CHAT, chat("Tell me about the sea.", 24, n=64, temperature=0.8, seed=5), out,
+    big = post_in_thread(server.url + CHAT, chat("Tell me about the sea.", 10, n=64, temperature=0.8, seed=5), out,
                          "big")
     time.sleep(3)
     queued = post_in_thread(server.url + CHAT, chat("What is 2+2?", 4), out, "queued")

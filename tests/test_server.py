@@ -9,7 +9,6 @@ import openai
 import pytest
 import requests
 
-from server_util import serving
 
 pytestmark = pytest.mark.server
 
@@ -18,8 +17,8 @@ DET = {"X-Deterministic": "1"}
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, prepared_model):
-    yield from serving([], tmp_path_factory.mktemp("server") / "server.log")
+def server(default_server):
+    return default_server
 
 
 @pytest.fixture(scope="module")
