@@ -1,8 +1,9 @@
 """`mg-server` command line: `serve`, `calibrate` and `prepare-model`.
 
 SGLang spawns its scheduler and detokenizer with multiprocessing's spawn method, which
-re-imports the main module (this one, or `mg_server.__main__`) in each child; the call below
-re-applies the CPU compatibility fixes there before the child imports SGLang.
+re-imports the main module (this one, or `mg_server.__main__`) in each child; the calls below
+re-apply the CPU compatibility fixes there before the child imports SGLang, and tie the child's
+life to the server's.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import tempfile
 from pathlib import Path
 
 from mg_server import env, logs
-from mg_server.launch.compat import install_if_requested
+from mg_server.launch.compat import die_with_the_server, install_if_requested
 
 install_if_requested()
+die_with_the_server()
 if env.compat_profile():  # a process of a server's tree (the launcher set it): the same quiet log
     logs.quiet()
 

@@ -310,3 +310,22 @@ def install_if_requested() -> None:
     profile = env.compat_profile()
     if profile and profile != "cuda":
         install(profile)
+
+
+def die_with_the_server() -> None:
+    """In a process SGLang spawned for a server (not mg's own, which are named mg-* and clean up
+    after an orphaning themselves): be killed when the server's main process dies, from the first
+    moment. Why: SGLang's children ask for that (PR_SET_PDEATHSIG) only after their imports, and
+    mg starts SGLang while its own runtime loads, so a server killed (-9) during start-up left
+    them running."""
+    import multiprocessing
+
+    name = multiprocessing.current_process().name  # a spawned child's own, set before this import
+    if not env.compat_profile() or name == "MainProcess" or name.startswith("mg-") or sys.platform != "linux":
+        return
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the server died before that call
+        os._exit(1)
