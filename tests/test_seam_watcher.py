@@ -1,4 +1,4 @@
-"""The step seam's finish watcher (issue 12, item 10): it survives errors, and /health says when
+"""The step seam's finish watcher: it survives errors, and /health says when
 it cannot work (its beat file goes stale or reports an error). No server, no SGLang import."""
 
 import threading
@@ -93,6 +93,20 @@ def test_watcher_beats_and_reports_its_errors(hook_mod, tmp_path, monkeypatch):
     assert wait_for(lambda: "finish watcher is failing: RuntimeError: injected fault" in view.problem())
     monkeypatch.undo()
     assert wait_for(lambda: view.problem() == "")
+
+
+def test_watcher_waiting_behind_the_finish_barrier_keeps_beating(hook_mod, tmp_path):
+    from mg_server.wire.liveness import STALE_AFTER_S, read_beat
+
+    link = start_link(hook_mod, tmp_path, Client())
+    assert wait_for(lambda: (tmp_path / "seam.beat").exists())
+    ages = []
+    with link.lock:  # the finish barrier holds the lock through a verify call, longer than a stale beat
+        end = time.monotonic() + STALE_AFTER_S + 1
+        while time.monotonic() < end:
+            ages.append(read_beat(link.beat_path).age_s)
+            time.sleep(0.1)
+    assert max(ages) < STALE_AFTER_S, max(ages)  # waiting, not dead: /health stays 200
 
 
 def test_health_says_when_the_watcher_is_gone(tmp_path):

@@ -8,6 +8,7 @@ ends a request (`end_rules`, sent with its Finish)."""
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 import threading
 import time
 from dataclasses import dataclass
@@ -166,9 +167,21 @@ class ControllerLink:
         finally:
             self.rpc_lock.release()
 
+    @contextmanager
+    def _tracked_lock(self):
+        """`lock`, beating while waiting for it. Why: the finish barrier holds it through a verify
+        call (on a CPU, a 64-request wave's catch-up: about a minute); the watcher is waiting, not
+        dead, and /health must not call it down."""
+        while not self.lock.acquire(timeout=BEAT_PERIOD_S):
+            self._beat(force=True)
+        try:
+            yield
+        finally:
+            self.lock.release()
+
     def _report_finished(self) -> None:
         broken: list[str] = []  # reported as cut short: never `verified`
-        with self.lock:
+        with self._tracked_lock():
             done = []
             for rid, t in list(self.tracked.items()):
                 try:
@@ -185,7 +198,7 @@ class ControllerLink:
             # steps, the look-ahead one) are processed first, while mg still tracks them
             self.before_finish(True)
         epochs = {}
-        with self.lock:
+        with self._tracked_lock():
             for rid, req in done:
                 if rid in self.tracked and self.tracked[rid].req is req:
                     epochs[rid] = self.tracked[rid].epoch
