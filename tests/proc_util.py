@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -46,3 +47,39 @@ def wait_until(cond, timeout: float, period: float = 0.05):
             return value
         time.sleep(period)
     return cond()
+
+
+def held_paths(pids, under: tuple[str, ...] = ("/tmp/", "/dev/shm/")) -> set[str]:
+    """Files under `under` that the processes hold: open, mapped (shared memory, named semaphores)
+    or bound as unix sockets (the listing of a socket file names its inode, not its holder)."""
+    paths, inodes = set(), set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[len("socket:["):-1])
+                else:
+                    paths.add(target)
+            with open(f"/proc/{pid}/maps") as f:
+                paths.update(line.split(maxsplit=5)[5].strip() for line in f if len(line.split(maxsplit=5)) == 6)
+        except OSError:
+            pass
+    with open("/proc/net/unix") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if len(fields) == 8 and fields[6] in inodes:
+                paths.add(fields[7])
+    return {p for p in paths if p.startswith(under) and not p.endswith(" (deleted)")}
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any process of the process group still runs (a zombie counts until it is reaped)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True

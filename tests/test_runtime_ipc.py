@@ -3,6 +3,7 @@ batching, typed errors, and that the worker keeps serving after every bad reques
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 
@@ -15,6 +16,7 @@ from verifier_helpers import make_tiny
 from mg_server.verifier.client import VerifierClient, VerifierError
 from mg_server.verifier.server import VerifierConfig, start_verifier
 from mg_server.wire import protocol as P
+from mg_server.wire.liveness import beat_path
 from mg_server.wire.shm import StaleSlot
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
@@ -33,6 +35,9 @@ def worker(tmp_path_factory):
     client.shutdown()
     client.close()
     proc.join(20)
+    for path in (ipc, beat_path(ipc)):  # a stopped worker leaves its socket and beat file to its owner
+        if os.path.exists(path):
+            os.unlink(path)
     assert proc.exitcode == 0
 
 

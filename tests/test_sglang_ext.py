@@ -87,6 +87,37 @@ def test_seams_name_each_changed_internal():
     assert "WINDOW SGLang seams of the window commit do not match" in r.stdout
 
 
+def test_sglang_children_are_sglangs_own_entry_points_wrapped():
+    # what the launcher passes to launch_server: SGLang's defaults, wrapped, picklable (SGLang spawns them)
+    r = _run(
+        "from mg_server.launch import compat, shutdown\ncompat.install('cpu')\nimport pickle\n"
+        "from sglang.srt.entrypoints.http_server import launch_server\n"
+        "from sglang.srt.managers.scheduler import run_scheduler_process as s\n"
+        "from sglang.srt.managers.detokenizer_manager import run_detokenizer_process as d\n"
+        "kw = {k: pickle.loads(pickle.dumps(v)) for k, v in shutdown.sglang_children(launch_server).items()}\n"
+        "print('WRAPPED', sorted(kw), [(f.func is shutdown._sglang_child, f.args) == (True, (e,))"
+        " for f, e in ((kw['run_scheduler_process_func'], s), (kw['run_detokenizer_process_func'], d))])\n"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "WRAPPED ['run_detokenizer_process_func', 'run_scheduler_process_func'] [True, True]" in r.stdout
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_an_sglang_child_ignores_a_signal_to_the_group(sig):
+    # the wrapped entry signals its own process: ignored, it ends normally (exit code 0)
+    import multiprocessing
+    import signal
+    from functools import partial
+
+    from mg_server.launch import shutdown
+
+    proc = multiprocessing.get_context("spawn").Process(
+        target=partial(shutdown._sglang_child, signal.raise_signal), args=(getattr(signal, sig),))
+    proc.start()
+    proc.join(60)
+    assert proc.exitcode == 0
+
+
 def test_bare_cuda_profile_patches_sglang_right_after_import():
     # The cuda-bare profile's fixes, checked on this host (they are device-agnostic).
     r = _run(

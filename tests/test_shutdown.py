@@ -5,14 +5,16 @@ when a child crashes)."""
 
 import glob
 import os
+import shutil
 import signal
 import tempfile
+import threading
 import time
 
 import pytest
 import requests
 
-from proc_util import running, titles, wait_until
+from proc_util import group_alive, held_paths, running, titles, wait_until
 from server_util import ServerProcess
 
 pytestmark = pytest.mark.server
@@ -85,3 +87,50 @@ def test_sigint_stops_like_sigterm_with_one_clean_line(tmp_path, prepared_model)
     assert "crashed" not in log and "SIGQUIT received" not in log and "Traceback" not in log, srv.log_tail()
     assert wait_until(lambda: not running(kids), 5)
     assert leftovers(srv) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["sigint", "sigterm"])
+def test_group_signal_stops_like_a_signal_to_the_server(tmp_path, prepared_model, monkeypatch, sig):
+    # Ctrl-C in a terminal (SIGINT to the foreground process group) or `kill -TERM -PGID` reaches
+    # every process of the server: the main process's stop alone runs (one drain, which delivers
+    # the running deterministic answer), exit code 0, no crash wording, no process of the group
+    # left, no file of the instance left (its temp folder is its own here: SGLang's socket names
+    # carry no pid)
+    temp = tempfile.mkdtemp(prefix="mgt-")  # (short: unix socket paths are at most 107 bytes)
+    monkeypatch.setenv("TMPDIR", temp)
+    srv = ServerProcess(["--mg-drain-timeout", "60"], tmp_path / f"group-{sig.name}.log")
+    answer: dict = {}
+    try:
+        srv.wait_ready()
+        ask = {"text": "Count from one to twenty:", "sampling_params": {"max_new_tokens": 24}}
+        r = requests.post(srv.url + "/generate", headers={"X-Deterministic": "1"}, timeout=120, json=ask)
+        assert r.status_code == 200 and r.headers["x-mg-verdict"] == "verified"
+        pid = srv.proc.pid
+        held = held_paths([pid, *titles(pid)], under=(temp + "/", "/dev/shm/"))
+        assert any(p.startswith("/dev/shm/") for p in held) and any(p.startswith(temp) for p in held), held
+
+        def running_answer() -> None:
+            r = requests.post(srv.url + "/generate", headers={"X-Deterministic": "1"}, timeout=120, json=ask)
+            answer.update(status=r.status_code, verdict=r.headers.get("x-mg-verdict"))
+
+        asking = threading.Thread(target=running_answer)
+        asking.start()
+        time.sleep(1.0)  # (its prefill is under way)
+        os.killpg(pid, sig)
+        code = srv.proc.wait(90)
+        asking.join(30)
+        group_gone = wait_until(lambda: not group_alive(pid), 10)
+    finally:
+        srv.stop()
+    log = srv.log_path.read_text(errors="replace")
+    try:
+        assert code == 0 and log.rstrip().splitlines()[-1].endswith("mg-server stopped cleanly"), srv.log_tail()
+        assert log.count("mg: SIGTERM: draining") == 1, srv.log_tail()
+        assert answer == {"status": 200, "verdict": "verified"}, (answer, srv.log_tail())
+        for word in ("crashed", "SIGQUIT received", "Traceback", "KeyboardInterrupt", "nanobind"):
+            assert word not in log, (word, srv.log_tail())
+        assert group_gone
+        assert [p for p in held if os.path.exists(p)] == []
+        assert os.listdir(temp) == [] and glob.glob(f"/dev/shm/*_{pid}_*") == []
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)

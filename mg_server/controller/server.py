@@ -36,7 +36,7 @@ from mg_server.controller.window import WindowMixin
 from mg_server.controller.worker import WorkerMixin
 from mg_server.policy import Policy
 from mg_server.wire import protocol as P
-from mg_server.wire.liveness import Lifeline, beat_path
+from mg_server.wire.liveness import Lifeline, beat_path, ignore_stop_signals
 
 log = logging.getLogger("mg.controller")
 
@@ -298,6 +298,7 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
 def run_controller(cfg: ControllerConfig) -> None:
     from mg_server.wire.channel import RpcError, set_process_title
 
+    ignore_stop_signals()  # a group's SIGINT/SIGTERM: the main process stops this one
     set_process_title("mg::controller")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = cfg.metrics_dir  # before the first metric exists
     logging.basicConfig(level=logging.INFO, format="[mg-controller %(asctime)s] %(message)s")

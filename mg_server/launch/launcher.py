@@ -249,4 +249,5 @@ def serve(cfg: ServeConfig) -> None:
     log.info("mg-server: SGLang %s, model %s, http://%s:%d; cuda graph %s, overlap scheduler %s, attention %s",
              version, cfg.model_path, cfg.host, cfg.port, "off" if server_args.disable_cuda_graph else "on",
              "off" if server_args.disable_overlap_schedule else "on", server_args.attention_backend)
-    launch_server(server_args)
+    # SGLang's scheduler and detokenizer ignore a signal to the process group (shutdown.py)
+    launch_server(server_args, **shutdown.sglang_children(launch_server))

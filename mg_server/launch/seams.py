@@ -187,6 +187,13 @@ def check(allow: str = "") -> str:
     if not callable(getattr(SignalHandler, "sigterm_handler", None)):
         problems.append("SignalHandler.sigterm_handler is missing")
 
+    # shutdown.sglang_children passes these, wrapping their defaults (SGLang's child entry points)
+    from mg_server.launch.shutdown import CHILD_ENTRIES
+
+    entries = inspect.signature(http_server.launch_server).parameters
+    for name in CHILD_ENTRIES:
+        if name not in entries or not callable(entries[name].default):
+            problems.append(f"launch_server has no {name} parameter with SGLang's entry point as its default")
     if not hasattr(http_server, "app"):
         problems.append("sglang.srt.entrypoints.http_server.app is missing")
     if problems:

@@ -14,13 +14,21 @@ id is left in the tokenizer manager). Some requests never leave it (a context-le
 `n > 1` request in this SGLang), so the drain is bounded: `drain_timeout_s` after SIGTERM the
 deterministic requests still running are answered with a 503 (or an error event ending their
 stream) and the server stops. SIGINT to the main process is the same stop (it becomes SIGTERM).
+
+Ctrl-C in a terminal and a signal to the process group reach every process of the server: all but
+the main one ignore SIGINT and SIGTERM (SGLang's scheduler and detokenizer through `sglang_children`,
+mg's controller and verifier themselves), so the main process's stop above is the only one.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
+import inspect
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from typing import Callable
@@ -31,6 +39,9 @@ log = logging.getLogger(__name__)
 _HOLDERS = ("sglang.srt.managers.tokenizer_manager", "sglang.srt.entrypoints.http_server",
             "sglang.srt.entrypoints.engine")
 
+
+# launch_server's parameters naming SGLang's child-process entry points (scheduler, detokenizer).
+CHILD_ENTRIES = ("run_scheduler_process_func", "run_detokenizer_process_func")
 
 # After the drain's bound: the cut answers' last bytes leave before the processes stop.
 CUT_FLUSH_S = 1.0
@@ -111,3 +122,34 @@ def install(cleanup: Callable[[], None], drain_timeout_s: float, front: tuple[Ca
         handle_exit(self, sig, frame)
 
     uvicorn.Server.handle_exit = sigint_drains
+
+
+def sglang_children(launch_server: Callable) -> dict[str, Callable]:
+    """launch_server's keyword arguments that run SGLang's own child entry points (its defaults)
+    through `_sglang_child` (picklable: SGLang spawns them)."""
+    params = inspect.signature(launch_server).parameters
+    return {name: functools.partial(_sglang_child, params[name].default) for name in CHILD_ENTRIES}
+
+
+def _sglang_child(entry: Callable, *args, **kwargs) -> None:
+    """One of SGLang's child processes. Why: a group's SIGINT/SIGTERM killed them before the main
+    process could drain (SGLang then reported a crashed child); the main process stops them."""
+    from mg_server.wire.liveness import ignore_stop_signals
+
+    ignore_stop_signals()
+    ended: list[bool] = []
+    atexit.register(_end_quietly, ended)  # runs after the exit handlers registered while it runs
+    entry(*args, **kwargs)
+    ended.append(True)
+
+
+def _end_quietly(ended: list[bool]) -> None:
+    """After a normal end (the scheduler's, at SGLang's stop) and the exit handlers: exit 0 before
+    the interpreter's finalization, whose only output is Triton's nanobind "leaked" report (~30 lines)."""
+    if ended:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):  # (none, or closed)
+                pass
+        os._exit(0)

@@ -328,8 +328,9 @@ class VerifierServer:
 def run_verifier(cfg: VerifierConfig) -> None:
     """Process entry point: bind, load, serve until a Shutdown message (or the parent is gone)."""
     from mg_server.wire.channel import set_process_title
-    from mg_server.wire.liveness import Lifeline, beat_path
+    from mg_server.wire.liveness import Lifeline, beat_path, ignore_stop_signals
 
+    ignore_stop_signals()  # a group's SIGINT/SIGTERM: the controller stops this one
     set_process_title("mg::verifier")
     server = VerifierServer(cfg)
     lifeline = Lifeline(beat_path(cfg.ipc_path), cfg.parent_pid, server.remove_shared_memory, "mg-verifier-life")

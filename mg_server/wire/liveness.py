@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -129,3 +130,12 @@ class Lifeline:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(2 * BEAT_PERIOD_S)
+
+
+def ignore_stop_signals() -> None:
+    """SIGINT and SIGTERM do nothing in this process, one of a server's child processes (call it
+    from the main thread, first). Why: Ctrl-C in a terminal, or a signal sent to the server's
+    process group, reaches every process; the main process alone decides how the server stops (its
+    drain needs the others alive), then stops them itself, and a child whose parent is gone exits."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
