@@ -1,4 +1,4 @@
-"""An instance's files and the start-up sweep of dead instances' files (issue 12, item 7).
+"""An instance's files and the start-up sweep of dead instances' files.
 No server: folders and segment names under tmp_path stand for /tmp and /dev/shm."""
 
 import os

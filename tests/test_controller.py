@@ -348,7 +348,7 @@ def test_a_controller_whose_verifier_did_not_start_says_why_and_stops(make_ctl):
 
 
 def test_long_catch_up_goes_to_the_verifier_in_bounded_chunks(make_ctl, monkeypatch):
-    # issue 12, item 9: a long prompt is prefilled (and a long fast-committed stretch audited) in
+    # a long prompt is prefilled (and a long fast-committed stretch audited) in
     # calls of at most catchup_chunk tokens, so the verify timeout bounds one chunk, not all
     from dataclasses import replace
 

@@ -80,7 +80,7 @@ def test_always_mode_matches_reference_everywhere(tmp_path, workload):
 def test_mg_off_finds_mismatches(tmp_path, workload, prepared_model):
     from seeded_util import mixed_round, sample, sampled_references, seeds
 
-    # seeded sampling too (issue 13): the fast path's samples, alone and in a mixed batch
+    # seeded sampling too: the fast path's samples, alone and in a mixed batch
     refs = sampled_references(str(prepared_model), workload.det)
     got = []
 

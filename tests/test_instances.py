@@ -1,4 +1,4 @@
-"""Client request ids reused (issue 12, item 8): mg's bookkeeping is per request instance.
+"""Client request ids reused: mg's bookkeeping is per request instance.
 
 The front stamps each deterministic request with a fresh instance id (custom_params), asks for
 its verdict by `rid#instance`, and the seam keys its token lists the same way; so a second

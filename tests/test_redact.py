@@ -1,4 +1,4 @@
-"""What the front never lets out (issue 12, item 11): tracebacks, server paths and mg's
+"""What the front never lets out: tracebacks, server paths and mg's
 internal state in error bodies, secrets in server info, /metrics without the API key. Driven
 through the real middleware on a small ASGI app (no SGLang)."""
 

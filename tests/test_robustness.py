@@ -1,6 +1,5 @@
-"""A real server under an API key, tried as a careless client and as an attacker would (issue 12,
-items 8 and 11): reused request ids, bad bodies (one of which used to stop the server), what
-error bodies, server info and /metrics give away."""
+"""A real server under an API key, tried as a careless client and as an attacker would: reused
+request ids, bad bodies (one of which used to stop the server), what error bodies, server info and /metrics give away."""
 
 import pytest
 import requests

@@ -241,7 +241,7 @@ def test_unsupported_configurations_are_refused_unless_mg_is_off(over, needle):
     ("float32", "bfloat16", True), (None, "auto", False),
 ])
 def test_the_served_dtype_must_be_the_verifiers(tmp_path, config_dtype, flag, ok):
-    # issue 12: SGLang's --dtype auto follows the model's config (float32 -> float16); the
+    # SGLang's --dtype auto follows the model's config (float32 -> float16); the
     # verifier runs bfloat16, so such a start is refused instead of casting K/V columns silently
     import json
 

@@ -1,4 +1,4 @@
-"""Stops of a real server (issue 12, item 7): the documented SIGTERM, after requests SGLang never
+"""Stops of a real server: the documented SIGTERM, after requests SGLang never
 drains (a context-length 400, `n > 1`), ends within the drain bound, and a stop leaves no
 process, no /dev/shm segment and no temp folder; so does SIGQUIT (what SGLang's parent gets
 when a child crashes)."""

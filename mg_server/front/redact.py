@@ -1,4 +1,4 @@
-"""What the HTTP front never lets out: secrets, tracebacks, server paths (issue 12, item 11).
+"""What the HTTP front never lets out: secrets, tracebacks, server paths.
 
 - Error responses (status >= 400, not streamed) get short messages: a traceback is cut off,
   absolute paths become `<path>`, and the message is capped at `MAX_MESSAGE` characters. The
