@@ -4,8 +4,6 @@
 - torchvision's CPU import fix is applied first: transformers imports torchvision whenever it
   is installed (see mg_server.launch.compat).
 - `prepared_model`: the embedded SmolLM2 checkpoint (prepared once, cached across runs).
-- `default_server`: one `mg-server serve` with no flags for the whole run, shared by the modules
-  that need nothing else (a CPU start is ~35 s); tests on it compare counter deltas, never totals.
 """
 
 from pathlib import Path
@@ -37,10 +35,3 @@ def prepared_model() -> Path:
     from mg_server.model.prepare import prepare_model
 
     return prepare_model(progress=False)
-
-
-@pytest.fixture(scope="session")
-def default_server(tmp_path_factory, prepared_model):
-    from server_util import serving
-
-    yield from serving([], tmp_path_factory.mktemp("default") / "server.log")

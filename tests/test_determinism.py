@@ -26,31 +26,26 @@ def workload(prepared_model):
     return build_workload(str(prepared_model), N_PROMPTS, MAX_NEW)
 
 
-def _run(mode, tmp_path, workload, phases=("alone", "mixed", "composition"), then=None, srv=None):
-    """`then(url)`, if given, runs on the same server after the check (no second server start).
-    `srv`: a running server of `mode` to use (the counters are deltas), else one is started."""
+def _run(mode, tmp_path, workload, phases=("alone", "mixed", "composition"), then=None):
+    """`then(url)`, if given, runs on the same server after the check (no second server start)."""
     from mg_server.evaluation.determinism import DeterminismConfig, noop_processor, run
 
-    own = srv is None
-    if own:
-        srv = ServerProcess(["--mg-mode", mode], tmp_path / f"server-{mode}.log")
+    srv = ServerProcess(["--mg-mode", mode], tmp_path / f"server-{mode}.log")
     try:
-        if own:
-            srv.wait_ready()
+        srv.wait_ready()
         report = run(DeterminismConfig(url=srv.url, max_new=MAX_NEW, phases=phases), workload.det, workload.refs, workload.other,
                      noop_processor())
         if then is not None:
             then(srv.url)
     finally:
-        if own:
-            srv.stop()
+        srv.stop()
     print(mode, json.dumps(report.to_json()["counters"]), f"{report.seconds:.0f}s",
           f"mismatches={[(o.label, o.prompt_index, o.first_diff) for o in report.mismatches]}")
     return report
 
 
-def test_margin_mode_matches_reference_everywhere(tmp_path, workload, default_server):
-    rep = _run("margin", tmp_path, workload, srv=default_server)  # margin is serve's default mode
+def test_margin_mode_matches_reference_everywhere(tmp_path, workload):
+    rep = _run("margin", tmp_path, workload)
     assert not rep.mismatches, rep.mismatches
     assert rep.composition_equal
     c = rep.counters

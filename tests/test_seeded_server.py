@@ -2,7 +2,7 @@
 seed, temperature 0.8) gives the verifier-alone sampled answer alone and in concurrent mixed
 batches, every time; other seeds give other answers; n = 3 gives three distinct samples, each
 the single request with seed + i; responses carry the system_fingerprint of the weights and
-kernels. CI-sized: the run's shared default server. With mg off the same check finds mismatches (so it can fail):
+kernels. CI-sized: one server. With mg off the same check finds mismatches (so it can fail):
 `test_determinism.py::test_mg_off_finds_mismatches`, on that module's mode-off server."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from seeded_util import DET, T, mixed_round, sample, sampled_references, seeds
+from server_util import serving
 
 pytestmark = pytest.mark.server
 
@@ -34,8 +35,8 @@ def workload(prepared_model):
 
 
 @pytest.fixture(scope="module")
-def server(default_server):
-    return default_server
+def server(tmp_path_factory, prepared_model):
+    yield from serving([], tmp_path_factory.mktemp("seeded") / "server.log")
 
 
 def _counters(url: str) -> dict[str, float]:

@@ -9,6 +9,7 @@ import openai
 import pytest
 import requests
 
+from server_util import serving
 
 pytestmark = pytest.mark.server
 
@@ -17,8 +18,8 @@ DET = {"X-Deterministic": "1"}
 
 
 @pytest.fixture(scope="module")
-def server(default_server):
-    return default_server
+def server(tmp_path_factory, prepared_model):
+    yield from serving([], tmp_path_factory.mktemp("server") / "server.log")
 
 
 @pytest.fixture(scope="module")

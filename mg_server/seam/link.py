@@ -167,21 +167,9 @@ class ControllerLink:
         finally:
             self.rpc_lock.release()
 
-    @contextmanager
-    def _tracked_lock(self):
-        """`lock`, beating while waiting for it. Why: the finish barrier holds it through a verify
-        call (on a CPU, a 64-request wave's catch-up: about a minute); the watcher is waiting, not
-        dead, and /health must not call it down."""
-        while not self.lock.acquire(timeout=BEAT_PERIOD_S):
-            self._beat(force=True)
-        try:
-            yield
-        finally:
-            self.lock.release()
-
     def _report_finished(self) -> None:
         broken: list[str] = []  # reported as cut short: never `verified`
-        with self._tracked_lock():
+        with _beating_while_waiting(self):
             done = []
             for rid, t in list(self.tracked.items()):
                 try:
@@ -198,7 +186,7 @@ class ControllerLink:
             # steps, the look-ahead one) are processed first, while mg still tracks them
             self.before_finish(True)
         epochs = {}
-        with self._tracked_lock():
+        with _beating_while_waiting(self):
             for rid, req in done:
                 if rid in self.tracked and self.tracked[rid].req is req:
                     epochs[rid] = self.tracked[rid].epoch
@@ -212,3 +200,16 @@ class ControllerLink:
                 log.error("mg: could not report the end of %s: %s", rid, e)
         for rid in broken:
             self._finish(rid, [], True, "mg lost track of the request")
+
+
+@contextmanager
+def _beating_while_waiting(link: ControllerLink):
+    """`link.lock` for the finish watcher, which beats while it waits. Why: the finish barrier holds
+    the lock through a verify call (on a CPU, a 64-request wave's catch-up: about a minute); the
+    watcher is waiting, not dead, and /health must not call it down."""
+    while not link.lock.acquire(timeout=BEAT_PERIOD_S):
+        link._beat(force=True)
+    try:
+        yield
+    finally:
+        link.lock.release()
