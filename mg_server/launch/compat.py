@@ -315,9 +315,8 @@ def install_if_requested() -> None:
 def die_with_the_server() -> None:
     """In a process SGLang spawned for a server (not mg's own, which are named mg-* and clean up
     after an orphaning themselves): be killed when the server's main process dies, from the first
-    moment. Why: SGLang's children ask for that (PR_SET_PDEATHSIG) only after their imports, and
-    mg starts SGLang while its own runtime loads, so a server killed (-9) during start-up left
-    them running."""
+    moment. Why: SGLang's children ask for that (PR_SET_PDEATHSIG) only after their imports, so a
+    server killed (-9) while they import left them running."""
     import multiprocessing
 
     name = multiprocessing.current_process().name  # a spawned child's own, set before this import

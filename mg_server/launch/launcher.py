@@ -1,8 +1,7 @@
 """Start SGLang's own HTTP server with mg attached (runs in the main process).
 
 Order matters: CPU fixes and environment before SGLang is imported, the seam check before
-anything is attached, mg's runtime spawned before SGLang starts (runtime.py), the middleware
-before the app serves its first request.
+anything is attached, the middleware before the app serves its first request.
 """
 
 from __future__ import annotations
@@ -13,8 +12,11 @@ import json
 import logging
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 
+from mg_server import env
 from mg_server.config import FrontConfig, HookConfig, ServeConfig
 
 log = logging.getLogger(__name__)
@@ -145,6 +147,96 @@ def served_context(server_args, model_path: str) -> int:
     return int(conf.get("max_position_embeddings") or 4096)
 
 
+def verifier_pool_tokens(context_len: int) -> int:
+    """The verifier's K/V pool (tokens) when no memory budget sizes it: two longest sequences."""
+    return max(16384, 2 * context_len)
+
+
+def start_runtime(cfg: ServeConfig, context_len: int = 4096):
+    """Start the controller (which starts the verifier) and wait until both report ready. The
+    verifier accepts sequences as long as SGLang's (`context_len`), its pool holds two of them.
+
+    Returns (controller ipc path, ControllerInfo), or ("", None) in mode "off".
+    """
+    if cfg.mg_mode == "off":
+        return "", None
+    from mg_server.controller.client import ControllerClient
+    from mg_server.controller.server import ControllerConfig, start_controller
+    from mg_server.policy import resolve_tau
+    from mg_server.verifier.server import VerifierConfig
+    from mg_server.wire.channel import RpcError
+    from mg_server.wire.cleanup import shm_base
+    from mg_server.wire.liveness import beat_path, stale_reason
+
+    tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile, "cpu" if cfg.cpu else "cuda")
+    verifier = VerifierConfig(
+        model_path=cfg.model_path, ipc_path=str(Path(cfg.run_dir) / "verifier.sock"),
+        shm_name=shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),
+        device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
+        memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=verifier_pool_tokens(context_len),
+        trace_calls=env.trace_calls(),
+    )
+    ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
+                            metrics_dir=cfg.metrics_dir, verifier=verifier, verify_timeout_s=cfg.verify_timeout_s,
+                            catchup_chunk=cfg.catchup_chunk, window=cfg.window)
+    proc = start_controller(ccfg)
+
+    def controller_gone() -> str:  # a dead or stopped controller fails the start now, not after start_timeout_s
+        if not proc.is_alive():
+            return f"the mg controller exited during start-up (code {proc.exitcode})"
+        return stale_reason(beat_path(ccfg.ipc_path))
+
+    try:
+        with ControllerClient(ccfg.ipc_path, timeout_s=ccfg.start_timeout_s, client_name="launcher",
+                              peer_check=controller_gone) as client:
+            info = client.hello()
+        if not info.verifier_up:
+            raise RuntimeError("the deterministic verifier did not start")
+    except BaseException as e:
+        # a controller that answered (its verifier failed) exits by itself, stopping the verifier
+        proc.join(10 if isinstance(e, RpcError) else 0)
+        if proc.is_alive():
+            proc.kill()  # a live non-daemon child would keep this process from exiting
+        if isinstance(e, RpcError):
+            raise RuntimeError(e.message) from None
+        raise
+    log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s, window %d", cfg.mg_mode, tau, source,
+             info.kernel_config_id, cfg.window)
+    log.info("mg verifier: device %s, K/V pool %d tokens, %s", info.verifier_device, info.verifier_pool_tokens,
+             f"{info.verifier_memory_bytes / (1 << 30):.2f} GB of device memory held"
+             + (f" (budget {cfg.verifier_memory_gb:g} GB)" if cfg.verifier_memory_gb else "")
+             if info.verifier_memory_bytes else "host memory")
+    # atexit runs last-registered first: the runtime stops, then its files go
+    atexit.register(_stop_runtime, proc, ccfg.ipc_path)
+    threading.Thread(target=_watch_runtime, args=(proc,), name="mg-runtime-watch", daemon=True).start()
+    return ccfg.ipc_path, info
+
+
+def _stop_runtime(proc, ipc_path: str) -> None:
+    from mg_server.controller.client import ControllerClient
+
+    if proc.is_alive():
+        try:
+            with ControllerClient(ipc_path, timeout_s=5, client_name="launcher") as client:
+                client.shutdown()
+        except Exception:  # noqa: BLE001 - it is killed below
+            pass
+        proc.join(10)
+    if proc.is_alive():
+        proc.kill()
+
+
+def _watch_runtime(proc) -> None:
+    """If the controller dies, stop the whole server: deterministic requests have no home."""
+    from mg_server.launch.shutdown import STOPPING
+
+    proc.join()
+    if STOPPING.is_set():  # a stop in progress ends it: not news
+        return
+    log.error("mg controller exited (code %s); shutting the server down", proc.exitcode)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _instance_files(cfg: ServeConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(folders, shared-memory names) this server instance owns (wire.cleanup)."""
     from mg_server.wire.cleanup import shm_base
@@ -164,7 +256,7 @@ def _vocab_size(model_path: str) -> int:
 
 
 def serve(cfg: ServeConfig) -> None:
-    from mg_server.launch import compat, leftovers, runtime
+    from mg_server.launch import compat, leftovers
     from mg_server.wire.cleanup import remove_instance
 
     def cleanup() -> None:
@@ -216,7 +308,7 @@ def serve(cfg: ServeConfig) -> None:
 
     shutdown.install(cleanup, cfg.drain_timeout_s, (admission.stop, admission.drained, admission.cut))
     leftovers.track()
-    rt = runtime.spawn(cfg, context_len)  # the controller and verifier load while SGLang starts
+    controller_ipc, info = start_runtime(cfg, context_len)
 
     from mg_server.front.middleware import DeterministicMiddleware
     from mg_server.seam.processor import serialized
@@ -225,25 +317,19 @@ def serve(cfg: ServeConfig) -> None:
     # The finish barrier may wait for a whole context's catch-up, one verify timeout per chunk (a dead or
     # stopped controller is noticed from its beat within seconds, whatever this bound).
     chunks = -(-context_len // cfg.catchup_chunk) + 1
-    hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=rt.ipc_path if rt else "",
+    hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
                       step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
                       lagged_commit=cfg.lagged_commit)
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
-
-    def add_front(info) -> None:  # info: the runtime's ControllerInfo, None in mode off
-        app.add_middleware(
-            DeterministicMiddleware,
-            config=FrontConfig(noop_processor=serialized(), metrics_dir=cfg.metrics_dir,
-                               controller_ipc=hook.controller_ipc,
-                               kernel_config_id=info.kernel_config_id if info else "", model_path=cfg.model_path,
-                               system_fingerprint=system_fingerprint(info.weights_digest, info.kernel_config_id)
-                               if info else "", api_key=server_args.api_key or "",
-                               verdict_wait_s=cfg.verdict_wait_s, vocab_size=_vocab_size(cfg.model_path),
-                               max_deterministic=info.verifier_max_requests if info else 0,
-                               queue_size=cfg.queue_size),
-        )
-
-    runtime.front_when_ready(app, rt, cfg, add_front, cleanup)
+    app.add_middleware(
+        DeterministicMiddleware,
+        config=FrontConfig(noop_processor=serialized(), metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
+                           kernel_config_id=info.kernel_config_id if info else "", model_path=cfg.model_path,
+                           system_fingerprint=system_fingerprint(info.weights_digest, info.kernel_config_id)
+                           if info else "", api_key=server_args.api_key or "",
+                           verdict_wait_s=cfg.verdict_wait_s, vocab_size=_vocab_size(cfg.model_path),
+                           max_deterministic=info.verifier_max_requests if info else 0, queue_size=cfg.queue_size),
+    )
     # SGLang's own 20 kB server_args line is at debug (mg_server.logs): the settings mg's determinism
     # depends on, as SGLang resolved them, in one line
     log.info("mg-server: SGLang %s, model %s, http://%s:%d; cuda graph %s, overlap scheduler %s, attention %s",
