@@ -8,6 +8,8 @@ import subprocess
 import sys
 
 import numpy as np
+import tempfile
+
 import pytest
 
 from mg_server.calibration import fastpath, plot, profile, sweep
@@ -257,6 +259,7 @@ def test_tau_profile_files(tmp_path):
 def test_serve_profile_flag_reaches_the_config(monkeypatch, tmp_path, prepared_model):
     from mg_server.launch import cli, launcher
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the instance folders serve would remove
     seen = []
     monkeypatch.setattr(launcher, "serve", seen.append)
     f = tmp_path / "t.json"

@@ -13,6 +13,8 @@ verdict `verified`, and `mg_rollbacks_total` grows.
 import concurrent.futures as cf
 import json
 
+import tempfile
+
 import pytest
 import requests
 
@@ -119,9 +121,10 @@ def test_seeded_answers_are_the_verifiers_samples(setup, prepared_model):
     assert got == [(r, "verified") for r in refs]
 
 
-def test_the_window_flag_reaches_the_config_and_is_checked(monkeypatch, prepared_model, capsys):
+def test_the_window_flag_reaches_the_config_and_is_checked(monkeypatch, prepared_model, capsys, tmp_path):
     from mg_server.launch import cli, launcher
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the instance folders serve would remove
     seen = []
     monkeypatch.setattr(launcher, "serve", seen.append)
     base = ["serve", "--model", str(prepared_model), "--device", "cpu"]
@@ -137,11 +140,12 @@ def test_the_window_flag_reaches_the_config_and_is_checked(monkeypatch, prepared
 
 @pytest.mark.parametrize("flag", ["--mg-commit", "--mg-lag-chain", "--mg-verifier-in", "--mg-controller-in",
                                   "--mg-verify-ahead", "--mg-early-verify", "--mg-prefill-ahead", "--mg-ipc-spin-us"])
-def test_the_removed_commit_flags_are_not_mgs(monkeypatch, prepared_model, flag):
+def test_the_removed_commit_flags_are_not_mgs(monkeypatch, prepared_model, flag, tmp_path):
     """The window commit is the only one: the flags of the others are no longer mg's, so they go
     to SGLang's own parser as pass-through flags (which refuses them at start-up)."""
     from mg_server.launch import cli, launcher
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the instance folders serve would remove
     seen = []
     monkeypatch.setattr(launcher, "serve", seen.append)
     assert cli.main(["serve", "--model", str(prepared_model), "--device", "cpu", flag, "x"]) == 0
