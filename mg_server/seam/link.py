@@ -159,17 +159,12 @@ class ControllerLink:
     def _finish(self, rid: str, output: list[int], aborted: bool, reason: str, end: dict | None = None,
                 epoch: int = 0) -> None:
         msg = P.Finish(rid=rid, output=output, aborted=aborted, reason=reason, epoch=epoch, **(end or {}))
-        # rpc_lock may be held by a long verify step: keep beating while waiting for it
-        while not self.rpc_lock.acquire(timeout=BEAT_PERIOD_S):
-            self._beat(force=True)
-        try:
+        with _beating_while_waiting(self, self.rpc_lock):  # a long verify step may hold it
             self.client.finish(msg)
-        finally:
-            self.rpc_lock.release()
 
     def _report_finished(self) -> None:
         broken: list[str] = []  # reported as cut short: never `verified`
-        with _beating_while_waiting(self):
+        with _beating_while_waiting(self, self.lock):
             done = []
             for rid, t in list(self.tracked.items()):
                 try:
@@ -186,7 +181,7 @@ class ControllerLink:
             # steps, the look-ahead one) are processed first, while mg still tracks them
             self.before_finish(True)
         epochs = {}
-        with _beating_while_waiting(self):
+        with _beating_while_waiting(self, self.lock):
             for rid, req in done:
                 if rid in self.tracked and self.tracked[rid].req is req:
                     epochs[rid] = self.tracked[rid].epoch
@@ -203,13 +198,14 @@ class ControllerLink:
 
 
 @contextmanager
-def _beating_while_waiting(link: ControllerLink):
-    """`link.lock` for the finish watcher, which beats while it waits. Why: the finish barrier holds
-    the lock through a verify call (on a CPU, a 64-request wave's catch-up: about a minute); the
-    watcher is waiting, not dead, and /health must not call it down."""
-    while not link.lock.acquire(timeout=BEAT_PERIOD_S):
+def _beating_while_waiting(link: ControllerLink, lock: threading.Lock):
+    """`lock` for the finish watcher, which beats while it waits. Why: the finish barrier holds
+    `link.lock` through a verify call (on a CPU, a 64-request wave's catch-up: about a minute), and
+    a long verify step holds `link.rpc_lock`; the watcher is waiting, not dead, and /health must not
+    call it down."""
+    while not lock.acquire(timeout=BEAT_PERIOD_S):
         link._beat(force=True)
     try:
         yield
     finally:
-        link.lock.release()
+        lock.release()
