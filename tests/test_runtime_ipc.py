@@ -60,14 +60,17 @@ def test_hello_reports_identity(worker):
 
 def test_verify_and_kv_column_roundtrip(worker):
     _, c, _ = worker
-    r = c.verify("a", len(PROMPT) - 1, PROMPT, want_digest=True)
+    r = c.verify("a", len(PROMPT) - 1, PROMPT, want_digest=True, want_column=True)
     kv = c.kv_column(r)
     assert kv.shape == (2, 2, 2, 16) and kv.dtype == torch.bfloat16
     assert len(r.audit_tokens) == len(PROMPT) - 1 and len(r.digest) == 16
     r2 = c.verify("a", len(PROMPT), [r.token])
     assert r2.first_mismatch == -1 and r2.audit_tokens == []
+    assert r2.slot == -1  # no column unless asked for
+    with pytest.raises(ValueError, match="no K/V column"):
+        c.kv_column(r2)
     # rewind to the first step: same answer, same column
-    r3 = c.verify("a", len(PROMPT) - 1, PROMPT[-3:], rewind=True, want_digest=True)
+    r3 = c.verify("a", len(PROMPT) - 1, PROMPT[-3:], rewind=True, want_digest=True, want_column=True)
     assert (r3.token, r3.margin, r3.digest) == (r.token, r.margin, r.digest)
     assert torch.equal(c.kv_column(r3), kv)
     assert c.release(["a"]) == 1 and c.release(["a"]) == 0
@@ -78,10 +81,11 @@ def test_batched_message_equals_separate_calls(worker):
     prompts = {f"b{i}": [(7 * i + j) % 200 for j in range(5 + 3 * i)] for i in range(3)}
     alone = {}
     for rid, p in prompts.items():
-        alone[rid] = c.verify(rid, len(p) - 1, p, want_digest=True)
+        alone[rid] = c.verify(rid, len(p) - 1, p, want_digest=True, want_column=True)
         alone[rid] = (alone[rid], c.kv_column(alone[rid]))
     c.release(list(prompts))
-    items = [P.VerifyItem(rid=rid, pos=len(p) - 1, tokens=p, want_digest=True) for rid, p in prompts.items()]
+    items = [P.VerifyItem(rid=rid, pos=len(p) - 1, tokens=p, want_digest=True, want_column=True)
+             for rid, p in prompts.items()]
     res = c.verify_many(items)
     for r in res:
         a, kv = alone[r.rid]
@@ -172,7 +176,7 @@ def test_model_mismatch_at_hello(worker):
         assert e.value.code == P.ErrorCode.MODEL_MISMATCH
         assert c.connect(expect_model_id=info.model_id, expect_kernel_config_id=info.kernel_config_id,
                          attach_slots=False)
-        assert c.slots is None and c.verify("relay", 1, [1, 2]).slot >= 0
+        assert c.slots is None and c.verify("relay", 1, [1, 2]).slot == -1  # the controller's form: no column
         c.release(["relay"])
 
 
@@ -183,9 +187,9 @@ def test_deadline_and_stale_slot(worker):
     with pytest.raises(VerifierError) as e:  # more results than slots in one message
         c.verify_many([P.VerifyItem(rid=f"m{i}", pos=0, tokens=[1]) for i in range(6)])
     assert e.value.code == P.ErrorCode.BAD_REQUEST
-    first = c.verify("st", len(PROMPT) - 1, PROMPT)
-    for i in range(5):  # n_slots = 5: the sixth result reuses the first one's slot
-        c.verify("st", len(PROMPT) + i, [1])
+    first = c.verify("st", len(PROMPT) - 1, PROMPT, want_column=True)
+    for i in range(5):  # n_slots = 5: the sixth column asked for reuses the first one's slot
+        c.verify("st", len(PROMPT) + i, [1], want_column=True)
     with pytest.raises(StaleSlot):
         c.kv_column(first)
     c.release(["st"])
@@ -237,7 +241,7 @@ def test_cuda_workers_match_in_process_reference(tmp_path):
                 s = list(prompt)
                 for i in range(n_gen):
                     p = len(s) - 1
-                    r = c.verify("r", p, s if i == 0 else s[-1:], want_digest=True)
+                    r = c.verify("r", p, s if i == 0 else s[-1:], want_digest=True, want_column=True)
                     kv = c.kv_column(r)
                     assert kv.is_cuda and torch.equal(kv.cpu(), ref.kv[p])
                     assert (r.token, r.margin) == ref.pred[p]

@@ -126,7 +126,7 @@ def test_two_fresh_processes_agree(model_dir, reference, prompt, tmp_path):
                 res = []
                 s = list(prompt)
                 for i in range(N_GEN):
-                    r = c.verify("r", len(s) - 1, s if i == 0 else s[-1:], want_digest=True)
+                    r = c.verify("r", len(s) - 1, s if i == 0 else s[-1:], want_digest=True, want_column=True)
                     res.append((r.token, r.margin, r.digest, c.kv_column(r)))
                     s.append(r.token)
                 outs[k] = res

@@ -225,7 +225,7 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
             it.deadline_ns = deadline
 
     def _calls(self, items: list[P.VerifyItem]) -> list[list[P.VerifyItem]]:
-        """Items in verify calls of at most the verifier's slots (each result needs one) and, beyond
+        """Items in verify calls of at most the verifier's items per message (its n_slots) and, beyond
         one item, at most `catchup_chunk` rows on a CPU verifier (16 x on a GPU, where such a forward
         takes ~0.1 s): the verify timeout bounds a call whatever the number of requests checked."""
         v = self.cfg.verifier

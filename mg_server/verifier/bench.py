@@ -164,7 +164,7 @@ def bench_ipc(name: str, device: str, ctx: int, iters: int, tmp: Path) -> dict:
             c.verify("r", ctx, [7])
 
             def one():
-                r = c.verify("r", ctx, [7], rewind=True)
+                r = c.verify("r", ctx, [7], rewind=True, want_column=True)
                 c.kv_column(r)
 
             out["ipc_verify_gap0_ms"] = _timed(one, torch.device("cpu"), iters)

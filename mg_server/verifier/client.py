@@ -56,11 +56,12 @@ class VerifierClient(RpcClient):
         return reply.results
 
     def verify(self, rid: str, pos: int, tokens: list[int], *, rewind: bool = False,
-               want_digest: bool = False, timeout_s: float | None = None) -> P.VerifyResult:
+               want_digest: bool = False, want_column: bool = False, timeout_s: float | None = None
+               ) -> P.VerifyResult:
         """Verify step `pos` of `rid` after teacher-forcing `tokens` (= t_start..t_pos)."""
         timeout = self.timeout_s if timeout_s is None else timeout_s
         item = P.VerifyItem(rid=rid, pos=pos, tokens=list(tokens), rewind=rewind, want_digest=want_digest,
-                            deadline_ns=time.time_ns() + int(timeout * 1e9))
+                            want_column=want_column, deadline_ns=time.time_ns() + int(timeout * 1e9))
         (res,) = self.verify_many([item], timeout)
         if isinstance(res, P.ErrorReply):
             raise VerifierError.of(res)
@@ -68,8 +69,11 @@ class VerifierClient(RpcClient):
 
     def kv_column(self, res: P.VerifyResult, out: torch.Tensor | None = None) -> torch.Tensor:
         """The K/V column of position res.pos: [L, 2, Hkv, D] (0 = K after RoPE, 1 = V), copied
-        out of the shared slot (raises shm.StaleSlot if the slot was reused meanwhile)."""
+        out of the shared slot (raises shm.StaleSlot if the slot was reused meanwhile). Only a
+        result of an item with want_column has one."""
         assert self.slots is not None, "connect() first"
+        if res.slot < 0:
+            raise ValueError(f"the result of {res.rid!r} at {res.pos} carries no K/V column (verify with want_column)")
         return self.slots.read(res.slot, res.gen, out)
 
     def release(self, rids: list[str], timeout_s: float | None = None) -> int:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -48,7 +50,7 @@ class StepOutput:
     pos: int
     token: int
     margin: float
-    kv_column: Tensor  # [L, 2, Hkv, D] model dtype, device: K/V of position pos (0 = K, 1 = V)
+    column: Callable[[], Tensor]  # -> kv_column, built only when asked (most results never need it)
     logits: Tensor  # [V] fp32, device: the logits row of position pos (a view: valid until the next forward)
     audit_tokens: list[int]
     audit_margins: list[float]
@@ -57,6 +59,12 @@ class StepOutput:
     batch_requests: int
     forward_ms: float
     digest: bytes = b""  # VerifyItem.want_digest: blake2b of `logits`, taken before any later forward
+
+    @property
+    def kv_column(self) -> Tensor:
+        """[L, 2, Hkv, D] model dtype, device: K/V of position pos (0 = K, 1 = V); read it before
+        the request's positions change (a rewind or release frees the slot)."""
+        return self.column()
 
 
 class VerifierEngine:
@@ -252,7 +260,7 @@ class VerifierEngine:
             st.last_pred = preds[last]
             results.append(StepOutput(
                 rid=it.rid, pos=it.pos, token=preds[last], margin=margins[last],
-                kv_column=self.pool.column(st.slots[it.pos]), logits=logits[last],
+                column=partial(self.pool.column, st.slots[it.pos]), logits=logits[last],
                 audit_tokens=audit_t, audit_margins=audit_m, first_mismatch=first_mm,
                 batch_rows=len(tokens), batch_requests=len(items), forward_ms=ms,
                 digest=_digest(logits[last]) if it.want_digest else b""))

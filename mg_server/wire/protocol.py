@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 12  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
+PROTOCOL_VERSION = 13  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
 # 10: window commit (StepRow.epoch, Rollback, CheckTail); 11: the window commit is the only one: Step is
 # one-way (no StepReply), WindowNews replaces Stops, and the other commits' fields and messages are gone;
-# 12: Finish.epoch, Finish one-way, ControllerInfo.verifier_max_requests
+# 12: Finish.epoch, Finish one-way, ControllerInfo.verifier_max_requests; 13: a K/V column only on
+# request (VerifyItem.want_column)
 
 
 class ErrorCode:
@@ -99,6 +100,9 @@ class VerifyItem(msgspec.Struct, kw_only=True, omit_defaults=True):
     rewind: bool = False
     prompt_len: int = 0  # first item only: prompt tokens (not audited); 0 = all of this item's tokens
     want_digest: bool = False  # reply with a blake2b digest of the fp32 logits row of pos
+    # reply with the K/V column of pos in a shared slot (VerifyResult.slot): tests and the verifier
+    # benchmark read it; the controller never does (a rollback recomputes SGLang's K/V)
+    want_column: bool = False
     temperature: float = 0.0  # decoding rule of every position of this item: 0 greedy, > 0 seeded sampling
     seed: int = 0  # the sampling seed (mod 2**64), with temperature > 0
     deadline_ns: int = 0  # time.time_ns() after which the worker answers DEADLINE unstarted
@@ -115,8 +119,8 @@ class VerifyResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     pos: int
     token: int  # the verifier's token t_{pos+1} under the item's rule (argmax, ties -> lower id)
     margin: float  # top1 - top2 logit at pos, fp32 (sampling: T * (top1 - top2) of the scores)
-    slot: int  # slot of the shared buffer holding the K/V column of position pos
-    gen: int  # generation stamped on that slot; the reader checks it after copying
+    slot: int = -1  # want_column: slot of the shared buffer holding the K/V column of position pos
+    gen: int = -1  # want_column: generation stamped on that slot; the reader checks it after copying
     audit_tokens: list[int] = []  # verifier argmax at positions start .. pos-1 (predicts start+1..pos);
     #                               sampling: of the scores, except at positions < prompt_len - 1 (greedy)
     audit_margins: list[float] = []  # their margins
