@@ -15,12 +15,17 @@ Streams: --stream-batch requests at once, half deterministic, streamed one token
 time to first token and inter-token gaps (p50, p99) of each half, at tau for --tau-rate (or a
 given tau) and at tau 0 (nothing released before its check). A chunk of k tokens counts as k gaps
 of its share of the wait, so a held burst shows as its average: the first hold shows in TTFT. JSON after each part and a table (OUT/throughput.{json,md}).
+
+--stacks DIR samples every server process's main thread (benchmarks/stacks), one file per process
+and timed run ("mg-share1.0-rep0", "plain-share1.0-rep0", ...); `benchmarks/stacks/summarize.py`
+reads them. The sampler costs the runs a little: time ratios with it on, not throughput.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import threading
@@ -35,6 +40,8 @@ from gpu_sweep import tau_for_rate_quantized
 DIAG = ("mg_rollbacks_total", "mg_verify_seconds_sum", "mg_verify_seconds_count", "mg_verify_rows_sum",
         "mg_verifier_forward_seconds_sum", "mg_control_seconds_sum", "mg_control_seconds_count", "mg_stale_steps_total")
 LENGTHS = E.REPO / "benchmarks" / "data" / "sharegpt_lengths.json"
+STACKS = E.REPO / "benchmarks" / "stacks"  # the stack sampler (--stacks)
+PHASE: Path | None = None  # --stacks: the file that names the timed run in progress
 
 
 def workload(n: int) -> list[tuple[list[int], int]]:
@@ -56,9 +63,21 @@ def det_indices(n: int, share: float) -> set[int]:
     return {round(j * n / k) for j in range(k)} if k else set()
 
 
-def run_offline(url: str, work, det: set[int], concurrency: int) -> dict:
+def run_offline(url: str, work, det: set[int], concurrency: int, phase: str = "warm") -> dict:
     """Every request of `work` through the front, at most `concurrency` at once -> tokens/s,
-    verdicts, errors and the deterministic answers."""
+    verdicts, errors and the deterministic answers. `phase` names the run for --stacks."""
+    if PHASE is not None:
+        PHASE.write_text(phase)
+        time.sleep(0.1)  # (the samplers look every 2 ms)
+    try:
+        return _run_offline(url, work, det, concurrency)
+    finally:
+        if PHASE is not None:
+            PHASE.write_text("idle")
+            time.sleep(0.1)
+
+
+def _run_offline(url: str, work, det: set[int], concurrency: int) -> dict:
     import requests
 
     answers: dict[int, list[int]] = {}
@@ -196,8 +215,15 @@ def main() -> int:
     ap.add_argument("--sglang-det", action="store_true",
                     help="also time SGLang's --enable-deterministic-inference (mg off) on the same requests")
     ap.add_argument("--verifier-memory-gb", type=float, default=22.0)
+    ap.add_argument("--stacks", type=Path, help="sample the servers' stacks into this folder (module doc)")
     args = ap.parse_args()
     E.setup_python(args.wheels)
+    if args.stacks:  # before any server starts: its processes inherit both
+        global PHASE
+        args.stacks.mkdir(parents=True, exist_ok=True)
+        PHASE = args.stacks / "phase"
+        os.environ["STACK_SAMPLES_DIR"] = str(args.stacks.resolve())
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(STACKS), os.environ.get("PYTHONPATH", "")])
     args.tokenizer = args.tokenizer or E._default_tokenizer()
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -243,7 +269,7 @@ def main() -> int:
             for rep in range(args.reps):
                 order = [("plain", base, set()), ("mg", srv, det)]
                 for kind, s, d in (order if rep % 2 == 0 else order[::-1]):
-                    r = run_offline(s.url, work, d, args.concurrency)
+                    r = run_offline(s.url, work, d, args.concurrency, f"{kind}-share{share}-rep{rep}")
                     (plain if kind == "plain" else mine).append(r["tokens_per_s"])
                     if kind == "mg":
                         mg_wall.append(r["wall_s"])
@@ -276,7 +302,8 @@ def main() -> int:
             det_srv = E.start(mdir, name, "off", args.out, ["--enable-deterministic-inference", *mem], "cuda", graph_bs)
             try:
                 run_offline(det_srv.url, work[:16], set(), 16)
-                runs = [run_offline(det_srv.url, work, set(), args.concurrency)["tokens_per_s"] for _ in range(args.reps)]
+                runs = [run_offline(det_srv.url, work, set(), args.concurrency, f"sglang-det-rep{rep}")["tokens_per_s"]
+                        for rep in range(args.reps)]
             finally:
                 det_srv.stop()
             plain_all = [x for s in res["throughput"] for x in s["plain_all"]]
