@@ -6,10 +6,9 @@ import json
 import math
 import subprocess
 import sys
-
-import numpy as np
 import tempfile
 
+import numpy as np
 import pytest
 
 from mg_server.calibration import fastpath, plot, profile, sweep

@@ -21,9 +21,9 @@ def spin_here(s):
 def sleep_here(s):
     time.sleep(s)
 
-phase.write_text("busy"); time.sleep(0.05); spin_here(0.6)
-phase.write_text("quiet"); time.sleep(0.05); sleep_here(0.6)
-phase.write_text("idle"); time.sleep(0.1)
+phase.write_text("busy"); time.sleep(0.2); spin_here(0.6)  # (the sampler reads the phase every 50 ms)
+phase.write_text("quiet"); time.sleep(0.2); sleep_here(0.6)
+phase.write_text("idle"); time.sleep(0.2)
 """
 
 

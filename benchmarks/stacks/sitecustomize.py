@@ -13,6 +13,7 @@ import os
 
 _DIR = os.environ.get("STACK_SAMPLES_DIR")
 PERIOD_S = 0.002  # sampling period; the sampler's own GIL time stays well under 1 %
+PHASE_CHECK_S = 0.05  # how often the phase file is read (not at every sample: a file open each 2 ms)
 KEEP = 4000  # stacks written per file (the heaviest)
 
 
@@ -26,8 +27,8 @@ def _sampler(out: str) -> None:
     seconds: collections.Counter = collections.Counter()  # collapsed stack -> seconds
     names: dict = {}  # code object -> "file:function"
     phase_file = os.path.join(out, "phase")
-    t0 = last = written = time.perf_counter()
-    phase = "start"
+    t0 = last = written = checked = time.perf_counter()
+    phase = ph = "start"
 
     def write(tag: str) -> None:
         import multiprocessing
@@ -62,7 +63,8 @@ def _sampler(out: str) -> None:
             frame = frame.f_back
         if stack:
             seconds[";".join(reversed(stack))] += dt
-        ph = current_phase()
+        if now - checked >= PHASE_CHECK_S:
+            ph, checked = current_phase(), now
         if ph != phase or now - written > 15.0:  # a killed server keeps all but its last 15 s
             try:
                 write(phase)

@@ -283,7 +283,7 @@ class VerifierServer:
                 self._send(ident, _err(P.ErrorCode.LOAD_FAILED, self.load_error, m.msg_id))
                 continue
             if isinstance(m, P.Verify):
-                if not 0 < len(m.items) <= self.cfg.n_slots:  # a column asked for needs its own live slot
+                if not 0 < len(m.items) <= self.cfg.n_slots:  # at most n_slots: each column asked for needs a live slot
                     self._send(ident, _err(P.ErrorCode.BAD_REQUEST,
                                            f"{len(m.items)} items; 1..{self.cfg.n_slots} per message", m.msg_id))
                     continue
