@@ -3,8 +3,8 @@
     python benchmarks/window_cost.py windows --out W.json [--model llama-8b] [--ctx 512]
     python benchmarks/window_cost.py cost --out C.json [--windows 8,16,32,64]
 
-`windows`: the verifier engine (random weights of the shape, made on the device) with 8 requests
-prefilled to `ctx`; the median latency of verify calls of n requests x r rows each (r - 1 caught
+`windows`: the verifier engine (random weights of the shape, made on the device) with `--requests`
+(8) requests prefilled to `ctx`; the median latency of verify calls of n requests x r rows each (r - 1 caught
 up plus the current step, rewound and repeated), a torch.profiler breakdown by kernel class of
 8 x 17 and 8 x 65, and per case digests of every row's (margin, argmax) and of the answer rows'
 logits, so two runs (two versions of the code) can be compared bit for bit. Uses only the
@@ -45,9 +45,10 @@ def _engine(name: str, ctx: int, n_req: int = 8, device: str = "cuda"):
     model = VerifierModel(ModelSpec.from_hf_config(cfg), random_tensors(cfg, device, torch.bfloat16),
                           torch.bfloat16, torch.device(device), max_positions=ctx + 128)
     t0 = time.perf_counter()
-    engine = VerifierEngine(model, max_requests=16, pool_tokens=16 * (ctx + 128), max_seq_len=ctx + 128)
+    slots = max(16, n_req)
+    engine = VerifierEngine(model, max_requests=slots, pool_tokens=slots * (ctx + 128), max_seq_len=ctx + 128)
     capture_s = time.perf_counter() - t0
-    prompt = torch.randint(0, model.spec.vocab, (ctx + 80,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt = torch.randint(0, model.spec.vocab, (ctx + 128,), generator=torch.Generator().manual_seed(1)).tolist()
     rids = [f"r{k}" for k in range(n_req)]
     for r in rids:
         engine.step([VerifyItem(rid=r, pos=ctx - 1, tokens=prompt[:ctx])])
@@ -113,12 +114,15 @@ def _profile(engine, items, n_layers: int, reps: int = 3) -> dict:
 
 
 def windows(a) -> dict:
-    model, engine, prompt, rids, capture_s = _engine(a.model, a.ctx, device=a.device)
+    model, engine, prompt, rids, capture_s = _engine(a.model, a.ctx, a.requests, a.device)
     cuda = a.device == "cuda"
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
            "model": a.model, "ctx": a.ctx, "mg_server": sys.modules["mg_server"].__file__,
            "graph_capture_s": round(capture_s, 2), "max_graph_rows": engine.graphs.max_rows if cuda else 0,
            "cases": {}}
+    if bad := [f"{n}x{r}" for n, r in _pairs(a.cases) if n > a.requests or r > 128]:
+        raise SystemExit(f"cases {bad}: at most --requests ({a.requests}) requests of at most 128 rows (ctx + 128 "
+                         "is the engine's sequence limit)")
     for n, rows in _pairs(a.cases):
         items = _items(rids, prompt, a.ctx, n, rows)
         res = engine.step(items)
@@ -251,6 +255,7 @@ def main(argv=None):
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--device", default="cuda", help="windows: cpu for a smoke run (no graphs, no profile)")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--requests", type=int, default=8, help="windows: requests prefilled to ctx (the most a case takes)")
     ap.add_argument("--steps", type=int, default=128, help="cost: decode steps per timed loop")
     ap.add_argument("--windows", default="8,16,32,64", help="cost: W, rows per request per window")
     ap.add_argument("--cases", default=CASES, help="windows: requests x rows, comma-separated")
