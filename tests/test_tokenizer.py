@@ -56,3 +56,23 @@ def test_prepare_is_idempotent(prepared_model):
     before = (prepared_model / "model.safetensors").stat().st_mtime_ns
     assert prepare_model(progress=False) == prepared_model
     assert (prepared_model / "model.safetensors").stat().st_mtime_ns == before
+
+
+def test_two_first_prepares_into_one_folder_convert_once(tmp_path):
+    # two first starts at once (or two test workers): one converts, the other waits for it and
+    # finds the folder prepared, instead of swapping in its own copy under the first one's feet
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from mg_server.model.prepare import prepare_model; "
+            "print(prepare_model(Path(sys.argv[1]), progress=True))")
+    out = tmp_path / "m"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in results]
+    assert all(o.strip() == str(out) for o, _ in results)
+    converted = ["dequantize weights" in e for _, e in results]
+    assert converted.count(True) == 1, converted  # one conversion; the other found it done
+    tok = AutoTokenizer.from_pretrained(str(out))
+    assert tok.decode(tok.encode("Hello, world!")) == "Hello, world!"

@@ -8,6 +8,7 @@ run is a no-op and an interrupted run leaves nothing half-written behind.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import shutil
@@ -122,6 +123,16 @@ def prepare_model(
         return out_dir
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # why a lock: two first starts (or two test workers) would convert into the same folder, and
+    # the second's swap would delete the folder the first is already serving from
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not force and is_prepared(out_dir, fingerprint):
+            return out_dir  # (prepared by the one we waited for)
+        return _convert(gguf_path, out_dir, fingerprint, progress)
+
+
+def _convert(gguf_path: Path, out_dir: Path, fingerprint: str, progress: bool) -> Path:
     steps = ["read GGUF metadata", "dequantize weights -> bf16 safetensors", "rebuild tokenizer", "check"]
     with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=".prepare-") as tmp:
         work = Path(tmp)
