@@ -190,6 +190,14 @@ def test_every_profiles_flags_are_the_installed_sglangs(profile):
     assert "UNKNOWN []" in r.stdout, r.stdout
 
 
+def test_a_cpu_scheduler_sleeps_when_idle():
+    # without it an idle CPU server's scheduler spins a whole core in its socket polls
+    from mg_server.launch.launcher import sglang_argv
+
+    assert "--sleep-on-idle" in sglang_argv(_cfg())
+    assert "--sleep-on-idle" not in sglang_argv(_cfg(profile="cuda"))
+
+
 def test_cpu_has_no_grammar_backend_and_refuses_xgrammar():
     # xgrammar's token masks are GPU kernels: on a CPU its first grammar request stopped the server
     from mg_server.launch.launcher import refuse_on_host, sglang_argv

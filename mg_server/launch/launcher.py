@@ -30,8 +30,12 @@ log = logging.getLogger(__name__)
 # look-ahead forward after its last token). No grammar backend: SGLang's default, xgrammar,
 # applies its token masks with GPU kernels only, and on a CPU its first grammar request raised
 # in the scheduler and took the whole server down; with none, SGLang answers such requests 400.
+# Sleep on idle: an idle scheduler otherwise polls its sockets in a loop, a whole core of a CPU
+# host (10.5 s of CPU in 10 s idle, measured), which a 2-core machine's other processes need; it
+# then blocks in a socket poll and wakes when a request comes.
 CPU_ENGINE_ARGS = (
     "--device", "cpu",
+    "--sleep-on-idle",
     "--attention-backend", "torch_native",
     "--sampling-backend", "pytorch",
     "--grammar-backend", "none",
