@@ -114,15 +114,17 @@ def _profile(engine, items, n_layers: int, reps: int = 3) -> dict:
 
 
 def windows(a) -> dict:
+    if bad := [f"{n}x{r}" for n, r in _pairs(a.cases) if not (0 < n <= a.requests and 0 < r <= 128)]:
+        raise SystemExit(f"cases {bad}: 1 to --requests ({a.requests}) requests of 1 to 128 rows (ctx + 128 is the "
+                         "engine's sequence limit)")
+    if bad := sorted(set(a.profile.split(",")) - set(a.cases.split(",")) - {""}):
+        raise SystemExit(f"--profile cases {bad} are not in --cases")
     model, engine, prompt, rids, capture_s = _engine(a.model, a.ctx, a.requests, a.device)
     cuda = a.device == "cuda"
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
            "model": a.model, "ctx": a.ctx, "mg_server": sys.modules["mg_server"].__file__,
            "graph_capture_s": round(capture_s, 2), "max_graph_rows": engine.graphs.max_rows if cuda else 0,
            "cases": {}}
-    if bad := [f"{n}x{r}" for n, r in _pairs(a.cases) if n > a.requests or r > 128]:
-        raise SystemExit(f"cases {bad}: at most --requests ({a.requests}) requests of at most 128 rows (ctx + 128 "
-                         "is the engine's sequence limit)")
     for n, rows in _pairs(a.cases):
         items = _items(rids, prompt, a.ctx, n, rows)
         res = engine.step(items)
