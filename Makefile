@@ -10,6 +10,9 @@ HOST ?= 127.0.0.1
 PORT ?= 30000
 ARGS ?=
 PYTEST_ARGS ?=
+# pytest-xdist workers (0: one process): most of the suite waits on single-threaded server processes;
+# a test module stays on one worker, so its server fixtures start once
+TEST_WORKERS ?= 2
 
 .PHONY: venv serve test test-fast lint prepare-model lock bench-serve bench-determinism docker-test docker-lint loadtest clean
 LOCUST_ARGS ?=
@@ -41,7 +44,7 @@ serve: $(STAMP)
 	$(BIN)/mg-server serve --host $(HOST) --port $(PORT) $(ARGS)
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -ra $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # ruff and the layer rules (both configured in pyproject.toml); `make test` runs it first, so CI does.
 lint: $(STAMP)
@@ -49,7 +52,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -ra -m "not server" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile -m "not server" $(PYTEST_ARGS)
 
 # Regenerate requirements/lock.txt from a fresh environment built without it.
 lock:

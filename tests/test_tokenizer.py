@@ -67,9 +67,18 @@ def test_two_first_prepares_into_one_folder_convert_once(tmp_path):
     code = ("import sys; from pathlib import Path; from mg_server.model.prepare import prepare_model; "
             "print(prepare_model(Path(sys.argv[1]), progress=True))")
     out = tmp_path / "m"
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]
-    results = [p.communicate(timeout=300) for p in procs]
+    logs = [(tmp_path / f"out{k}", tmp_path / f"err{k}") for k in range(2)]  # (files: no pipe to fill up)
+    procs = []
+    try:
+        for o, e in logs:
+            with open(o, "w") as fo, open(e, "w") as fe:
+                procs.append(subprocess.Popen([sys.executable, "-c", code, str(out)], stdout=fo, stderr=fe))
+        for p in procs:
+            p.wait(timeout=300)
+    finally:
+        for p in procs:
+            p.kill()
+    results = [(o.read_text(), e.read_text()) for o, e in logs]
     assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in results]
     assert all(o.strip() == str(out) for o, _ in results)
     converted = ["dequantize weights" in e for _, e in results]
