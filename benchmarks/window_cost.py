@@ -40,13 +40,14 @@ def _pairs(text: str) -> list[tuple[int, int]]:
     return [tuple(int(v) for v in c.split("x")) for c in text.split(",") if c]
 
 
-def _engine(name: str, ctx: int, n_req: int = 8, device: str = "cuda"):
+def _engine(name: str, ctx: int, n_req: int = 8, device: str = "cuda", seq_limit: int = 0):
     cfg = SHAPES[name]
+    seq_limit = seq_limit or ctx + 128  # the engine's sequence limit (a server's: the model's context)
     model = VerifierModel(ModelSpec.from_hf_config(cfg), random_tensors(cfg, device, torch.bfloat16),
-                          torch.bfloat16, torch.device(device), max_positions=ctx + 128)
+                          torch.bfloat16, torch.device(device), max_positions=seq_limit)
     t0 = time.perf_counter()
     slots = max(16, n_req)
-    engine = VerifierEngine(model, max_requests=slots, pool_tokens=slots * (ctx + 128), max_seq_len=ctx + 128)
+    engine = VerifierEngine(model, max_requests=slots, pool_tokens=slots * (ctx + 128), max_seq_len=seq_limit)
     capture_s = time.perf_counter() - t0
     prompt = torch.randint(0, model.spec.vocab, (ctx + 128,), generator=torch.Generator().manual_seed(1)).tolist()
     rids = [f"r{k}" for k in range(n_req)]
@@ -119,10 +120,10 @@ def windows(a) -> dict:
                          "engine's sequence limit)")
     if bad := sorted(set(a.profile.split(",")) - set(a.cases.split(",")) - {""}):
         raise SystemExit(f"--profile cases {bad} are not in --cases")
-    model, engine, prompt, rids, capture_s = _engine(a.model, a.ctx, a.requests, a.device)
+    model, engine, prompt, rids, capture_s = _engine(a.model, a.ctx, a.requests, a.device, a.seq_limit)
     cuda = a.device == "cuda"
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-           "model": a.model, "ctx": a.ctx, "mg_server": sys.modules["mg_server"].__file__,
+           "model": a.model, "ctx": a.ctx, "seq_limit": a.seq_limit or a.ctx + 128, "mg_server": sys.modules["mg_server"].__file__,
            "graph_capture_s": round(capture_s, 2), "max_graph_rows": engine.graphs.max_rows if cuda else 0,
            "cases": {}}
     for n, rows in _pairs(a.cases):
@@ -257,6 +258,9 @@ def main(argv=None):
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--device", default="cuda", help="windows: cpu for a smoke run (no graphs, no profile)")
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--seq-limit", type=int, default=0,
+                    help="windows: the engine's sequence limit (default ctx + 128; a server's is the model's context, "
+                         "8192 for Llama-3-8B)")
     ap.add_argument("--requests", type=int, default=8, help="windows: requests prefilled to ctx (the most a case takes)")
     ap.add_argument("--steps", type=int, default=128, help="cost: decode steps per timed loop")
     ap.add_argument("--windows", default="8,16,32,64", help="cost: W, rows per request per window")

@@ -410,13 +410,12 @@ def test_attention_chunking_decode_paged(device, dtype, hq, hkv, d):
     rows = torch.tensor([0, 1, 255, 256, 257, 300, 511, 512, 599, 3], device=device)
     got = K.attention_rows(q[rows], kb, vb, table, torch.ones_like(rows), rows, 640)
     assert torch.equal(got, full[rows]), "row-wise attention differs from prefill"
-    # a window call (>= TILE_MIN_ROWS rows: on CUDA the kernel whose tiles share a request's K/V):
-    # rows of two requests (table rows 1 and 2 hold the same slots) interleaved inside tiles,
-    # crossing the split boundaries at 256 and 512
+    # a window call (on CUDA a request's consecutive rows share K/V tiles): rows of two requests
+    # (table rows 1 and 2 hold the same slots) interleaved inside blocks, crossing the split
+    # boundaries at 256 and 512
     table[2, :S] = slots
     win = torch.cat([torch.arange(200, 300), torch.arange(0, 17), torch.arange(500, 530), torch.arange(590, 600)])
     trw = torch.tensor([1] * 50 + [2] * 50 + [2] * 17 + [1, 2] * 15 + [1] * 10)
-    assert len(win) >= K.KERNEL_CONFIG["attention"]["TILE_MIN_ROWS"]
     win, trw = win.to(device), trw.to(device)
     got = K.attention_rows(q[win], kb, vb, table, trw, win, 640)
     assert torch.equal(got, full[win]), "window attention differs from prefill"
@@ -430,8 +429,9 @@ def test_attention_chunking_decode_paged(device, dtype, hq, hkv, d):
 def test_attention_rows_windows_bit_equal_gpu(hq, hkv, monkeypatch):
     """The verifier's window shapes: 8 requests (each its own keys and table) x 17 or 65 rows at
     positions across the split boundaries, plus padding rows (the scratch table, position 0), in
-    one call: each row's bits equal its request's prefill row, equal the per-token kernel's
-    (calls below TILE_MIN_ROWS), and do not change when the fp32 partials go in row chunks."""
+    one call: each row's bits equal its request's prefill row, equal those of calls of one row
+    or of 7 rows (other blocks and segments), and do not change when the fp32 partials go in
+    row chunks."""
     from mg_server.verifier.kernels import attention_triton as AT
 
     d, S, n_req = 128, 700, 8
@@ -453,10 +453,10 @@ def test_attention_rows_windows_bit_equal_gpu(hq, hkv, monkeypatch):
         got = K.attention_rows(qr, kb, vb, table, trow, pos, 768)
         want = torch.cat([full[r][a:a + width] for r, a in enumerate(starts)])
         assert torch.equal(got[:-23], want), f"8 x {width}: window rows differ from prefill"
-        small = K.KERNEL_CONFIG["attention"]["TILE_MIN_ROWS"] - 1  # the per-token kernel, in pieces
-        per_row = torch.cat([K.attention_rows(qr[i:i + small], kb, vb, table, trow[i:i + small], pos[i:i + small], 768)
-                             for i in range(0, len(pos), small)])
-        assert torch.equal(got, per_row), f"8 x {width}: window kernel != per-token kernel"
+        for small in (1, 7):
+            per_row = torch.cat([K.attention_rows(qr[i:i + small], kb, vb, table, trow[i:i + small],
+                                                  pos[i:i + small], 768) for i in range(0, len(pos), small)])
+            assert torch.equal(got, per_row), f"8 x {width}: calls of {small} rows differ"
         monkeypatch.setattr(AT, "_PARTIAL_BUDGET", 3 * hq * 3 * (d + 2) * 4 * 64)  # chunks of 192 rows
         assert torch.equal(K.attention_rows(qr, kb, vb, table, trow, pos, 768), got), "partial chunks"
         monkeypatch.undo()

@@ -62,15 +62,18 @@ SCRIPT = textwrap.dedent("""
     want = torch.cat([K.attention_paged(q[p:p + 1], kb, vb, table[t], int(p)) for p, t in zip(rows, trow)])
     close(got, want, 1e-6)
     close(got[:5], full[rows[:5]], 1e-6)
-    # the window kernel (>= TILE_MIN_ROWS rows): request 1's rows across the 256 split, request
-    # 2's between them, tiles holding both (one pass per request), a last row of request 1
+    # windows: request 1's rows across the 256 split, request 2's between them, blocks holding
+    # both (a segment each), a last row of request 1; then every row alone and in blocks of 5
     p1, p2 = list(range(240, 294)), list(range(3, 13))
     wrows = torch.tensor(p1[:20] + [7] + p2 + p1[20:] + [299])
     wtrow = torch.tensor([1] * 20 + [2] * 11 + [1] * 35)
-    assert len(wrows) >= K.KERNEL_CONFIG["attention"]["TILE_MIN_ROWS"]
     got = K.attention_rows(q[wrows], kb, vb, table, wtrow, wrows, 320)
     want = torch.cat([K.attention_paged(q[p:p + 1], kb, vb, table[t], int(p)) for p, t in zip(wrows, wtrow)])
     close(got, want, 1e-6)
+    for n in (1, 5):
+        parts = [K.attention_rows(q[wrows[a:a + n]], kb, vb, table, wtrow[a:a + n], wrows[a:a + n], 320)
+                 for a in range(0, len(wrows), n)]
+        close(torch.cat(parts), got, 1e-6)
     # split-K (16-bit weights with few column tiles): accurate, and rows do not depend on M
     from mg_server.verifier.kernels import matmul_triton as T
     K.KERNEL_CONFIG["matmul_splitk"]["max_n_tiles"] = 32  # off in the table; the kernel stays tested

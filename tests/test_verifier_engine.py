@@ -199,9 +199,9 @@ def test_windows_of_many_requests_equal_the_gap_one_run(setup, widths):
     """Windows: every request's pending rows in one forward (8 prompts of 21 rows, then 8 x 17 =
     136 rows, 8 x 65 = 520 rows or mixed widths, each request the same tokens in its own table):
     every row's argmax and margin, every answer's logits and K/V, and each whole shadow cache
-    equal the gap-1 run's. On CUDA these take the 192..640-row graphs and attention's window
-    kernel (rows of several requests share a tile, one pass each), where the reference took
-    one-row graphs and the per-token kernel: neither the bucket nor the other rows change a bit."""
+    equal the gap-1 run's. On CUDA these take the 192..640-row graphs, where attention's segments
+    hold up to 16 of a request's rows, where the reference took one-row graphs and one-row
+    segments: neither the bucket nor the other rows change a bit."""
     _, engine, ref, seq, _ = setup
     rids = [f"w{k}" for k in range(len(widths))]
     traces = {r: Trace() for r in rids}

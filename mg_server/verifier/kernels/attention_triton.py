@@ -183,36 +183,55 @@ def attention_paged(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, kv_indices: T
 # ---------------------------------------------------------------------------------------------
 # Row-wise paged attention for CUDA graphs: every size that varies from step to step (a row's
 # position, its request's slot table) is read from device memory, so one captured launch
-# serves any position. Each program holds one token's G query heads (one row-block of
-# BLOCK_M); a row's splits, sub-blocks, masks and merge order are those of `_attention`, so its
-# bits equal that row's bits there (a row's result does not depend on which tile row holds it
-# or which other rows share the tile, the invariance the prefill/decode tests check).
-@triton.jit
+# serves any rows. A row's splits, sub-blocks, masks and merge order are those of `_attention`,
+# so its bits equal that row's bits there (a row's result does not depend on which tile row
+# holds it or which other rows share the tile, the invariance the prefill/decode tests check).
+@triton.jit(do_not_specialize=["R", "n_blocks", "n_pairs"])
 def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, trow_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
-                            sm_scale, sqt, sqh, sks, skh, svs, svh, stab,
+                            R, n_blocks, n_pairs, sm_scale, sqt, sqh, sks, skh, svs, svh, stab,
                             NS, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                            KV_SPLIT: tl.constexpr, PREC: tl.constexpr,
+                            KV_SPLIT: tl.constexpr, SPLIT_PAR: tl.constexpr, PREC: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    tok = tl.program_id(0)
+    """The rows in blocks of S = BLOCK_M // G consecutive tokens (a tile row per (token, q head));
+    a segment is a run of a block's consecutive tokens of one request (one kv_table row): a
+    window's rows share each split's K/V tiles, a decode row of many requests gets a program of
+    its own. Work item (k, b) is block b's k-th segment, in k-major order (every block's first
+    segment first); program p takes items p, p + P, ... and splits jp, jp + SPLIT_PAR, ... of it.
+    why the grid does not follow max_len: splits past the segment's last position are never
+    launched, so a long served context costs no idle programs."""
+    S: tl.constexpr = BLOCK_M // G
     kvh = tl.program_id(1)
-    j = tl.program_id(2)
-    pos = tl.load(pos_ptr + tok)  # absolute position of this token
-    split0 = j * KV_SPLIT
-    if split0 <= pos:  # the row sees this split
-        r = tl.arange(0, BLOCK_M)
-        r_ok = r < G
-        head = kvh * G + r
-        dd = tl.arange(0, D)
-        tab = tab_ptr + tl.load(trow_ptr + tok).to(tl.int64) * stab  # this request's slot table
-        q = tl.load(q_ptr + tok.to(tl.int64) * sqt + head[:, None] * sqh + dd[None, :],
-                    mask=r_ok[:, None], other=0.0)
-        m_i, l_i, acc = _split_reduce(q, k_ptr, v_ptr, tab, tl.zeros((BLOCK_M,), tl.int64) + pos, kvh, split0,
-                                      tl.minimum(split0 + KV_SPLIT, pos + 1), sm_scale * 1.4426950408889634,
-                                      sks, skh, svs, svh, D, True, PREC, BLOCK_M, BLOCK_N)
-        out_row = (tok.to(tl.int64) * HQ + head) * NS + j
-        tl.store(m_ptr + out_row, m_i, mask=r_ok)
-        tl.store(l_ptr + out_row, l_i, mask=r_ok)
-        tl.store(o_ptr + out_row[:, None] * D + dd[None, :], acc, mask=r_ok[:, None])
+    jp = tl.program_id(2)
+    i = tl.arange(0, BLOCK_M)  # tile row = token in block * G + q head within the group
+    t_in = i // G
+    head = kvh * G + i % G
+    dd = tl.arange(0, D)
+    for item in range(tl.program_id(0), n_pairs, tl.num_programs(0)):
+        b = item % n_blocks
+        tok = b * S + t_in
+        ok = (t_in < S) & (tok < R)
+        tok = tl.where(ok, tok, 0)
+        trow = tl.load(trow_ptr + tok, mask=ok, other=-1).to(tl.int64)  # [BLOCK_M] kv_table rows
+        prev = tl.load(trow_ptr + tok - 1, mask=ok & (t_in > 0), other=-1).to(tl.int64)
+        first = ok & (i % G == 0) & ((t_in == 0) | (trow != prev))  # a segment's first token
+        mine = ok & (tl.cumsum(first.to(tl.int32), axis=0) - 1 == item // n_blocks)
+        if tl.max(mine.to(tl.int32), axis=0) > 0:
+            pos = tl.where(mine, tl.load(pos_ptr + tok, mask=mine, other=-1).to(tl.int64), -1)  # -1: no key
+            last = tl.max(pos, axis=0)
+            tab = tab_ptr + tl.max(tl.where(mine, trow, 0), axis=0) * stab  # the segment's slot table
+            q = tl.load(q_ptr + tok[:, None].to(tl.int64) * sqt + head[:, None] * sqh + dd[None, :],
+                        mask=mine[:, None], other=0.0)
+            out_row = (tok.to(tl.int64) * HQ + head) * NS
+            for j in range(jp, last // KV_SPLIT + 1, SPLIT_PAR):
+                split0 = j * KV_SPLIT
+                # why the split ends at the segment's last position + 1: a prefill chunk's rule
+                m_i, l_i, acc = _split_reduce(q, k_ptr, v_ptr, tab, pos, kvh, split0,
+                                              tl.minimum(split0 + KV_SPLIT, last + 1), sm_scale * 1.4426950408889634,
+                                              sks, skh, svs, svh, D, True, PREC, BLOCK_M, BLOCK_N)
+                keep = mine & (pos >= split0)  # the rows that see this split
+                tl.store(m_ptr + out_row + j, m_i, mask=keep)
+                tl.store(l_ptr + out_row + j, l_i, mask=keep)
+                tl.store(o_ptr + (out_row + j)[:, None] * D + dd[None, :], acc, mask=keep[:, None])
 
 
 @triton.jit
@@ -225,51 +244,6 @@ def _attn_rows_merge_kernel(m_ptr, l_ptr, o_ptr, out_ptr, pos_ptr, sot, soh, NS,
                n_splits, D)
 
 
-@triton.jit(do_not_specialize=["R"])
-def _attn_tiles_split_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, trow_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
-                             R, sm_scale, sqt, sqh, sks, skh, svs, svh, stab,
-                             NS, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
-                             KV_SPLIT: tl.constexpr, PREC: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """attention_rows for windows: a tile holds BLOCK_M (token, q head) rows of consecutive tokens,
-    as `_attn_split_kernel`'s prefill tile does, and reads each split's K/V once per request in it
-    (a window's rows of one request share their keys) instead of once per token. The tile's rows
-    of one request (one table row) go through `_split_reduce` together, one request per pass, the
-    other rows masked out of that pass (position -1: they see no key, and are not stored).
-    why bit-equal to the per-row kernel: a row's splits, sub-blocks and merge are those of
-    `_attention` (the pass's split end is its last row's position + 1, like a prefill chunk's), so
-    the prefill tile's invariance holds: keys past a row's position get p == 0 exactly, and a row's
-    result does not depend on which tile row holds it or on the other rows of the tile."""
-    rb = tl.program_id(0)
-    kvh = tl.program_id(1)
-    j = tl.program_id(2)
-    r = rb * BLOCK_M + tl.arange(0, BLOCK_M)  # row = token * G + (q head within the group)
-    r_ok = r < R * G
-    tok = tl.where(r_ok, r // G, 0)
-    head = kvh * G + r % G
-    pos = tl.load(pos_ptr + tok, mask=r_ok, other=-1).to(tl.int64)  # [BLOCK_M] absolute positions
-    trow = tl.load(trow_ptr + tok, mask=r_ok, other=0).to(tl.int64)  # [BLOCK_M] kv_table rows
-    split0 = j * KV_SPLIT
-    left = r_ok & (pos >= split0)  # rows that see this split and have no partial for it yet
-    if tl.max(left.to(tl.int32), axis=0) > 0:
-        dd = tl.arange(0, D)
-        q = tl.load(q_ptr + tok[:, None].to(tl.int64) * sqt + head[:, None] * sqh + dd[None, :],
-                    mask=r_ok[:, None], other=0.0)
-        out_row = (tok.to(tl.int64) * HQ + head) * NS + j
-        while tl.max(left.to(tl.int32), axis=0) > 0:  # one pass per request with rows left
-            cur = tl.min(tl.where(left, trow, 1 << 62), axis=0)
-            mine = left & (trow == cur)
-            pos_m = tl.where(mine, pos, -1)  # the other rows see no key in this pass
-            last = tl.max(pos_m, axis=0)
-            m_i, l_i, acc = _split_reduce(q, k_ptr, v_ptr, tab_ptr + cur * stab, pos_m, kvh, split0,
-                                          tl.minimum(split0 + KV_SPLIT, last + 1), sm_scale * 1.4426950408889634,
-                                          sks, skh, svs, svh, D, True, PREC, BLOCK_M, BLOCK_N)
-            tl.store(m_ptr + out_row, m_i, mask=mine)
-            tl.store(l_ptr + out_row, l_i, mask=mine)
-            tl.store(o_ptr + out_row[:, None] * D + dd[None, :], acc, mask=mine[:, None])
-            left = left & (trow != cur)
-
-
 def attention_rows(q: Tensor,  # [R, Hq, D] bf16/fp32 cuda: one query token per row
                    k_buffer: Tensor,  # [slots, Hkv, D] q.dtype (one layer of the pool)
                    v_buffer: Tensor,  # [slots, Hkv, D] q.dtype
@@ -278,9 +252,8 @@ def attention_rows(q: Tensor,  # [R, Hq, D] bf16/fp32 cuda: one query token per 
                    positions: Tensor,  # [R] int: absolute position of each query row (< L)
                    max_len: int,  # upper bound of position + 1 (sizes the partial buffers)
                    scale: float | None = None) -> Tensor:  # [R, Hq, D] q.dtype
-    """Per row equal to attention_paged of its own prefix. R >= TILE_MIN_ROWS: the window kernel
-    (rows of one request share K/V tiles), else one program per token; the choice follows R only
-    (a graph's bucket) and changes no bits (both are the prefill tile's reduction)."""
+    """Per row equal to attention_paged of its own prefix, for any rows in any order (a request's
+    consecutive rows share K/V tiles)."""
     R, hq, d = q.shape
     hkv = k_buffer.shape[1]
     g = hq // hkv
@@ -288,15 +261,12 @@ def attention_rows(q: Tensor,  # [R, Hq, D] bf16/fp32 cuda: one query token per 
     assert hq == g * hkv and g <= cfg["BLOCK_M"] and d == triton.next_power_of_2(d)
     assert k_buffer.stride(2) == 1 and v_buffer.stride(2) == 1 and kv_table.stride(1) == 1
     q = q if q.stride(2) == 1 else q.contiguous()
-    ksplit = cfg["KV_SPLIT"]
-    ns = triton.cdiv(max_len, ksplit)  # why: a fixed grid; splits past a row's position exit at once
+    ksplit, s_tok = cfg["KV_SPLIT"], cfg["BLOCK_M"] // g  # s_tok: tokens per block
+    ns = triton.cdiv(max_len, ksplit)  # partials per row; the merge reads 0 .. position // KV_SPLIT
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out = torch.empty((R, hq, d), device=q.device, dtype=q.dtype)
     # Rows in chunks only to bound the fp32 partials (rows are independent: chunking changes no bits).
     step = max(1, _PARTIAL_BUDGET // (hq * ns * (d + 2) * 4))
-    tiles = R >= cfg["TILE_MIN_ROWS"]
-    if tiles:
-        step = max(cfg["BLOCK_M"], step // cfg["BLOCK_M"] * cfg["BLOCK_M"])  # whole tiles per chunk
     rc = min(R, step)
     m_buf = torch.empty((rc, hq, ns), device=q.device, dtype=torch.float32)  # [rows, Hq, splits] running max
     l_buf = torch.empty_like(m_buf)  # [rows, Hq, splits] fp32 softmax sums
@@ -305,16 +275,18 @@ def attention_rows(q: Tensor,  # [R, Hq, D] bf16/fp32 cuda: one query token per 
     for t0 in range(0, R, step):
         tc = min(step, R - t0)
         qc, tr, ps, oc = q[t0:t0 + tc], table_row[t0:t0 + tc], positions[t0:t0 + tc], out[t0:t0 + tc]
-        common = dict(NS=ns, HQ=hq, G=g, D=d, KV_SPLIT=ksplit, PREC=prec, BLOCK_M=cfg["BLOCK_M"],
-                      BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        strides = (qc.stride(0), qc.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
-                   v_buffer.stride(1), kv_table.stride(0))
-        if tiles:
-            _attn_tiles_split_kernel[(triton.cdiv(tc * g, cfg["BLOCK_M"]), hkv, ns)](
-                qc, k_buffer, v_buffer, kv_table, tr, ps, m_buf, l_buf, o_buf, tc, scale, *strides, **common)
-        else:
-            _attn_rows_split_kernel[(tc, hkv, ns)](
-                qc, k_buffer, v_buffer, kv_table, tr, ps, m_buf, l_buf, o_buf, scale, *strides, **common)
+        n_blocks = triton.cdiv(tc, s_tok)
+        n_pairs = n_blocks * min(s_tok, tc)  # a block has at most one segment per token
+        # one program per segment when each request's rows are consecutive (at most one more
+        # segment per request than blocks); more segments are taken in turns
+        progs = min(n_pairs, n_blocks + kv_table.shape[0])
+        split_par = [n for rows, n in cfg["SPLIT_PAR"] if tc >= rows][-1]
+        _attn_rows_split_kernel[(progs, hkv, split_par)](
+            qc, k_buffer, v_buffer, kv_table, tr, ps, m_buf, l_buf, o_buf, tc, n_blocks, n_pairs, scale,
+            qc.stride(0), qc.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
+            v_buffer.stride(1), kv_table.stride(0), ns, HQ=hq, G=g, D=d, KV_SPLIT=ksplit,
+            SPLIT_PAR=split_par, PREC=prec, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
         _attn_rows_merge_kernel[(tc, hq)](m_buf, l_buf, o_buf, oc, ps, oc.stride(0), oc.stride(1),
                                           ns, HQ=hq, D=d, KV_SPLIT=ksplit, num_warps=cfg["MERGE_num_warps"])
     return out
