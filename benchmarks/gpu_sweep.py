@@ -140,12 +140,15 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
     measured noisier (H100, docs/history/gpu-measurements.md: per-run stalls of ~1 s over half
     the steps), so it is an option.
     stream > 0: one streamed run per rep instead, a chunk every `stream` tokens, ms/step from the
-    chunks' arrival times (stream_timing.py: prefill, first steps and the verdict's wait left out)."""
-    res = {s.name: {"det": {}, "plain": {}, "verdicts": {}, "by_batch": {}} for s in servers}
+    chunks' arrival times (stream_timing.py: prefill, first steps and the verdict's wait left out),
+    and ms per token of the whole answers (post to last chunk), which a held row's checks cannot
+    drop out of."""
+    kinds = ("det", "plain", "det_answer", "plain_answer") if stream else ("det", "plain")
+    res = {s.name: {**{k: {} for k in kinds}, "verdicts": {}, "by_batch": {}} for s in servers}
     for bs in batches:
         rows = [prompts[i % len(prompts)] for i in range(bs)]
         n_det = {s.name: round(frac.get(s.name, 0.0) * bs) for s in servers}
-        samples = {s.name: {"det": [], "plain": []} for s in servers}
+        samples = {s.name: {k: [] for k in kinds} for s in servers}
         # mg's counters around this batch size (warm-up included): its own trigger rate, verify
         # calls and share of forwards that held, which the whole config's totals blur
         before = {s.name: metrics(s.url) for s in servers if n_det[s.name]}
@@ -155,7 +158,7 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
             for s in (servers if rep % 2 == 0 else servers[::-1]):
                 if stream:
                     full = stream_batch(s.url, rows, new, n_det[s.name], singles, stream)
-                    for kind in ("det", "plain"):
+                    for kind in kinds:
                         if kind in full:
                             samples[s.name][kind].append(full[kind])
                     short_verdict = None
@@ -170,8 +173,8 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
                 for got in (short_verdict, full.get("det_verdict")):
                     if got is not None:
                         v[got] = v.get(got, 0) + 1
-        for name, kinds in samples.items():
-            for kind, xs in kinds.items():
+        for name, by_kind in samples.items():
+            for kind, xs in by_kind.items():
                 if xs:
                     res[name][kind][bs] = {"median": statistics.median(xs), "all": xs}
         for s in servers:
@@ -187,6 +190,7 @@ def timed(base, srv, prompts, batches, new, reps, frac, singles=False, short=2, 
     ms = decode_ms([base, srv], prompts, batches, new, reps, {srv.name: frac}, singles, short, stream)
     mg = ms[srv.name]
     return {"base": ms[base.name]["plain"], "mg": mg["det"] or mg["plain"], "mg_plain": mg["plain"],
+            "base_answer": ms[base.name].get("plain_answer", {}), "mg_answer": mg.get("det_answer") or mg.get("plain_answer", {}),
             "verdicts": mg["verdicts"], "by_batch": mg["by_batch"], **rates(before, metrics(srv.url))}
 
 
@@ -321,6 +325,22 @@ def summarize(r: dict) -> str:
                      f"{'' if vc is None else format(vc, '.2f')} | "
                      + " | ".join(pct_reps(d["mg"][b], d["base"][b]) for b in d["mg"]) + " | "
                      + " | ".join(mixed) + " |")
+    answers = [c for c in r["configs"] if c["det"].get("mg_answer")]
+    if answers:
+        lines += ["", "Whole answers, all rows deterministic (post to last chunk, ms per answer token: the "
+                  "output hold's waits included, which the steady measure above leaves out):", "",
+                  "| config | " + " | ".join(f"bs {b}" for b in r["batches"]) + " |",
+                  "|---" * (1 + len(r["batches"])) + "|",
+                  "| plain SGLang (mg off) | " + " | ".join(f"{answers[0]['det']['base_answer'][b]['median']:.2f}"
+                                                         for b in r["batches"]) + " |"]
+        if r.get("sglang_det", {}).get("mg_answer"):
+            s = r["sglang_det"]
+            lines.append("| SGLang --enable-deterministic-inference | "
+                         + " | ".join(pct_reps(s["mg_answer"][b], s["base_answer"][b]) for b in r["batches"]) + " |")
+        for c in answers:
+            d = c["det"]
+            lines.append(f"| mg margin ~{c['target']}{_variant(c)} | "
+                         + " | ".join(pct_reps(d["mg_answer"][b], d["base_answer"][b]) for b in r["batches"]) + " |")
     held = [(c, part, bs, x) for c in r["configs"] for part in ("det", "mixed")
             for bs, x in sorted(c[part].get("by_batch", {}).items())]
     if held:

@@ -10,6 +10,13 @@ ms/step is the time between its first chunk at or past token N/4 and its last ch
 over the tokens between: prefill, the first steps and the verdict's wait stay out, every
 decode step in between (held forwards included) stays in. A body's ms/step is the median of its
 rows' (they decode in the same forwards).
+
+That steady measure understates a held row's cost: the output hold sends a deterministic row's
+first timed chunk only after its first check, while decoding goes on during that check, so the
+check's time drops out of the interval (on an H200 the 8B shape's all-deterministic bs 32 rows
+timed -23 % against plain SGLang with a 32-forward check delay, impossible for the same
+forwards). Each row is therefore also timed as a whole answer: from the post to its last chunk,
+per answer token (`answer_ms`; prefill and every wait included, the same rule for both servers).
 """
 
 from __future__ import annotations
@@ -53,11 +60,19 @@ def steady_ms(points: list[tuple[int, float]], new: int) -> float:
     return (last[1] - first[1]) / (last[0] - first[0]) * 1e3
 
 
+def answer_ms(points: list[tuple[int, float]], new: int, posted: float) -> float:
+    """ms per answer token of one row as its client sees the whole answer: post to last chunk."""
+    if not points or points[-1][0] != new:
+        raise RuntimeError(f"a row streamed {points[-1][0] if points else 0} of {new} tokens")
+    return (points[-1][1] - posted) / new * 1e3
+
+
 def stream_batch(url: str, rows: list[list[int]], new: int, n_det: int, singles: bool = False,
                  interval: int = 8) -> dict:
     """gpu_sweep.front_batch with streamed answers: the first n_det rows deterministic (one body,
     or one request each with singles), the rest one plain body, all posted at the same moment.
-    -> {"det"/"plain": ms/step (median over the rows), "det_verdict": the verdict states}."""
+    -> {"det"/"plain": ms/step (median over the rows), "det_answer"/"plain_answer": ms per token
+    of the whole answers (median over the rows), "det_verdict": the verdict states}."""
     import requests
 
     params = {"max_new_tokens": new, "ignore_eos": True, "temperature": 0, "stream_interval": interval}
@@ -65,6 +80,7 @@ def stream_batch(url: str, rows: list[list[int]], new: int, n_det: int, singles:
 
     def post(key: str, part: list[list[int]], headers: dict) -> None:
         try:
+            posted = time.perf_counter()
             with requests.post(url + "/generate", json={"input_ids": part, "sampling_params": params,
                                                         "stream": True},
                                headers=headers, timeout=600, stream=True) as r:
@@ -73,6 +89,7 @@ def stream_batch(url: str, rows: list[list[int]], new: int, n_det: int, singles:
             if len(points) != len(part):
                 raise RuntimeError(f"{len(points)} of {len(part)} rows streamed")
             out[key] = [steady_ms(p, new) for p in points.values()]
+            out[key + "_answer"] = [answer_ms(p, new, posted) for p in points.values()]
             out[key + "_verdict"] = ",".join(sorted(set(states))) if headers else ""
         except Exception as e:  # noqa: BLE001 - reported by the caller
             out[key + "_error"] = repr(e)
@@ -81,10 +98,12 @@ def stream_batch(url: str, rows: list[list[int]], new: int, n_det: int, singles:
     res: dict = {}
     if n_parts:
         res["det"] = statistics.median([x for k in range(n_parts) for x in out[f"det{k}"]])
+        res["det_answer"] = statistics.median([x for k in range(n_parts) for x in out[f"det{k}_answer"]])
         verdicts = {out[f"det{k}_verdict"] for k in range(n_parts)}
         res["det_verdict"] = verdicts.pop() if len(verdicts) == 1 else "mixed: " + ";".join(sorted(verdicts))
     if "plain" in out:
         res["plain"] = statistics.median(out["plain"])
+        res["plain_answer"] = statistics.median(out["plain_answer"])
     return res
 
 
