@@ -49,12 +49,17 @@ def read_stream(resp, clock=time.perf_counter) -> tuple[dict[int, list[tuple[int
     return points, states
 
 
-def steady_ms(points: list[tuple[int, float]], new: int) -> float:
-    """ms/step of one row from its (tokens, time) chunks: first chunk at or past new/4 to the last."""
+def _last(points: list[tuple[int, float]], new: int) -> tuple[int, float]:
+    """A row's last chunk, which must complete its `new` tokens."""
     if not points or points[-1][0] != new:
         raise RuntimeError(f"a row streamed {points[-1][0] if points else 0} of {new} tokens")
+    return points[-1]
+
+
+def steady_ms(points: list[tuple[int, float]], new: int) -> float:
+    """ms/step of one row from its (tokens, time) chunks: first chunk at or past new/4 to the last."""
+    last = _last(points, new)
     first = next(p for p in points if p[0] >= new // 4)
-    last = points[-1]
     if last[0] <= first[0]:
         raise RuntimeError(f"too few chunks to time ({len(points)}); lower --stream-interval")
     return (last[1] - first[1]) / (last[0] - first[0]) * 1e3
@@ -62,9 +67,7 @@ def steady_ms(points: list[tuple[int, float]], new: int) -> float:
 
 def answer_ms(points: list[tuple[int, float]], new: int, posted: float) -> float:
     """ms per answer token of one row as its client sees the whole answer: post to last chunk."""
-    if not points or points[-1][0] != new:
-        raise RuntimeError(f"a row streamed {points[-1][0] if points else 0} of {new} tokens")
-    return (points[-1][1] - posted) / new * 1e3
+    return (_last(points, new)[1] - posted) / new * 1e3
 
 
 def stream_batch(url: str, rows: list[list[int]], new: int, n_det: int, singles: bool = False,

@@ -123,7 +123,7 @@ def windows(a) -> dict:
     model, engine, prompt, rids, capture_s = _engine(a.model, a.ctx, a.requests, a.device, a.seq_limit)
     cuda = a.device == "cuda"
     out = {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-           "model": a.model, "ctx": a.ctx, "seq_limit": a.seq_limit or a.ctx + 128, "mg_server": sys.modules["mg_server"].__file__,
+           "model": a.model, "ctx": a.ctx, "seq_limit": engine.max_seq_len, "mg_server": sys.modules["mg_server"].__file__,
            "graph_capture_s": round(capture_s, 2), "max_graph_rows": engine.graphs.max_rows if cuda else 0,
            "cases": {}}
     for n, rows in _pairs(a.cases):
