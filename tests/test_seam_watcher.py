@@ -79,6 +79,38 @@ def test_watcher_survives_a_broken_request_and_a_failing_controller(hook_mod, tm
     assert ("broken", [], True) in client.finished
 
 
+class FINISH_ABORT:  # noqa: N801 - SGLang's class name is what the seam reads
+    message = "cut short"
+
+
+def test_an_aborted_answer_streamed_after_its_end_is_reported_stops_at_the_checked_prefix(hook_mod, tmp_path):
+    import gc
+
+    from mg_server.seam import rollback
+
+    client = Client()
+    link = start_link(hook_mod, tmp_path, client)
+    req = Req("cut")
+    req.output_ids, req.finished_reason = [7, 8, 9, 10], FINISH_ABORT()
+    with link.lock:  # 2 of its 4 tokens checked when the client went away
+        t = hook_mod.Tracked(req, [1, 7, 8, 9, 10])
+        t.hold = rollback.hold(req, lambda r: None, link.lock)
+        t.hold.verified = 2
+        link.tracked["cut"] = t
+    # the watcher reports the end before SGLang streams the request's last output
+    assert wait_for(lambda: ("cut", [7, 8, 9, 10], True) in client.finished)
+    sent = []
+    accept = rollback._accept(lambda self, *, req: sent.append(list(req.output_ids)))
+    accept(None, req=req)
+    assert sent == [[7, 8]]  # never the unchecked 9, 10
+    assert list(req.output_ids) == [7, 8, 9, 10]
+    # the hold ends with its Req: an object later at the same id() is not held
+    key = id(req)
+    del t, req
+    gc.collect()
+    assert key not in rollback._holds
+
+
 def test_watcher_beats_and_reports_its_errors(hook_mod, tmp_path, monkeypatch):
     link = start_link(hook_mod, tmp_path, Client())
     view = RuntimeView(FrontConfig(noop_processor="", metrics_dir="", controller_ipc=str(tmp_path / "controller.sock")))

@@ -48,10 +48,10 @@ class Tracked:
 
 
 def _untrack(tracked: dict, rid: str) -> None:
-    """Forget a request (the caller holds its link's lock), and the hold on it."""
+    """Forget a request (the caller holds its link's lock); its output hold stays with the Req."""
     t = tracked.pop(rid)
     if getattr(t, "hold", None) is not None:
-        rollback.release(t.req)
+        rollback.untrack(t.req)
 
 
 class ControllerLink:

@@ -28,6 +28,7 @@ Only this module changes SGLang's request and batch state; `seams.check` pins th
 from __future__ import annotations
 
 import logging
+import weakref
 from array import array
 from typing import Callable
 
@@ -36,6 +37,8 @@ import torch
 log = logging.getLogger(__name__)
 
 # Held requests (id(Req) -> Hold), installed by the seam; read by the class-level wrappers below.
+# An entry lives as long as its Req: SGLang may stream a request's last output after the seam
+# has reported its end, and that output must still be cut to what was checked.
 _holds: dict[int, "Hold"] = {}
 # Sequence lengths to install at the next prepare_for_decode: id(Req) -> O + p.
 _seq_fixups: dict[int, int] = {}
@@ -67,9 +70,10 @@ class Hold:
     """What the seam knows of one held request: its verified answer length (the output hold and
     the finish barrier read it) and the tail check the barrier calls."""
 
-    __slots__ = ("verified", "released", "check_tail", "lock", "retracted")
+    __slots__ = ("verified", "released", "check_tail", "lock", "retracted", "req")
 
     def __init__(self, check_tail: Callable[[object], tuple[int, int] | None], lock):
+        self.req = None  # weakref to its Req (set by `hold`): an id() outlives nothing
         self.verified = 0  # answer tokens (not the prompt) checked by the verifier
         self.released = 0  # a stream's answer tokens that may leave unchecked (the margin gate)
         # req -> (p, c) of a disagreement, or None when all is verified; called with `lock` held
@@ -79,15 +83,30 @@ class Hold:
 
 
 def hold(req, check_tail, lock) -> Hold:
-    """Start holding `req` (its first step): its outputs become `HeldOutputs`."""
-    h = _holds[id(req)] = Hold(check_tail, lock)
+    """Start holding `req` (its first step): its outputs become `HeldOutputs`. The hold ends when
+    the Req is garbage: a new Req at the same id() never finds it."""
+    key, h = id(req), Hold(check_tail, lock)
+
+    def gone(_ref, key=key, h=h):
+        if _holds.get(key) is h:
+            del _holds[key]
+
+    h.req = weakref.ref(req, gone)
+    _holds[key] = h
     if not isinstance(req.output_ids, HeldOutputs):
         req.output_ids = HeldOutputs(req.output_ids)
     return h
 
 
-def release(req) -> None:
-    _holds.pop(id(req), None)
+def held(req) -> Hold | None:
+    """`req`'s hold, if it has one."""
+    h = _holds.get(id(req))
+    return h if h is not None and h.req() is req else None
+
+
+def untrack(req) -> None:
+    """The seam has reported `req`'s end. Its hold stays (its last output may still be streamed
+    after the report: an abort's must stop at the checked prefix); a pending length fix goes."""
     _seq_fixups.pop(id(req), None)
 
 
@@ -138,7 +157,7 @@ def _prepare_for_decode(orig):
 
 def _accept(orig):
     def accept(self, *, req):
-        h = _holds.get(id(req))
+        h = held(req)
         full = req.output_ids
         n = max(h.verified, h.released) if h is not None else 0
         if h is None or n >= len(full):
@@ -155,7 +174,7 @@ def _accept(orig):
 
 def _update_finish_state(orig):
     def update_finish_state(self, *args, **kwargs):
-        h = _holds.get(id(self))
+        h = held(self)
         if h is None:
             return orig(self, *args, **kwargs)
         with h.lock:
@@ -175,7 +194,7 @@ def _update_finish_state(orig):
 def _reset_for_retract(orig):
     def reset_for_retract(self):
         orig(self)
-        h = _holds.get(id(self))
+        h = held(self)
         if h is not None:  # why: its re-prefill would decode from unverified tokens (module doc)
             h.retracted = True
     return reset_for_retract
@@ -185,7 +204,7 @@ def _finishes_by_length(orig):
     def next_output_finishes_by_length(self):
         # why: the overlap loop leaves a request out of the next batch when its queued token ends
         # it by length; the finish barrier may undo that end, and the request must still decode
-        return False if id(self) in _holds else orig(self)
+        return False if held(self) is not None else orig(self)
     return next_output_finishes_by_length
 
 
