@@ -495,6 +495,33 @@ def test_a_wrong_token_a_stream_let_leave_early_is_a_missed_flip_not_a_rollback(
     assert ctl._verdict("w").state == "mismatch"
 
 
+def test_a_held_ends_surplus_is_checked_at_once_and_a_flip_in_it_leaves_the_answer_verified(make_ctl):
+    # SGLang ended the request after 4 tokens (unchecked: high margins, fewer than a window); the
+    # seam holds the end and SGLang decodes on, its surplus rows marked due; the surplus' second
+    # token is a flip
+    ctl = make_ctl("margin", 0.5)
+    prompt, n = [3, 1], 4
+    toks = list(prompt)
+    for k in range(n):
+        ctl._step([_window_row(toks, k, ref_next(toks), 9.0)])
+        toks.append(ref_next(toks))
+    assert not ctl._checks_due()
+    for k in range(n, n + 2):  # the surplus
+        fast = ref_next(toks) if k == n else (ref_next(toks) + 1) % 50
+        row = _window_row(toks, k, fast, 9.0)
+        row.due = True
+        ctl._step([row])
+        toks.append(fast)
+        assert ctl._checks_due()  # at once, not a window or a check delay later
+        ctl._idle_turn()
+    st = ctl.reqs["w"]
+    rb = ctl.handle(P.WindowNews()).rollbacks
+    assert [r.index for r in rb] == [n + 1] and st.epoch == 1  # past the end: the seam finds it moot
+    ctl._finish(P.Finish(rid="w", output=toks[2:2 + n], max_new=n, stop_ids=[], epoch=0))
+    ctl._complete(["w"])
+    assert ctl._verdict("w").state == "verified" and not st.error and st.tokens == toks[:2 + n]
+
+
 def test_a_check_of_many_requests_is_split_into_calls_the_verifier_accepts(make_ctl):
     # 70 requests due together: at most 64 items (the verifier's slots) and, beyond one item,
     # at most catchup_chunk rows per call, so the verify timeout bounds each call

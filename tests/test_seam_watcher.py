@@ -79,6 +79,16 @@ def test_watcher_survives_a_broken_request_and_a_failing_controller(hook_mod, tm
     assert ("broken", [], True) in client.finished
 
 
+def test_the_finish_reports_the_answer_through_its_stop_not_a_held_ends_surplus(hook_mod, tmp_path):
+    client = Client()
+    link = start_link(hook_mod, tmp_path, client)
+    req = Req("ended")
+    req.output_ids, req.finished_len = [7, 8, 9, 10], 2  # ended after 2 tokens; 9, 10 the surplus
+    with link.lock:
+        link.tracked["ended"] = hook_mod.Tracked(req, [1, 7, 8, 9, 10])
+    assert wait_for(lambda: ("ended", [7, 8], False) in client.finished)
+
+
 class FINISH_ABORT:  # noqa: N801 - SGLang's class name is what the seam reads
     message = "cut short"
 

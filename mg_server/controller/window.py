@@ -7,8 +7,9 @@ verifier disagrees at answer index p, the controller cuts its own copy of the an
 the verifier's token at p, has the verifier drop its positions past p (`VerifyItem.rewind`), and
 queues a `Rollback` that the seam applies in place at the request's next forward
 (seam/rollback.py). Rows the seam sends before it has applied it carry the older epoch and
-are dropped. The seam's finish barrier asks `CheckTail` before a request may end with unchecked
-tokens, and its output hold releases what `checked` says.
+are dropped. A request SGLang ended with unchecked tokens is checked at once: its end held
+(seam/rollback.py), its surplus rows carry `due`; or the seam's finish barrier asks `CheckTail`.
+The seam's output hold releases what `checked` says.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class WindowMixin:
         st.tokens.append(row.fast_token)
         if row.released:
             st.released = st.steps
-        if st.steps - st.checked >= self.cfg.window:
+        if row.due or st.steps - st.checked >= self.cfg.window:
             self.window_due = self.forwards
         elif low and (self.window_due is None or self.window_due > self.forwards + CHECK_DELAY_FORWARDS):
             self.window_due = self.forwards + CHECK_DELAY_FORWARDS

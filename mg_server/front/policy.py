@@ -15,7 +15,8 @@
   that changes which token greedy decoding emits in a way
   the verifier does not compute (penalties, logit bias, a minimum length, grammars and
   structured outputs, LoRA adapters, non-text inputs), nor logprobs (mg forces each verified
-  step's logits to the decided token, so SGLang's logprobs of those steps would be meaningless).
+  step's logits to the decided token, so SGLang's logprobs of those steps would be meaningless),
+  nor hidden states or routed experts (the fast path's, of steps nobody sees too).
   Each is a 400 naming the parameter. `top_p`, `top_k`, `min_p` and `seed` are accepted: at
   temperature 0 SGLang samples with top_k = 1, so they cannot change the token.
 """
@@ -54,6 +55,10 @@ UNMODELLED: dict[str, str] = {
     "input_embeds": "input embeddings", "image_data": "non-text inputs", "video_data": "non-text inputs",
     "audio_data": "non-text inputs", "watermark": "watermarked sampling", "max_thinking_tokens": "a thinking budget",
 }
+# Extra outputs refused when asked for (a true value): they are the fast path's, per step
+# SGLang ran, which for a deterministic request includes steps nobody sees (a rollback's
+# discarded tokens, a held end's surplus).
+EXTRA_OUTPUTS = {"return_hidden_states": "hidden states", "return_routed_experts": "routed experts"}
 WHY_NEUTRAL = {
     "n": "more than one completion per prompt", "best_of": "more than one completion per prompt",
     "frequency_penalty": "penalties", "presence_penalty": "penalties", "repetition_penalty": "penalties",
@@ -102,6 +107,9 @@ def check_params(params: dict, where: str) -> None:
     for name, why in UNMODELLED.items():
         if params.get(name) is not None:
             raise _refused(name, params[name], where, why)
+    for name, why in EXTRA_OUTPUTS.items():
+        if params.get(name):
+            raise _refused(name, params[name], where, why)
     logprobs = params.get("logprobs")  # chat: a bool; completions: an int, where 0 asks for one logprob
     if logprobs is not None and logprobs is not False:
         raise _refused("logprobs", logprobs, where, "logprobs")
@@ -122,6 +130,10 @@ def _check_native_top_level(body: dict) -> None:
     value = body.get("return_logprob")
     if value and (not isinstance(value, list) or any(value)):
         raise _refused("return_logprob", value, "", "logprobs")
+    for name, why in EXTRA_OUTPUTS.items():
+        value = body.get(name)
+        if value and (not isinstance(value, list) or any(value)):
+            raise _refused(name, value, "", why)
     for name in ("lora_path", "lora_id", "input_embeds", "image_data", "video_data", "audio_data", "watermark",
                  "max_thinking_tokens"):
         if body.get(name) is not None:

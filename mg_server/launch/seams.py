@@ -67,7 +67,8 @@ def check_window() -> None:
     the detokenizer. Raise SeamMismatch unless they hold."""
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.scheduler_components import batch_result_processor, output_streamer
-    from sglang.srt.mem_cache import allocation
+    from sglang.srt.mem_cache import allocation, common
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
     problems = _missing([
         ("batch_result_processor", batch_result_processor,
@@ -83,6 +84,14 @@ def check_window() -> None:
           "req.send_token_offset=len(output_ids_)")),
         ("Req.next_output_finishes_by_length", Req.next_output_finishes_by_length, ("len(self.output_ids)",)),
         ("Req.reset_for_retract", Req.reset_for_retract, ("self.is_retracted=True",)),
+        # a held end finishes like a speculative overshoot: the answer through finished_len, the
+        # K/V past it freed, and an update of a finished request changes nothing
+        ("Req.output_ids_through_stop", Req.output_ids_through_stop.fget,
+         ("returnself.output_ids[:self.finished_len]",)),
+        ("Req.owned_kv_len", Req.owned_kv_len, ("ifself.finished_lenisNone:", "len(self.output_ids_through_stop)")),
+        ("Req.update_finish_state", Req.update_finish_state, ("ifself.finished():return",)),
+        ("release_kv_cache", common.release_kv_cache, ("owned_kv_len=req.owned_kv_len()",)),
+        ("ModelRunner.__init__", ModelRunner.__init__, ("self.model_config=model_config",)),
     ])
     if problems:
         raise SeamMismatch("SGLang seams of the window commit do not match:\n  - " + "\n  - ".join(problems))

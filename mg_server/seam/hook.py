@@ -45,6 +45,7 @@ from mg_server import env, metrics
 from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig,
                               instance_key)
 from mg_server.sampling import sampled_choice
+from mg_server.seam import rollback
 from mg_server.seam.link import ControllerLink, Tracked
 from mg_server.seam.reasons import public_reason, unmodelled
 from mg_server.seam.window import WindowSeam
@@ -134,7 +135,6 @@ class StepSeam(WindowSeam):
         self.lagged = None  # CUDA: the one-forward-late control path (lagged.py)
         self._released_first: set[str] = set()  # first rows released early (window.py)
         if self.link is not None:
-            from mg_server.seam import rollback
             from mg_server.seam.lagged import attach
 
             rollback.install()
@@ -147,6 +147,8 @@ class StepSeam(WindowSeam):
         if self.lagged is not None:
             self.lagged.drain(wait=True)  # earlier forwards first: their tokens set this one's positions
         rows = protected_rows(args[1])
+        if self.lagged is not None:
+            rollback.note_forward(args[0].next_token_logits.shape[0], rows)
         if not rows:
             return None
         # The lagged path needs a sampler that does not wait for the gated stream: only mg's

@@ -223,6 +223,12 @@ def attach(seam, config, runner) -> LaggedControl | None:
     if lagged is None:
         return None
     seam.link.before_finish = lagged.drain
+    # held ends (rollback.py): a request's end is checked beside SGLang's forwards, not blocking them
+    from mg_server.seam import rollback
+
+    r2t = runner.req_to_token_pool.req_to_token  # [requests, max tokens a request may hold]
+    rollback.seq_limit = min(int(r2t.shape[1]), int(runner.model_config.context_len))
+    rollback.hold_ends = True
     log.warning("mg: lagged commit on (step gate capacity %d rows)", lagged.capacity)
     return lagged
 

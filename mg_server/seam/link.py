@@ -121,7 +121,7 @@ class ControllerLink:
         with self.lock:
             for rb in rollbacks:
                 t = self.tracked.get(rb.rid)
-                if t is not None and t.hold is not None and rb.epoch > t.epoch:
+                if t is not None and t.hold is not None and rb.epoch > t.epoch and not t.hold.moot(rb.index):
                     t.rollback = rb
             for rid, (epoch, n) in verified.items():
                 t = self.tracked.get(rid)
@@ -190,7 +190,10 @@ class ControllerLink:
             try:
                 aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
                 reason = str(getattr(req.finished_reason, "message", "")) if aborted else ""
-                self._finish(rid, list(req.output_ids), aborted, reason, end_rules(req), epochs.get(rid, 0))
+                # the answer through its stop: a held end's surplus is not part of it (rollback.py)
+                flen = getattr(req, "finished_len", None)
+                output = list(req.output_ids if flen is None else req.output_ids[:flen])
+                self._finish(rid, output, aborted, reason, end_rules(req), epochs.get(rid, 0))
             except Exception as e:  # noqa: BLE001 - the verdict then stays "running" and says so
                 log.error("mg: could not report the end of %s: %s", rid, e)
         for rid in broken:

@@ -17,8 +17,17 @@ next forward F (the Sampler pre-hook, the one point valid in every scheduler loo
 Two guards keep unverified tokens from leaving the scheduler (a rollback cannot take back what
 the detokenizer has seen):
 - the output hold: SGLang's stream accumulator sees only the verified prefix of a held request;
-- the finish barrier: a held request that ends with unverified tokens has its tail checked at
-  once (`check_tail`); on a disagreement the finish is undone and the rollback queued.
+- the held end: a held request that ends with unverified tokens stays unfinished (`Hold.end`);
+  SGLang decodes it on (a surplus nobody sees) while the controller checks the end beside its
+  forwards; once the tokens up to the end are checked it finishes with `finished_len` at the end
+  (SGLang's own rule for a speculative overshoot: the client gets the tokens through the stop,
+  the release frees the K/V past it). A disagreement before the end voids the end (the rollback
+  applies; SGLang's rules end the request again later); one in the surplus is moot.
+- the finish barrier, where a held end cannot be used (no lagged path, i.e. a CPU host: the
+  verifier shares SGLang's cores; past SURPLUS_MAX tokens; near the sequence limit; a forward of
+  held ends only, where the surplus would only slow the check): the tail is checked at once
+  (`check_tail`, blocking the scheduler); on a disagreement the finish is undone and the
+  rollback queued.
 SGLang's own retraction (memory pressure) of a held request fails it loudly at its next step
 (`Hold.retracted`): its re-prefill would carry unverified tokens.
 
@@ -43,6 +52,11 @@ _holds: dict[int, "Hold"] = {}
 # Sequence lengths to install at the next prepare_for_decode: id(Req) -> O + p.
 _seq_fixups: dict[int, int] = {}
 _installed = False
+# Held ends (module doc): on only with the lagged control path (it sets these at attach).
+hold_ends = False
+seq_limit = 0  # tokens a request may reach (prompt + answer): SGLang's context, its req_to_token width
+SURPLUS_MAX = 64  # a held end's surplus tokens before the barrier checks it instead
+only_ends = False  # the last launched forward carried held ends only (set by the seam's hook)
 
 
 class HeldOutputs(array):
@@ -70,16 +84,30 @@ class Hold:
     """What the seam knows of one held request: its verified answer length (the output hold and
     the finish barrier read it) and the tail check the barrier calls."""
 
-    __slots__ = ("verified", "released", "check_tail", "lock", "retracted", "req")
+    __slots__ = ("verified", "released", "check_tail", "lock", "retracted", "req", "end")
 
     def __init__(self, check_tail: Callable[[object], tuple[int, int] | None], lock):
         self.req = None  # weakref to its Req (set by `hold`): an id() outlives nothing
         self.verified = 0  # answer tokens (not the prompt) checked by the verifier
         self.released = 0  # a stream's answer tokens that may leave unchecked (the margin gate)
-        # req -> (p, c) of a disagreement, or None when all is verified; called with `lock` held
+        # (req, upto) -> (p, c) of a disagreement before answer index `upto`, or None when the
+        # first `upto` tokens are verified; called with `lock` held
         self.check_tail = check_tail
         self.lock = lock  # the seam's: its finish watcher must not see an end the barrier undoes
         self.retracted = False  # SGLang retracted it (memory pressure): the seam fails it
+        self.end = None  # a held end: (answer length, finished_reason) SGLang gave it
+
+    def shown(self) -> int:
+        """Answer tokens the output hold lets SGLang stream: checked or released, never past a held end."""
+        n = max(self.verified, self.released)
+        return n if self.end is None else min(n, self.end[0])
+
+    def moot(self, index: int) -> bool:
+        """A rollback at answer index `index` is moot: past a held end (the tokens before it agree)."""
+        if self.end is None or index < self.end[0]:
+            return False
+        self.verified = max(self.verified, index)
+        return True
 
 
 def hold(req, check_tail, lock) -> Hold:
@@ -102,6 +130,13 @@ def held(req) -> Hold | None:
     """`req`'s hold, if it has one."""
     h = _holds.get(id(req))
     return h if h is not None and h.req() is req else None
+
+
+def note_forward(batch_size: int, rows) -> None:
+    """The seam's hook at each sampler call: whether this forward carries held ends only."""
+    global only_ends
+    only_ends = 0 < len(rows) == batch_size and all(
+        (h := held(req)) is not None and h.end is not None for _, req, _ in rows)
 
 
 def untrack(req) -> None:
@@ -159,7 +194,7 @@ def _accept(orig):
     def accept(self, *, req):
         h = held(req)
         full = req.output_ids
-        n = max(h.verified, h.released) if h is not None else 0
+        n = h.shown() if h is not None else 0
         if h is None or n >= len(full):
             return orig(self, req=req)
         if not req.finished() and n <= req.send_token_offset:
@@ -179,16 +214,41 @@ def _update_finish_state(orig):
             return orig(self, *args, **kwargs)
         with h.lock:
             orig(self, *args, **kwargs)
-            if not self.finished() or h.verified >= len(self.output_ids):
-                return
             if type(self.finished_reason).__name__ == "FINISH_ABORT":
                 return  # cut short: its verdict says so, and the hold sends only the verified prefix
+            if h.end is not None:  # a held end: what SGLang decides about the surplus is moot
+                _held_end(self, h)
+                return
+            if not self.finished() or h.verified >= len(self.output_ids):
+                return
             # why: a finished request is released to the radix tree and its client; a later
-            # rollback could not take that back, so its tail is checked now (at most one window)
-            if h.check_tail(self) is not None:
-                self.finished_reason = None
-                self.finished_len = None
+            # rollback could not take that back, so its tail is checked first
+            n = self.finished_len if self.finished_len is not None else len(self.output_ids)
+            if hold_ends and _may_hold(self, h) and not only_ends:
+                h.end = (n, self.finished_reason)  # checked beside SGLang's forwards instead
+                self.finished_reason = self.finished_len = None
+            elif h.check_tail(self, n) is not None:
+                self.finished_reason = self.finished_len = None
     return update_finish_state
+
+
+def _may_hold(req, h: Hold) -> bool:
+    """Whether a held end may decode on: within SURPLUS_MAX tokens past it and the sequence limit."""
+    surplus = len(req.output_ids) - (h.end[0] if h.end is not None else len(req.output_ids))
+    return surplus < SURPLUS_MAX and len(req.origin_input_ids) + len(req.output_ids) + 2 < seq_limit
+
+
+def _held_end(req, h: Hold) -> None:
+    """A held end at a later step: finish once its tokens are checked; check them now where it
+    may not decode on (module doc); else leave it unfinished."""
+    n, reason = h.end
+    req.finished_reason = req.finished_len = None
+    if h.verified < n and (only_ends or not _may_hold(req, h)):
+        if h.check_tail(req, n) is not None:
+            h.end = None  # a disagreement before the end: the rollback voids it
+            return
+    if h.verified >= n:
+        req.finished_reason, req.finished_len = reason, n
 
 
 def _reset_for_retract(orig):

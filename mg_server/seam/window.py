@@ -30,6 +30,9 @@ class WindowSeam:
             for r, (_, req, *_) in zip(rows, live):
                 t = self.link.tracked.get(r.rid)
                 r.epoch = t.epoch if t is not None else 0
+                if t is not None and t.hold is not None and t.hold.end is not None:
+                    r.due = True  # a held end's surplus: its end is checked at once, and never released
+                    continue
                 # why: a high-margin stretch cannot flip (calibration), so a stream need not wait for
                 # its check; tau 0 releases nothing early, and a low-margin step stops the stretch
                 if not (req.stream and policy.mode == "margin" and policy.tau > 0 and r.margin >= policy.tau):
@@ -75,15 +78,16 @@ class WindowSeam:
             del t.tokens[o + rb.index:]
             t.tokens.append(rb.token)
             t.epoch, t.rollback = rb.epoch, None
-            t.hold.verified = rb.index + 1
+            t.hold.verified, t.hold.end = rb.index + 1, None  # (a rollback before a held end voids it)
             rolled.append((i, P.StepDecision(rid=key, token=rb.token, verified=True)))
         live[:] = keep
         return rolled
 
-    def check_tail(self, key: str, req) -> tuple[int, int] | None:
+    def check_tail(self, key: str, req, upto: int) -> tuple[int, int] | None:
         """The finish barrier (rollback.py): the controller checks the request's every token now.
         Called in the scheduler thread from SGLang's finish rules; (p, token) of a disagreement
-        (applied at the request's next forward) or None once all is checked."""
+        before answer index `upto` (applied at the request's next forward) or None once the first
+        `upto` tokens are checked."""
         link = self.link  # (the caller holds link.lock: the finish watcher must not see this end yet)
         t = link.tracked.get(key)
         if t is None or t.hold is None:
@@ -100,12 +104,14 @@ class WindowSeam:
         log.debug("mg: finish barrier of %s: %s (epoch %d, verified %d of %d)", key, rb, t.epoch, reply.verified,
                  len(req.output_ids))
         if rb is not None and rb.epoch > t.epoch:
-            t.rollback = rb
-            return rb.index, rb.token
+            if rb.index < upto:
+                t.rollback = rb
+                return rb.index, rb.token
+            t.rollback, t.hold.verified = None, max(t.hold.verified, rb.index)  # past the end: moot
         if reply.epoch == t.epoch:
             t.hold.verified = max(t.hold.verified, reply.verified)
-        if t.hold.verified < len(req.output_ids):  # never let unchecked tokens out as an answer
-            self._fail_at_finish(t, req, f"finish barrier: {t.hold.verified} of {len(req.output_ids)} tokens checked")
+        if t.hold.verified < upto:  # never let unchecked tokens out as an answer
+            self._fail_at_finish(t, req, f"finish barrier: {t.hold.verified} of {upto} tokens checked")
         return None
 
     def _fail_at_finish(self, t: Tracked, req, why: str) -> None:

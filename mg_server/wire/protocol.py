@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 13  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
+PROTOCOL_VERSION = 14  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
 # 10: window commit (StepRow.epoch, Rollback, CheckTail); 11: the window commit is the only one: Step is
 # one-way (no StepReply), WindowNews replaces Stops, and the other commits' fields and messages are gone;
 # 12: Finish.epoch, Finish one-way, ControllerInfo.verifier_max_requests; 13: a K/V column only on
-# request (VerifyItem.want_column)
+# request (VerifyItem.want_column); 14: StepRow.due (a held end's surplus)
 
 
 class ErrorCode:
@@ -218,6 +218,9 @@ class StepRow(msgspec.Struct, kw_only=True, omit_defaults=True):
     # A streamed request: this step's token may leave before it is checked (every step since the
     # last checked one had margin >= tau); a disagreement there is a missed flip.
     released: bool = False
+    # A held end's surplus (seam/rollback.py): SGLang ended the request with unchecked tokens and
+    # decodes on while they are checked; the controller checks them at once.
+    due: bool = False
 
 
 class Step(Message):
