@@ -79,18 +79,30 @@ def test_watcher_survives_a_broken_request_and_a_failing_controller(hook_mod, tm
     assert ("broken", [], True) in client.finished
 
 
+class FINISH_ABORT:  # noqa: N801 - SGLang's class name is what the seam reads
+    message = "cut short"
+
+
 def test_the_finish_reports_the_answer_through_its_stop_not_a_held_ends_surplus(hook_mod, tmp_path):
     client = Client()
     link = start_link(hook_mod, tmp_path, client)
     req = Req("ended")
     req.output_ids, req.finished_len = [7, 8, 9, 10], 2  # ended after 2 tokens; 9, 10 the surplus
+    cut = Req("cut")  # aborted, its last output streamed first: SGLang set finished_len to what the hold showed
+    cut.output_ids, cut.finished_len, cut.finished_reason = [7, 8, 9], 1, FINISH_ABORT()
     with link.lock:
         link.tracked["ended"] = hook_mod.Tracked(req, [1, 7, 8, 9, 10])
+        link.tracked["cut"] = hook_mod.Tracked(cut, [1, 7, 8, 9])
     assert wait_for(lambda: ("ended", [7, 8], False) in client.finished)
+    assert wait_for(lambda: ("cut", [7, 8, 9], True) in client.finished)  # whole: mg's tokens reconcile with it
 
 
-class FINISH_ABORT:  # noqa: N801 - SGLang's class name is what the seam reads
-    message = "cut short"
+def test_a_held_request_mg_lost_track_of_fails_at_its_end(hook_mod):
+    seam = object.__new__(hook_mod.StepSeam)
+    seam.link = SimpleNamespace(tracked={}, lock=threading.Lock())
+    req = SimpleNamespace(rid="gone", to_finish=None, finished_reason=None)
+    assert seam.check_tail("gone", req, 3) is None
+    assert type(req.finished_reason).__name__ == "FINISH_ABORT" and req.to_finish is None
 
 
 def test_an_aborted_answer_streamed_after_its_end_is_reported_stops_at_the_checked_prefix(hook_mod, tmp_path):

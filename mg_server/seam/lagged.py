@@ -227,7 +227,8 @@ def attach(seam, config, runner) -> LaggedControl | None:
     from mg_server.seam import rollback
 
     r2t = runner.req_to_token_pool.req_to_token  # [requests, max tokens a request may hold]
-    rollback.seq_limit = min(int(r2t.shape[1]), int(runner.model_config.context_len))
+    pool = getattr(runner, "effective_logical_max_total_num_tokens", None)  # SGLang's max_req_len bound
+    rollback.seq_limit = min(int(r2t.shape[1]), int(runner.model_config.context_len), int(pool or r2t.shape[1]))
     rollback.hold_ends = True
     log.warning("mg: lagged commit on (step gate capacity %d rows)", lagged.capacity)
     return lagged

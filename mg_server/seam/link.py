@@ -190,8 +190,9 @@ class ControllerLink:
             try:
                 aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
                 reason = str(getattr(req.finished_reason, "message", "")) if aborted else ""
-                # the answer through its stop: a held end's surplus is not part of it (rollback.py)
-                flen = getattr(req, "finished_len", None)
+                # an answer through its stop: a held end's surplus is not part of it (rollback.py);
+                # an aborted one whole (its finished_len may be what the output hold showed)
+                flen = None if aborted else getattr(req, "finished_len", None)
                 output = list(req.output_ids if flen is None else req.output_ids[:flen])
                 self._finish(rid, output, aborted, reason, end_rules(req), epochs.get(rid, 0))
             except Exception as e:  # noqa: BLE001 - the verdict then stays "running" and says so

@@ -64,6 +64,8 @@ class WindowSeam:
                                         "from unverified tokens"))
                 continue
             rb = t.rollback if t is not None else None
+            if rb is not None and t.hold.moot(rb.index):  # queued before its request's end was held
+                t.rollback, rb = None, None
             if rb is None:
                 keep.append(row)
                 continue
@@ -90,7 +92,9 @@ class WindowSeam:
         `upto` tokens are checked."""
         link = self.link  # (the caller holds link.lock: the finish watcher must not see this end yet)
         t = link.tracked.get(key)
-        if t is None or t.hold is None:
+        if t is None or t.hold is None:  # (untracked: mg lost it, and reported it cut short)
+            self._fail(req, "mg lost track of the request at its end")
+            req.finished_reason, req.to_finish = req.to_finish, None
             return None
         try:
             with link.rpc_lock:
