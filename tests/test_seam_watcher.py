@@ -188,3 +188,21 @@ def test_a_verdict_wait_ends_when_the_watcher_stays_gone(tmp_path, monkeypatch):
     t0 = time.monotonic()
     assert view._verdicts_blocking(["x#1"], False) == [("audit-timeout", None)]
     assert time.monotonic() - t0 < 10  # not the 60 s wait
+
+
+def test_a_retracted_held_request_fails_at_its_next_step_on_either_path(hook_mod):
+    """The lagged path classifies rows as the synchronous one does: a held request SGLang retracted
+    (memory pressure) fails, since its re-prefill would resume from unchecked tokens."""
+    from mg_server.seam import rollback
+
+    seam = object.__new__(hook_mod.StepSeam)
+    seam.link = SimpleNamespace(tracked={}, lock=threading.Lock())
+    req = Req("r")
+    t = seam.link.tracked["r"] = hook_mod.Tracked(req, [1, 2, 7, 8])
+    t.hold = rollback.hold(req, lambda r, n: None, seam.link.lock)
+    live, fails = seam._classify([(0, req, 3, 1.0, 9, "r")])
+    assert len(live) == 1 and fails == []
+    t.hold.retracted = True
+    live, fails = seam._classify([(0, req, 3, 1.0, 9, "r")])
+    assert live == [] and [f[1] for f in fails] == ["r"] and "retracted" in fails[0][2]
+

@@ -218,6 +218,10 @@ class StepSeam(WindowSeam):
                 continue
             if t is not None and t.failed:
                 continue
+            if t is not None and t.hold is not None and t.hold.retracted:  # (rollback.py's module doc)
+                fails.append((req, key, "SGLang retracted the request under memory pressure; it cannot resume "
+                                        "from unverified tokens"))
+                continue
             n = len(t.tokens) if t is not None else len(req.origin_input_ids)
             if pos < n - 1:
                 continue  # a non-final prefill chunk: SGLang discards this row's token

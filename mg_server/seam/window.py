@@ -59,10 +59,6 @@ class WindowSeam:
         for row in live:
             i, req, _, _, _, _, key = row
             t = self.link.tracked.get(key)
-            if t is not None and t.hold is not None and t.hold.retracted:
-                fails.append((req, key, "SGLang retracted the request under memory pressure; it cannot resume "
-                                        "from unverified tokens"))
-                continue
             rb = t.rollback if t is not None else None
             if rb is not None and t.hold.moot(rb.index):  # queued before its request's end was held
                 t.rollback, rb = None, None
