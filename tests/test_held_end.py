@@ -79,9 +79,10 @@ def held(monkeypatch):
         rollback.hold(req, seam.check_tail, threading.Lock())
         return req
 
-    def step(req, token):  # SGLang's decode step: append the token, apply its finish rules
-        req.output_ids.append(token)
-        update(req)
+    def step(req, *tokens):  # SGLang's decode steps: append each token, apply its finish rules
+        for token in tokens:
+            req.output_ids.append(token)
+            update(req)
 
     return make, step, seam
 
@@ -103,8 +104,7 @@ def test_a_length_end_with_unchecked_tokens_decodes_on_unseen_and_finishes_at_it
     make, step, seam = held
     req = make(max_new=4)
     h = rollback.held(req)
-    for tok in (10, 11, 12, 13):
-        step(req, tok)
+    step(req, 10, 11, 12, 13)
     h.verified = 2  # tokens 12 and 13 unchecked at the end
     step_end = h.end
     assert not req.finished() and step_end[0] == 4 and isinstance(step_end[1], FINISH_LENGTH)
@@ -123,8 +123,7 @@ def test_a_stop_token_end_keeps_its_reason_and_length(held):
     make, step, seam = held
     req = make(max_new=50, eos=99)
     h = rollback.held(req)
-    for tok in (10, 99):
-        step(req, tok)
+    step(req, 10, 99)
     assert h.end is not None and not req.finished()
     step(req, 99)  # a surplus stop token changes nothing
     assert h.end[0] == 2
@@ -137,8 +136,7 @@ def test_a_rollback_past_the_end_is_moot_and_one_before_it_voids_the_end(held):
     make, step, seam = held
     req = make(max_new=3)
     h = rollback.held(req)
-    for tok in (10, 11, 12):
-        step(req, tok)
+    step(req, 10, 11, 12)
     assert h.end is not None
     assert not h.moot(1)  # before the end: a real rollback (the seam applies it, voiding the end)
     assert h.moot(4) and h.verified == 4  # in the surplus: the tokens before it agree
@@ -150,8 +148,7 @@ def test_the_barrier_checks_a_held_end_past_the_surplus_limit(held, monkeypatch)
     make, step, seam = held
     monkeypatch.setattr(rollback, "SURPLUS_MAX", 2)
     req = make(max_new=2)
-    for tok in (10, 11):
-        step(req, tok)
+    step(req, 10, 11)
     step(req, 12)
     assert seam.barrier_calls == [] and not req.finished()
     seam.barrier_verified = 2
@@ -164,20 +161,17 @@ def test_the_barrier_checks_at_once_where_a_held_end_may_not_decode_on(held, mon
     seam.barrier_verified = 3
     monkeypatch.setattr(rollback, "only_ends", True)  # the last forward held ends only
     req = make(max_new=3)
-    for tok in (10, 11, 12):
-        step(req, tok)
+    step(req, 10, 11, 12)
     assert seam.barrier_calls == [3] and req.finished() and rollback.held(req).end is None
     monkeypatch.setattr(rollback, "only_ends", False)
     monkeypatch.setattr(rollback, "hold_ends", False)  # no lagged path (a CPU host)
     req = make(max_new=2)
-    for tok in (10, 11):
-        step(req, tok)
+    step(req, 10, 11)
     assert seam.barrier_calls == [3, 2] and req.finished()
     monkeypatch.setattr(rollback, "hold_ends", True)
     monkeypatch.setattr(rollback, "seq_limit", 6)  # near the sequence limit
     req = make(max_new=2)
-    for tok in (10, 11):
-        step(req, tok)
+    step(req, 10, 11)
     assert seam.barrier_calls == [3, 2, 2] and req.finished()
 
 
@@ -186,8 +180,7 @@ def test_the_barrier_finding_a_flip_before_a_held_end_voids_it(held, monkeypatch
     monkeypatch.setattr(rollback, "SURPLUS_MAX", 1)
     req = make(max_new=3)
     h = rollback.held(req)
-    for tok in (10, 11, 12):
-        step(req, tok)
+    step(req, 10, 11, 12)
     seam.barrier_answer = (1, 77)
     step(req, 13)
     assert h.end is None and not req.finished()  # the rollback applies at the next forward
@@ -197,8 +190,7 @@ def test_an_abort_during_a_held_end_stands_and_shows_only_the_checked_tokens(hel
     make, step, seam = held
     req = make(max_new=3)
     h = rollback.held(req)
-    for tok in (10, 11, 12):
-        step(req, tok)
+    step(req, 10, 11, 12)
     h.verified = 1
     req.to_finish = FINISH_ABORT()
     step(req, 13)

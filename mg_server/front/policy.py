@@ -127,10 +127,7 @@ def check_params(params: dict, where: str) -> None:
 
 def _check_native_top_level(body: dict) -> None:
     """/generate fields outside sampling_params (logprobs may be a list, one per prompt)."""
-    value = body.get("return_logprob")
-    if value and (not isinstance(value, list) or any(value)):
-        raise _refused("return_logprob", value, "", "logprobs")
-    for name, why in EXTRA_OUTPUTS.items():
+    for name, why in {"return_logprob": "logprobs", **EXTRA_OUTPUTS}.items():
         value = body.get(name)
         if value and (not isinstance(value, list) or any(value)):
             raise _refused(name, value, "", why)

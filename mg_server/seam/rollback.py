@@ -102,9 +102,11 @@ class Hold:
         n = max(self.verified, self.released)
         return n if self.end is None else min(n, self.end[0])
 
-    def moot(self, index: int) -> bool:
-        """A rollback at answer index `index` is moot: past a held end (the tokens before it agree)."""
-        if self.end is None or index < self.end[0]:
+    def moot(self, index: int, end: int | None = None) -> bool:
+        """A rollback at answer index `index` is moot if it lies at or past the answer's end
+        (`end`, default a held end's): the tokens before it agree, so they count as verified."""
+        end = end if end is not None else (self.end[0] if self.end is not None else None)
+        if end is None or index < end:
             return False
         self.verified = max(self.verified, index)
         return True
@@ -263,7 +265,7 @@ def _reset_for_retract(orig):
 def _finishes_by_length(orig):
     def next_output_finishes_by_length(self):
         # why: the overlap loop leaves a request out of the next batch when its queued token ends
-        # it by length; the finish barrier may undo that end, and the request must still decode
+        # it by length; a held end or the finish barrier may undo that end, and the request must still decode
         return False if held(self) is not None else orig(self)
     return next_output_finishes_by_length
 

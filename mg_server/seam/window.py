@@ -104,10 +104,10 @@ class WindowSeam:
         log.debug("mg: finish barrier of %s: %s (epoch %d, verified %d of %d)", key, rb, t.epoch, reply.verified,
                  len(req.output_ids))
         if rb is not None and rb.epoch > t.epoch:
-            if rb.index < upto:
+            if not t.hold.moot(rb.index, upto):
                 t.rollback = rb
                 return rb.index, rb.token
-            t.rollback, t.hold.verified = None, max(t.hold.verified, rb.index)  # past the end: moot
+            t.rollback = None
         if reply.epoch == t.epoch:
             t.hold.verified = max(t.hold.verified, reply.verified)
         if t.hold.verified < upto:  # never let unchecked tokens out as an answer
