@@ -1,0 +1,59 @@
+"""The verifier's move into SGLang's scheduler process (CUDA servers; here on a CPU, tiny model):
+the controller stops its worker process on the seam's Handover, reads the verifier as down until
+the worker thread serves, then connects to it and verifies through it."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from verifier_helpers import make_tiny
+
+from mg_server.controller.client import ControllerClient
+from mg_server.controller.server import ControllerConfig, start_controller
+from mg_server.verifier.client import VerifierClient
+from mg_server.verifier.server import VerifierConfig
+from mg_server.verifier.thread import VerifierThread
+from mg_server.wire import protocol as P
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+
+
+def test_handover_stops_the_process_and_connects_to_the_thread(tmp_path):
+    d, _ = make_tiny("llama", tmp_path / "tiny", dtype=torch.bfloat16)
+    vcfg = VerifierConfig(model_path=str(d), ipc_path=str(tmp_path / "v.sock"), max_seq_len=64, max_requests=4,
+                          pool_tokens=256, num_threads=1)
+    ccfg = ControllerConfig(ipc_path=str(tmp_path / "c.sock"), mode="always", tau=0.0,
+                            metrics_dir=str(tmp_path / "metrics"), verifier=vcfg)
+    (tmp_path / "metrics").mkdir()
+    proc = start_controller(ccfg)
+    worker = None
+    try:
+        with ControllerClient(ccfg.ipc_path, timeout_s=120) as c:
+            before = c.hello()
+            assert before.verifier_up and before.shm.name == vcfg.shm_base
+            probe = VerifierClient(vcfg.ipc_path, timeout_s=60)
+            ref = probe.verify("ref", len(PROMPT) - 1, PROMPT)  # the process's answer
+            probe.close()
+            tcfg = VerifierConfig(**{**vcfg.__dict__, "ipc_path": str(tmp_path / "t.sock"), "shm_name": ""})
+            c.handover(tcfg.ipc_path)
+            assert not c.hello().verifier_up  # the process is gone, the thread not there yet
+            worker = VerifierThread(tcfg).start()
+            deadline = time.monotonic() + 30
+            while not (info := c.hello()).verifier_up and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert info.verifier_up and info.shm.name == tcfg.shm_base
+            assert info.kernel_config_id == before.kernel_config_id
+            # the controller's checks now go to the thread: a step, the answer's end, its verdict
+            c.report([P.StepRow(rid="r", pos=len(PROMPT) - 1, prompt=PROMPT, margin=0.0, fast_token=ref.token)])
+            c.finish(P.Finish(rid="r", output=[ref.token]))
+            verdict = c.verdict("r", timeout_s=60)
+            assert verdict.state == P.VerdictState.VERIFIED, verdict
+            c.shutdown()
+        proc.join(30)
+        assert proc.exitcode == 0
+        worker.thread.join(10)
+        assert not worker.thread.is_alive()  # the controller's Shutdown stopped the thread's server too
+    finally:
+        if proc.is_alive():
+            proc.kill()
