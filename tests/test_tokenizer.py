@@ -85,3 +85,44 @@ def test_two_first_prepares_into_one_folder_convert_once(tmp_path):
     assert converted.count(True) == 1, converted  # one conversion; the other found it done
     tok = AutoTokenizer.from_pretrained(str(out))
     assert tok.decode(tok.encode("Hello, world!")) == "Hello, world!"
+
+
+def test_a_served_folder_is_not_prepared_again_under_the_server(tmp_path, capsys):
+    # a running server holds the folder it was started from; `prepare-model --force` into it
+    # refuses (exit 2, a message) instead of swapping the folder under the server
+    from mg_server.launch import cli
+    from mg_server.model.prepare import MARKER, ModelInUse, hold_model, prepare_model
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / MARKER).write_text('{"fingerprint": "x"}')
+    (d / "weights").write_text("served")
+    held = hold_model(d)
+    assert held is not None
+    try:
+        with pytest.raises(ModelInUse, match="in use by a running mg-server"):
+            prepare_model(d, force=True, progress=False)
+        assert cli.main(["prepare-model", "--out", str(d), "--force"]) == 2
+        assert "in use by a running mg-server" in capsys.readouterr().err
+        assert (d / "weights").read_text() == "served"  # untouched
+    finally:
+        held.close()
+    assert hold_model(tmp_path) is None  # a folder mg did not prepare is not held
+
+
+def test_prepare_refuses_only_while_a_server_holds_the_folder(tmp_path, monkeypatch):
+    # once the server is gone the swap goes ahead (the conversion itself stubbed: a real one is
+    # test_two_first_prepares_into_one_folder_convert_once's)
+    from mg_server.model import prepare
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / prepare.MARKER).write_text('{"fingerprint": "x"}')
+    done = []
+    monkeypatch.setattr(prepare, "_convert", lambda g, out, fp, progress: done.append(out) or out)
+    held = prepare.hold_model(d)
+    with pytest.raises(prepare.ModelInUse):
+        prepare.prepare_model(d, gguf_path=d / prepare.MARKER, force=True, progress=False)
+    held.close()
+    assert prepare.prepare_model(d, gguf_path=d / prepare.MARKER, force=True, progress=False) == d
+    assert done == [d]

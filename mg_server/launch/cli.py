@@ -118,13 +118,17 @@ def _port_taken(host: str, port: int) -> str:
     return ""
 
 
-def _model_path(model: str | None) -> str:
-    """The --model folder, else the embedded SmolLM2 (prepared on first use)."""
-    if model is not None:
-        return model
-    from mg_server.model.prepare import prepare_model
+_HELD: list = []  # the served model folder's claim (model.prepare.hold_model), kept for the process's life
 
-    return str(prepare_model())
+
+def _model_path(model: str | None) -> str:
+    """The --model folder, else the embedded SmolLM2 (prepared on first use); a folder mg prepared
+    is held, so that `prepare-model --force` refuses to swap it while this server runs."""
+    from mg_server.model.prepare import hold_model, prepare_model
+
+    path = model if model is not None else str(prepare_model())
+    _HELD.append(hold_model(Path(path)))
+    return path
 
 
 def _profile(device: str) -> str:
@@ -147,7 +151,13 @@ def main(argv: list[str] | None = None) -> int:
             _parser().error(f"unrecognized arguments: {' '.join(passthrough)}")
         from mg_server.model.prepare import prepare_model
 
-        print(prepare_model(out_dir=args.out, gguf_path=args.gguf, force=args.force))
+        from mg_server.model.prepare import ModelInUse
+
+        try:
+            print(prepare_model(out_dir=args.out, gguf_path=args.gguf, force=args.force))
+        except ModelInUse as e:
+            print(f"mg-server: {e}", file=sys.stderr)
+            return 2
         return 0
 
     if args.command == "calibrate":
@@ -167,7 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     if why := _port_taken(args.host, args.port):
         print(f"mg-server: {why}", file=sys.stderr)
         return 2
-    model = _model_path(args.model)
+    from mg_server.model.prepare import ModelInUse
+
+    try:
+        model = _model_path(args.model)
+    except ModelInUse as e:  # the embedded model needs preparing again while another server serves it
+        print(f"mg-server: {e}", file=sys.stderr)
+        return 2
     if not args.mg_drain_timeout >= 0:
         _parser().error("--mg-drain-timeout must be >= 0")
     if not (args.mg_verify_timeout > 0 and args.mg_verdict_wait > 0 and args.mg_catchup_chunk >= 1):
@@ -269,7 +285,13 @@ def _calibrate(args, passthrough: list[str], argv: list[str]) -> int:
     except ValueError as e:
         print(f"mg-server calibrate: {e}", file=sys.stderr)
         return 2
-    model = _model_path(args.model)
+    from mg_server.model.prepare import ModelInUse
+
+    try:
+        model = _model_path(args.model)
+    except ModelInUse as e:
+        print(f"mg-server calibrate: {e}", file=sys.stderr)
+        return 2
     from dataclasses import replace
 
     from mg_server.calibration.run import calibrate

@@ -129,7 +129,38 @@ def prepare_model(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not force and is_prepared(out_dir, fingerprint):
             return out_dir  # (prepared by the one we waited for)
-        return _convert(gguf_path, out_dir, fingerprint, progress)
+        # why: a server started from the folder reads it after its start too (tokenizer files, the
+        # weights' digest of a restarted worker); a swap under it must not happen silently
+        with open(_in_use_path(out_dir), "w") as in_use:
+            try:
+                fcntl.flock(in_use, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held through the swap
+            except BlockingIOError:
+                raise ModelInUse(f"{out_dir} is in use by a running mg-server; stop it first, or prepare into "
+                                 "another folder (--out)") from None
+            return _convert(gguf_path, out_dir, fingerprint, progress)
+
+
+class ModelInUse(RuntimeError):
+    """A prepared folder a running server holds (hold_model) cannot be prepared again."""
+
+
+def _in_use_path(out_dir: Path) -> Path:
+    return out_dir.parent / f".{out_dir.name}.inuse"
+
+
+def hold_model(model_dir: Path):
+    """A server's claim on a folder mg prepared (None for any other folder, or one whose parent is
+    read-only): a shared lock held as long as the returned file stays open, which makes
+    `prepare_model` refuse to swap the folder (ModelInUse). Waits for a swap in progress."""
+    model_dir = Path(model_dir)
+    if not (model_dir / MARKER).exists():
+        return None
+    try:
+        f = open(_in_use_path(model_dir), "a")
+    except OSError:
+        return None
+    fcntl.flock(f, fcntl.LOCK_SH)
+    return f
 
 
 def _convert(gguf_path: Path, out_dir: Path, fingerprint: str, progress: bool) -> Path:
