@@ -29,6 +29,7 @@ class WorkerMixin:
     _vipc = ""  # the worker's socket path (the thread's after a handover)
     _moving = False  # handed over: the worker thread has not been connected yet
     _retry_at = 0.0
+    _expect = ("", "")  # (model id, kernel config id) the worker thread must report: the process's
 
     def start_verifier(self) -> None:
         if self.cfg.verifier is None:
@@ -51,12 +52,16 @@ class WorkerMixin:
                                 peer_check=self._verifier_gone)
         self.vclient = client  # kept even if the hello fails: close() still sends it Shutdown
         # attach_slots=False: on CUDA attaching would open a CUDA context here for nothing.
-        self.vinfo = client.connect(timeout_s=timeout_s, attach_slots=False)
+        self.vinfo = client.connect(timeout_s=timeout_s, attach_slots=False, expect_model_id=self._expect[0],
+                                    expect_kernel_config_id=self._expect[1])
         log.info("verifier ready: model %s, kernels %s", self.vinfo.model_id, self.vinfo.kernel_config_id)
 
     def handover(self, ipc_path: str) -> None:
         """The worker moves into SGLang's scheduler process (module doc): stop the process, whose
         memory the thread takes, and expect the thread at ipc_path."""
+        if self.vinfo is not None:  # why: the front reports the process's model and kernel ids (the
+            # fingerprint); a thread under SGLang's process-wide torch state must compute the same
+            self._expect = (self.vinfo.model_id, self.vinfo.kernel_config_id)
         self.stop_verifier()
         self.verifier_proc = self.vclient = self.vinfo = None  # (its slot buffer is gone with it)
         self._vipc, self._verifier_beat, self._moving = ipc_path, beat_path(ipc_path), True
