@@ -34,14 +34,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_handover_stops_the_process_and_connects_to_the_thread(tmp_path):
+def _controller(tmp_path):
+    """A controller (mode always) with its worker process on a tiny model: (worker cfg, cfg, process)."""
     d, _ = make_tiny("llama", tmp_path / "tiny", dtype=torch.bfloat16)
     vcfg = VerifierConfig(model_path=str(d), ipc_path=str(tmp_path / "v.sock"), max_seq_len=64, max_requests=4,
                           pool_tokens=256, num_threads=1)
     ccfg = ControllerConfig(ipc_path=str(tmp_path / "c.sock"), mode="always", tau=0.0,
                             metrics_dir=str(tmp_path / "metrics"), verifier=vcfg)
     (tmp_path / "metrics").mkdir()
-    proc = start_controller(ccfg)
+    return vcfg, ccfg, start_controller(ccfg)
+
+
+def test_handover_stops_the_process_and_connects_to_the_thread(tmp_path):
+    vcfg, ccfg, proc = _controller(tmp_path)
     worker = None
     try:
         with ControllerClient(ccfg.ipc_path, timeout_s=120) as c:
@@ -81,13 +86,7 @@ def test_a_thread_computing_other_bits_is_not_connected(tmp_path, monkeypatch):
     # table, another torch state) stays down instead of serving checks
     from mg_server.verifier import ops
 
-    d, _ = make_tiny("llama", tmp_path / "tiny", dtype=torch.bfloat16)
-    vcfg = VerifierConfig(model_path=str(d), ipc_path=str(tmp_path / "v.sock"), max_seq_len=64, max_requests=4,
-                          pool_tokens=256, num_threads=1)
-    ccfg = ControllerConfig(ipc_path=str(tmp_path / "c.sock"), mode="always", tau=0.0,
-                            metrics_dir=str(tmp_path / "metrics"), verifier=vcfg)
-    (tmp_path / "metrics").mkdir()
-    proc = start_controller(ccfg)
+    vcfg, ccfg, proc = _controller(tmp_path)
     worker = None
     try:
         with ControllerClient(ccfg.ipc_path, timeout_s=120) as c:
