@@ -45,6 +45,11 @@ def _controller(tmp_path):
     return vcfg, ccfg, start_controller(ccfg)
 
 
+def _thread_cfg(vcfg: VerifierConfig, tmp_path) -> VerifierConfig:
+    # num_threads 0, as the launcher's: a thread leaves its host process's torch threads alone
+    return VerifierConfig(**{**vcfg.__dict__, "ipc_path": str(tmp_path / "t.sock"), "shm_name": "", "num_threads": 0})
+
+
 def test_handover_stops_the_process_and_connects_to_the_thread(tmp_path):
     vcfg, ccfg, proc = _controller(tmp_path)
     worker = None
@@ -56,7 +61,7 @@ def test_handover_stops_the_process_and_connects_to_the_thread(tmp_path):
             probe = VerifierClient(vcfg.ipc_path, timeout_s=60)
             ref = probe.verify("ref", len(PROMPT) - 1, PROMPT)  # the process's answer
             probe.close()
-            tcfg = VerifierConfig(**{**vcfg.__dict__, "ipc_path": str(tmp_path / "t.sock"), "shm_name": ""})
+            tcfg = _thread_cfg(vcfg, tmp_path)
             c.handover(tcfg.ipc_path)
             assert not c.hello().verifier_up  # the process is gone, the thread not there yet
             assert not _alive(before_pid)
@@ -92,7 +97,7 @@ def test_a_thread_computing_other_bits_is_not_connected(tmp_path, monkeypatch):
         with ControllerClient(ccfg.ipc_path, timeout_s=120) as c:
             assert c.hello().verifier_up
             monkeypatch.setattr(ops, "config_id", lambda device: "cpu-other")
-            tcfg = VerifierConfig(**{**vcfg.__dict__, "ipc_path": str(tmp_path / "t.sock"), "shm_name": ""})
+            tcfg = _thread_cfg(vcfg, tmp_path)
             c.handover(tcfg.ipc_path)
             worker = VerifierThread(tcfg).start()
             time.sleep(3)  # the controller's connect attempts (one a second)
@@ -104,3 +109,4 @@ def test_a_thread_computing_other_bits_is_not_connected(tmp_path, monkeypatch):
             proc.kill()
         if worker is not None:
             worker.server.running = False
+            worker.thread.join(10)  # (a serving thread left at the interpreter's exit aborted it)
