@@ -40,10 +40,6 @@ class HookConfig:
     # CUDA with the overlap scheduler: read each forward's rows one forward late, without a host
     # sync (seam/lagged.py); False: read the margins before sampling (--mg-seam sync)
     lagged_commit: bool = True
-    # CUDA: the verifier worker's config (VerifierConfig's fields) to run as a thread of SGLang's
-    # scheduler process after the controller stops its worker process (verifier/thread.py); None
-    # (CPU): the worker process stays
-    verifier: dict | None = None
 
     def to_json_dict(self) -> dict:
         return asdict(self)

@@ -36,13 +36,6 @@ def stacks_on_usr1() -> bool:
     return os.environ.get("MG_STACKS_ON_USR1", "") == "1"
 
 
-def verifier_in_scheduler() -> bool:
-    """Temporary experiment switch, to be removed with its losing side: MG_VERIFIER_IN_SCHEDULER=1
-    moves a CUDA server's verifier into SGLang's scheduler process as a thread (verifier/thread.py)
-    so that an A/B of both placements runs from one tree."""
-    return os.environ.get("MG_VERIFIER_IN_SCHEDULER", "") == "1"
-
-
 def trace_calls() -> int:
     """Diagnostics: MG_TRACE_CALLS=1 makes a CUDA verifier log one line per verify call (its
     phases' times, how long it waited to be taken) and every garbage collection of its process

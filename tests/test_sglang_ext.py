@@ -146,9 +146,9 @@ def test_bare_cuda_profile_patches_sglang_right_after_import():
         assert line in r.stdout, r.stdout
 
 
-def _cfg(*extra, profile="cpu", **kw) -> ServeConfig:
+def _cfg(*extra, profile="cpu") -> ServeConfig:
     return ServeConfig(model_path="/m", host="127.0.0.1", port=1, profile=profile, metrics_dir="/tmp/x",
-                       sglang_args=tuple(extra), **kw)
+                       sglang_args=tuple(extra))
 
 
 def test_argv_user_flags_override_engine_defaults_and_hook_is_attached():
@@ -195,20 +195,7 @@ def test_a_cpu_scheduler_sleeps_when_idle():
     from mg_server.launch.launcher import sglang_argv
 
     assert "--sleep-on-idle" in sglang_argv(_cfg())
-    assert "--sleep-on-idle" not in sglang_argv(_cfg(profile="cuda", mg_mode="off"))
-
-
-def test_a_cuda_scheduler_hosting_the_verifier_sleeps_when_idle(monkeypatch):
-    # the verifier thread needs the GIL of an idle scheduler (verifier/thread.py), once
-    from mg_server.launch.launcher import sglang_argv
-
-    assert "--sleep-on-idle" not in sglang_argv(_cfg(profile="cuda"))  # the worker process's placement
-    monkeypatch.setenv("MG_VERIFIER_IN_SCHEDULER", "1")
-    assert "--sleep-on-idle" not in sglang_argv(_cfg(profile="cuda", mg_mode="off"))
-    for profile in ("cuda", "cuda-bare"):
-        argv = sglang_argv(_cfg(profile=profile))
-        assert argv.count("--sleep-on-idle") == 1
-    assert sglang_argv(_cfg("--sleep-on-idle", profile="cuda")).count("--sleep-on-idle") == 1
+    assert "--sleep-on-idle" not in sglang_argv(_cfg(profile="cuda"))
 
 
 def test_cpu_has_no_grammar_backend_and_refuses_xgrammar():

@@ -26,11 +26,6 @@ class ControllerClient(RpcClient):
             raise RpcError(P.ErrorCode.PROTOCOL_MISMATCH, f"controller speaks protocol {info.protocol_version}")
         return info
 
-    def handover(self, ipc_path: str, timeout_s: float | None = None) -> None:
-        """The verifier moves into the caller's process (P.Handover); returns once its worker
-        process has stopped."""
-        self.call(P.Handover(ipc_path=ipc_path), timeout_s)
-
     def report(self, rows: list[P.StepRow]) -> None:
         """Fast commits the seam decided itself (no reply; the controller checks them behind)."""
         self.send(P.Step(rows=rows))

@@ -125,9 +125,6 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
                 verifier_max_requests=self.vinfo.max_requests if self.vinfo else 0,
                 verifier_memory_bytes=self.vinfo.memory_bytes if self.vinfo else 0,
             )
-        if isinstance(msg, P.Handover):
-            self.handover(msg.ipc_path)
-            return P.Ack()
         if isinstance(msg, P.Shutdown):
             self.running = False
             return P.Ack()

@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import threading
-from dataclasses import asdict
 from pathlib import Path
 
 from mg_server import env
@@ -57,7 +56,6 @@ BARE_CUDA_ENGINE_ARGS = (
 ENGINE_ARGS = {"cpu": CPU_ENGINE_ARGS, "cuda-bare": BARE_CUDA_ENGINE_ARGS, "cuda": ()}
 OWNED_FLAGS = ("--forward-hooks", "--enable-custom-logit-processor")
 # SGLang's parallel widths (each 1, or unset, for a single scheduler process)
-THREAD_SOCKET = "verifier-thread.sock"  # the worker thread's socket in the run folder (CUDA)
 PARALLEL_SIZES = ("tp_size", "pp_size", "dp_size", "attn_dp_size", "attn_cp_size", "dcp_size")
 
 
@@ -72,11 +70,6 @@ def hook_spec(config: HookConfig) -> list[dict]:
     }]
 
 
-def in_scheduler(cfg: ServeConfig) -> bool:
-    """The verifier moves into SGLang's scheduler process (CUDA, mg on; an experiment switch)."""
-    return cfg.mg_mode != "off" and cfg.profile != "cpu" and env.verifier_in_scheduler()
-
-
 def sglang_argv(cfg: ServeConfig, hook: HookConfig | None = None) -> list[str]:
     """SGLang server flags: mg's defaults first so the user's pass-through flags win."""
     for flag in OWNED_FLAGS:
@@ -84,12 +77,6 @@ def sglang_argv(cfg: ServeConfig, hook: HookConfig | None = None) -> list[str]:
             raise ValueError(f"{flag} is set by mg-server itself and cannot be passed through")
     argv = ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(cfg.port)]
     argv += ENGINE_ARGS[cfg.profile]
-    if in_scheduler(cfg) and "--sleep-on-idle" not in cfg.sglang_args:
-        # why (the verifier a thread of the scheduler process, CUDA): an idle scheduler loop polls its
-        # sockets without blocking and takes the GIL back within a microsecond of each release, so a
-        # waiting thread never gets it (measured on an H100: verify calls of 100-1200 ms); asleep, it
-        # blocks in a socket poll, the GIL released, until a request comes
-        argv += ["--sleep-on-idle"]
     argv += list(cfg.sglang_args)
     hook = hook or HookConfig(metrics_dir=cfg.metrics_dir)
     argv += ["--enable-custom-logit-processor", "--forward-hooks", json.dumps(hook_spec(hook))]
@@ -169,21 +156,6 @@ def verifier_pool_tokens(context_len: int) -> int:
     return max(16384, 2 * context_len)
 
 
-def verifier_config(cfg: ServeConfig, context_len: int, name: str = "verifier.sock"):
-    """The verifier worker's config; `name` its socket in the run folder (the worker thread's has
-    its own: the process's files may still be there when the thread binds)."""
-    from mg_server.verifier.server import VerifierConfig
-    from mg_server.wire.cleanup import shm_base
-
-    ipc = str(Path(cfg.run_dir) / name)
-    return VerifierConfig(
-        model_path=cfg.model_path, ipc_path=ipc, shm_name=shm_base(os.getpid(), ipc),
-        device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
-        memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=verifier_pool_tokens(context_len),
-        trace_calls=env.trace_calls(),
-    )
-
-
 def start_runtime(cfg: ServeConfig, context_len: int = 4096):
     """Start the controller (which starts the verifier) and wait until both report ready. The
     verifier accepts sequences as long as SGLang's (`context_len`), its pool holds two of them.
@@ -195,11 +167,19 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
     from mg_server.controller.client import ControllerClient
     from mg_server.controller.server import ControllerConfig, start_controller
     from mg_server.policy import resolve_tau
+    from mg_server.verifier.server import VerifierConfig
     from mg_server.wire.channel import RpcError
+    from mg_server.wire.cleanup import shm_base
     from mg_server.wire.liveness import beat_path, stale_reason
 
     tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile, "cpu" if cfg.cpu else "cuda")
-    verifier = verifier_config(cfg, context_len)
+    verifier = VerifierConfig(
+        model_path=cfg.model_path, ipc_path=str(Path(cfg.run_dir) / "verifier.sock"),
+        shm_name=shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),
+        device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
+        memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=verifier_pool_tokens(context_len),
+        trace_calls=env.trace_calls(),
+    )
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
                             metrics_dir=cfg.metrics_dir, verifier=verifier, verify_timeout_s=cfg.verify_timeout_s,
                             catchup_chunk=cfg.catchup_chunk, window=cfg.window)
@@ -265,8 +245,7 @@ def _instance_files(cfg: ServeConfig) -> tuple[tuple[str, ...], tuple[str, ...]]
     """(folders, shared-memory names) this server instance owns (wire.cleanup)."""
     from mg_server.wire.cleanup import shm_base
 
-    return (cfg.run_dir, cfg.metrics_dir), tuple(shm_base(os.getpid(), str(Path(cfg.run_dir) / name))
-                                                 for name in ("verifier.sock", THREAD_SOCKET))
+    return (cfg.run_dir, cfg.metrics_dir), (shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),)
 
 
 def _vocab_size(model_path: str) -> int:
@@ -344,9 +323,7 @@ def serve(cfg: ServeConfig) -> None:
     chunks = -(-context_len // cfg.catchup_chunk) + 1
     hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
                       step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
-                      lagged_commit=cfg.lagged_commit,
-                      verifier=asdict(verifier_config(cfg, context_len, THREAD_SOCKET))
-                      if controller_ipc and in_scheduler(cfg) else None)
+                      lagged_commit=cfg.lagged_commit)
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
     app.add_middleware(
         DeterministicMiddleware,

@@ -346,38 +346,11 @@ def check_dtype(runner, verifier_dtype: str) -> None:
                            f"serve with --dtype {verifier_dtype} (or --mg-mode off)")
 
 
-HANDOVER_CONNECT_S = 60.0  # a loaded verifier thread: the controller's connect, retried each second
-
-
-def start_verifier_thread(config: HookConfig):
-    """CUDA: the verifier worker moves into this process (verifier/thread.py): the controller
-    stops its worker process, whose memory SGLang left free, then the same worker loads here."""
-    from mg_server.controller.client import ControllerClient
-    from mg_server.verifier.server import VerifierConfig
-    from mg_server.verifier.thread import VerifierThread
-
-    vcfg = VerifierConfig(**config.verifier)
-    with ControllerClient(config.controller_ipc, timeout_s=config.step_timeout_s, client_name="hook-handover") as c:
-        c.handover(vcfg.ipc_path)
-        worker = VerifierThread(vcfg).start()
-        deadline = time.monotonic() + HANDOVER_CONNECT_S
-        while not c.hello().verifier_up:  # the controller connects to it from its own turns
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"mg: the controller did not connect to the verifier thread within "
-                                   f"{HANDOVER_CONNECT_S:.0f} s (its log says why)")
-            time.sleep(0.05)
-    log.info("mg: the verifier runs as a thread of SGLang's scheduler process (socket %s)", vcfg.ipc_path)
-    return worker
-
-
 def make_hook(config: dict):
     """Factory named in SGLang's --forward-hooks spec: attaches the seam, registers no module hook."""
     runner = find_model_runner()
     check_runner(runner)
-    hook_config = HookConfig.from_json_dict(config)
-    worker = start_verifier_thread(hook_config) if hook_config.verifier and hook_config.controller_ipc else None
-    seam = StepSeam(hook_config, runner)
-    seam.worker = worker  # (kept alive with the seam)
+    seam = StepSeam(HookConfig.from_json_dict(config), runner)
     if seam.link is not None and seam.link.info.shm is not None:
         check_dtype(runner, seam.link.info.shm.dtype)
     runner.sampler.register_forward_pre_hook(seam)

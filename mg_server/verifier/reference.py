@@ -78,12 +78,11 @@ def checkpoint_bytes(model_path: str, dtype_bytes: int = 2) -> tuple[int, int]:
     return params * dtype_bytes, 2 * s.n_layers * kv * dtype_bytes
 
 
-def pool_tokens_for_budget(model, memory_gb: float, max_seq_len: int, cap: int = 1 << 18, before: int = 0) -> int:
-    """K/V pool tokens that fit a CUDA memory budget next to the loaded weights and a workspace;
-    `before`: what the process had allocated before the model loaded (a host process's own)."""
+def pool_tokens_for_budget(model, memory_gb: float, max_seq_len: int, cap: int = 1 << 18) -> int:
+    """K/V pool tokens that fit a CUDA memory budget next to the loaded weights and a workspace."""
     import torch
 
-    weights = torch.cuda.memory_allocated(model.device) - before
+    weights = torch.cuda.memory_allocated(model.device)
     s = model.spec
     per_token = 2 * s.n_layers * s.n_kv_heads * s.head_dim * model.dtype.itemsize
     tokens = min(cap, (int(memory_gb * (1 << 30)) - weights - WORKSPACE_BYTES) // per_token)
@@ -108,10 +107,9 @@ def load_engine(model_path: str, dtype: str = "bfloat16", device: str = "cpu", m
     from mg_server.verifier.engine import VerifierEngine
     from mg_server.verifier.model import VerifierModel
 
-    before = torch.cuda.memory_allocated(device) if str(device).startswith("cuda") else 0
     model = VerifierModel.load(model_path, getattr(torch, dtype), device, max_seq_len)
     if memory_gb > 0:
         if model.device.type != "cuda":
             raise ValueError("a verifier memory budget applies to CUDA devices only")
-        pool_tokens = pool_tokens_for_budget(model, memory_gb, max_seq_len, before=before)
+        pool_tokens = pool_tokens_for_budget(model, memory_gb, max_seq_len)
     return VerifierEngine(model, max_requests, pool_tokens, max_seq_len, evict_idle_s, cuda_graphs)

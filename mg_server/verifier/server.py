@@ -91,8 +91,6 @@ class VerifierServer:
         try:
             if cfg.num_threads > 0:
                 torch.set_num_threads(cfg.num_threads)
-            # (a thread of SGLang's process: SGLang's own allocations are not the worker's)
-            before = torch.cuda.memory_allocated(cfg.device) if cfg.device.startswith("cuda") else 0
             dtype = getattr(torch, cfg.dtype)
             self.engine = load_engine(cfg.model_path, cfg.dtype, cfg.device, cfg.max_seq_len, cfg.max_requests,
                                       cfg.pool_tokens, cfg.evict_idle_s, cfg.memory_gb)
@@ -110,7 +108,7 @@ class VerifierServer:
                       f"thresholds {gc.get_threshold()}", flush=True)
                 gc.callbacks.append(self._trace_gc)
             # What the worker holds now (weights, K/V pool, slots): CUDA only, 0 on CPU.
-            self.memory_bytes = torch.cuda.memory_allocated(model.device) - before if model.device.type == "cuda" else 0
+            self.memory_bytes = torch.cuda.memory_allocated(model.device) if model.device.type == "cuda" else 0
         except Exception as e:  # noqa: BLE001 - reported to every client, see module doc
             self.load_error = f"verifier failed to load {cfg.model_path!r}: {type(e).__name__}: {e}"
             traceback.print_exc()

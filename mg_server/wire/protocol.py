@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 15  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
+PROTOCOL_VERSION = 14  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
 # 10: window commit (StepRow.epoch, Rollback, CheckTail); 11: the window commit is the only one: Step is
 # one-way (no StepReply), WindowNews replaces Stops, and the other commits' fields and messages are gone;
 # 12: Finish.epoch, Finish one-way, ControllerInfo.verifier_max_requests; 13: a K/V column only on
-# request (VerifyItem.want_column); 14: StepRow.due (a held end's surplus); 15: Handover (the verifier
-# moves into SGLang's scheduler process on CUDA)
+# request (VerifyItem.want_column); 14: StepRow.due (a held end's surplus)
 
 
 class ErrorCode:
@@ -186,14 +185,6 @@ class ControllerHello(Message):
     client: str = ""
 
 
-class Handover(Message):
-    """The seam, on CUDA: the verifier moves into SGLang's scheduler process. The controller stops
-    its worker process (SGLang has sized its memory around it, so the thread finds that room) and
-    connects to the worker thread at `ipc_path` once its beat says it serves."""
-
-    ipc_path: str
-
-
 class ControllerInfo(Message):
     protocol_version: int
     mode: str  # "off" | "margin" | "always"
@@ -339,7 +330,7 @@ class VerdictReply(Message):
     correction: Correction | None = None  # with state verified: the answer to send instead of SGLang's
 
 
-AnyMessage = (Hello | Handover | HelloReply | Verify | VerifyReply | Release | Stats | StatsReply | Shutdown
+AnyMessage = (Hello | HelloReply | Verify | VerifyReply | Release | Stats | StatsReply | Shutdown
               | Ack | Error | ControllerHello | ControllerInfo | Step | Finish | Verdict
               | VerdictReply | WindowNews | WindowNewsReply | CheckTail | TailReply)
 
