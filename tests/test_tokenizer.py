@@ -108,6 +108,15 @@ def test_a_served_folder_is_not_prepared_again_under_the_server(tmp_path, capsys
     finally:
         held.close()
     assert hold_model(tmp_path) is None  # a folder mg did not prepare is not held
+    # serve and calibrate hold the folder they start from (cli._model_path), for the process's life
+    assert cli._model_path(str(d)) == str(d)
+    try:
+        assert cli.main(["prepare-model", "--out", str(d), "--force"]) == 2
+    finally:
+        while cli._HELD:
+            f = cli._HELD.pop()
+            if f is not None:
+                f.close()
 
 
 def test_prepare_refuses_only_while_a_server_holds_the_folder(tmp_path, monkeypatch):

@@ -144,6 +144,16 @@ def _profile(device: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from mg_server.model.prepare import ModelInUse
+
+    try:
+        return _main(argv)
+    except ModelInUse as e:  # (prepare-model; serve and calibrate when the embedded model needs preparing again)
+        print(f"mg-server: {e}", file=sys.stderr)
+        return 2
+
+
+def _main(argv: list[str] | None) -> int:
     logging.basicConfig(level=logging.INFO, format="[mg %(asctime)s] %(message)s")
     args, passthrough = _parser().parse_known_args(argv)
     if args.command == "prepare-model":
@@ -151,13 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             _parser().error(f"unrecognized arguments: {' '.join(passthrough)}")
         from mg_server.model.prepare import prepare_model
 
-        from mg_server.model.prepare import ModelInUse
-
-        try:
-            print(prepare_model(out_dir=args.out, gguf_path=args.gguf, force=args.force))
-        except ModelInUse as e:
-            print(f"mg-server: {e}", file=sys.stderr)
-            return 2
+        print(prepare_model(out_dir=args.out, gguf_path=args.gguf, force=args.force))
         return 0
 
     if args.command == "calibrate":
@@ -177,13 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if why := _port_taken(args.host, args.port):
         print(f"mg-server: {why}", file=sys.stderr)
         return 2
-    from mg_server.model.prepare import ModelInUse
-
-    try:
-        model = _model_path(args.model)
-    except ModelInUse as e:  # the embedded model needs preparing again while another server serves it
-        print(f"mg-server: {e}", file=sys.stderr)
-        return 2
+    model = _model_path(args.model)
     if not args.mg_drain_timeout >= 0:
         _parser().error("--mg-drain-timeout must be >= 0")
     if not (args.mg_verify_timeout > 0 and args.mg_verdict_wait > 0 and args.mg_catchup_chunk >= 1):
@@ -285,13 +283,7 @@ def _calibrate(args, passthrough: list[str], argv: list[str]) -> int:
     except ValueError as e:
         print(f"mg-server calibrate: {e}", file=sys.stderr)
         return 2
-    from mg_server.model.prepare import ModelInUse
-
-    try:
-        model = _model_path(args.model)
-    except ModelInUse as e:
-        print(f"mg-server calibrate: {e}", file=sys.stderr)
-        return 2
+    model = _model_path(args.model)
     from dataclasses import replace
 
     from mg_server.calibration.run import calibrate
