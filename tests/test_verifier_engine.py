@@ -292,6 +292,18 @@ def test_idle_requests_are_evicted_when_full(setup):
     assert out.code == ErrorCode.NO_CAPACITY
 
 
+def test_eviction_spares_the_requests_of_the_same_forward(setup):
+    """A new request that needs room evicts an idle one, never one admitted earlier in its own
+    call, even when that one is the least recently used."""
+    _, engine, _, seq, _ = setup
+    small = VerifierEngine(engine.model, max_requests=2, pool_tokens=64, max_seq_len=64, evict_idle_s=0.0)
+    for rid in ("a", "b"):  # "a" is the least recently used
+        small.step([VerifyItem(rid=rid, pos=9, tokens=seq[:10])])
+    out = small.step([VerifyItem(rid="a", pos=10, tokens=seq[10:11]), VerifyItem(rid="c", pos=9, tokens=seq[:10])])
+    assert not any(isinstance(o, ErrorReply) for o in out)
+    assert set(small.seqs) == {"a", "c"}
+
+
 def test_items_that_fit_the_pool_alone_but_not_together_get_no_capacity(setup):
     """One forward's items each fit the free slots, together they do not (32 finished requests'
     tail audits in one call, on the H100): the last ones get NO_CAPACITY, the rest are served,

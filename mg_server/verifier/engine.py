@@ -109,14 +109,20 @@ class VerifierEngine:
         self._free.extend(reversed(drop))
         st.last_pred = -1
 
-    def _evict_idle(self, need_tokens: int, need_requests: int, keep: set[str]) -> None:
+    def _evict_idle(self, need_tokens: int, need_requests: int, keep: set[str], rid: str) -> None:
         """Free least-recently-used requests idle > evict_idle_s until the need is met (a caller
-        that comes back gets UNKNOWN_REQUEST and resends its prefix from position 0)."""
+        that comes back gets UNKNOWN_REQUEST and resends its prefix from position 0); never one
+        of `keep` (the forward's admitted requests) or `rid` (the item's own)."""
+        def met() -> bool:
+            return len(self._free) >= need_tokens and len(self.seqs) + need_requests <= self.max_requests
+
+        if met():  # (the common case: no sort of the whole table for every item of every call)
+            return
         now = time.monotonic()
         for st in sorted(self.seqs.values(), key=lambda x: x.last_used):
-            if len(self._free) >= need_tokens and len(self.seqs) + need_requests <= self.max_requests:
+            if met():
                 return
-            if st.rid not in keep and now - st.last_used > self.evict_idle_s:
+            if st.rid not in keep and st.rid != rid and now - st.last_used > self.evict_idle_s:
                 self.release(st.rid)
 
     @property
@@ -149,7 +155,7 @@ class VerifierEngine:
                 return ErrorReply(code=ErrorCode.POSITION_MISMATCH, rid=it.rid, expected_pos=st.length,
                                   message=f"tokens start at {start}, verifier holds {st.length} positions")
             need = it.pos + 1 - min(start, st.length)
-        self._evict_idle(need + reserved, int(st is None), busy | {it.rid})
+        self._evict_idle(need + reserved, int(st is None), busy, it.rid)
         if st is None and len(self.seqs) >= self.max_requests:
             return ErrorReply(code=ErrorCode.NO_CAPACITY, rid=it.rid,
                               message=f"{self.max_requests} requests already held")
@@ -193,11 +199,12 @@ class VerifierEngine:
     def _admit(self, items: list[VerifyItem]) -> tuple[list[int], dict[int, ErrorReply]]:
         """_check each item of one forward (distinct rids) in order, the pool slots of those
         admitted reserved for the next: (indices admitted, index -> error of the others)."""
-        ok, errors, reserved = [], {}, 0
+        ok, errors, reserved, busy = [], {}, 0, set()
         for k, it in enumerate(items):
-            got = self._check(it, {items[j].rid for j in ok}, reserved)
+            got = self._check(it, busy, reserved)
             if isinstance(got, int):
                 ok.append(k)
+                busy.add(it.rid)
                 reserved += got
             else:
                 errors[k] = got
