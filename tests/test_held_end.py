@@ -220,3 +220,27 @@ def test_note_forward_says_when_a_forward_carries_held_ends_only(held):
     assert not rollback.only_ends
     rollback.note_forward(2, [(0, a, "a")])  # a plain row beside it
     assert not rollback.only_ends
+
+
+def test_a_held_end_reserves_what_it_may_still_decode_in_sglangs_admission(held):
+    """SGLang's admission counts max_new_tokens - len(output_ids) tokens still to come for each
+    running request: negative for a held length end's surplus. The seam counts what the end may
+    still decode instead (SURPLUS_MAX past it), never less than SGLang's own count."""
+    make, step, seam = held
+
+    def sglangs(adder, req):  # PrefillAdder._get_running_request_total_token_offset, ratio 1
+        return req.max_new - len(req.output_ids)
+
+    offset = rollback._running_offset(sglangs)
+    req = make(max_new=4)
+    step(req, 10, 11)
+    assert offset(None, req) == 2  # held, no end yet: SGLang's own count
+    step(req, 12, 13, 14, 15)  # ends at 4 unchecked, then two surplus tokens
+    assert rollback.held(req).end[0] == 4 and sglangs(None, req) == -2
+    assert offset(None, req) == rollback.SURPLUS_MAX - 2
+    stop = make(max_new=50, eos=99)
+    step(stop, 10, 99)  # a stop-token end far below max_new: its surplus may pass max_new
+    assert offset(None, stop) == max(48, rollback.SURPLUS_MAX)
+    plain = Req(max_new=4)
+    plain.output_ids = [5, 6, 7, 8, 9]
+    assert offset(None, plain) == -1  # a request mg does not hold: untouched

@@ -66,6 +66,7 @@ def check_window() -> None:
     ends a request, how the next decode batch grows its lengths and slots, and how output reaches
     the detokenizer. Raise SeamMismatch unless they hold."""
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.schedule_policy import PrefillAdder
     from sglang.srt.managers.scheduler_components import batch_result_processor, output_streamer
     from sglang.srt.mem_cache import allocation, common
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -84,6 +85,12 @@ def check_window() -> None:
           "req.send_token_offset=len(output_ids_)")),
         ("Req.next_output_finishes_by_length", Req.next_output_finishes_by_length, ("len(self.output_ids)",)),
         ("Req.reset_for_retract", Req.reset_for_retract, ("self.is_retracted=True",)),
+        # a running request's admission reserve: what a held end may still decode is added there
+        ("PrefillAdder.__init__", PrefillAdder.__init__,
+         ("self._get_running_request_total_token_offset(r)forrinrunning_batch.reqs",)),
+        ("PrefillAdder._get_running_request_total_token_offset", PrefillAdder._get_running_request_total_token_offset,
+         ("def_get_running_request_total_token_offset(self,req:Req)",
+          "req.sampling_params.max_new_tokens-len(req.output_ids)")),
         # a held end finishes like a speculative overshoot: the answer through finished_len, the
         # K/V past it freed, and an update of a finished request changes nothing
         ("Req.output_ids_through_stop", Req.output_ids_through_stop.fget,

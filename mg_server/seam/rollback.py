@@ -270,12 +270,26 @@ def _finishes_by_length(orig):
     return next_output_finishes_by_length
 
 
+def _running_offset(orig):
+    def offset(self, req):
+        h = held(req)
+        if h is None or h.end is None:
+            return orig(self, req)
+        # why: SGLang's admission counts max_new_tokens - len(output_ids) tokens still to come for
+        # a running request, negative for a held length end (its surplus), which would admit more
+        # than fits and retract (a retracted held request fails); a held end decodes at most
+        # SURPLUS_MAX tokens past its end before its tail is checked and it finishes
+        return max(orig(self, req), SURPLUS_MAX - (len(req.output_ids) - h.end[0]), 0)
+    return offset
+
+
 def install() -> None:
-    """Wrap SGLang's five functions once per process (scheduler process; seams.check pinned them)."""
+    """Wrap SGLang's six functions once per process (scheduler process; seams.check pinned them)."""
     global _installed
     if _installed:
         return
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.schedule_policy import PrefillAdder
     from sglang.srt.managers.scheduler_components.output_streamer import _GenerationStreamAccumulator
 
     ScheduleBatch.prepare_for_decode = _prepare_for_decode(ScheduleBatch.prepare_for_decode)
@@ -283,4 +297,6 @@ def install() -> None:
     Req.update_finish_state = _update_finish_state(Req.update_finish_state)
     Req.reset_for_retract = _reset_for_retract(Req.reset_for_retract)
     Req.next_output_finishes_by_length = _finishes_by_length(Req.next_output_finishes_by_length)
+    PrefillAdder._get_running_request_total_token_offset = _running_offset(
+        PrefillAdder._get_running_request_total_token_offset)
     _installed = True
