@@ -5,6 +5,7 @@ finish rules (length, stop token, abort); no server."""
 
 import gc
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -35,6 +36,10 @@ class Req:
 
     def finished(self):
         return self.finished_reason is not None
+
+    @property
+    def sampling_params(self):
+        return SimpleNamespace(max_new_tokens=self.max_new)
 
     def update_finish_state(self):  # SGLang's rules, in its order
         if self.finished():
@@ -244,3 +249,20 @@ def test_a_held_end_reserves_what_it_may_still_decode_in_sglangs_admission(held)
     plain = Req(max_new=4)
     plain.output_ids = [5, 6, 7, 8, 9]
     assert offset(None, plain) == -1  # a request mg does not hold: untouched
+
+
+def test_a_voided_held_end_reserves_what_may_be_decoded_again(held):
+    """The barrier finds a flip before a held end: the end is void, but the surplus stays in
+    output_ids until the rollback applies at the next forward. Meanwhile the request reserves
+    what follows its verified prefix, never SGLang's negative count."""
+    make, step, seam = held
+    offset = rollback._running_offset(lambda adder, req: req.max_new - len(req.output_ids))
+    req = make(max_new=4)
+    step(req, 10, 11, 12, 13)  # held end at 4, one token checked
+    h = rollback.held(req)
+    h.verified = 1
+    step(req, *range(20, 20 + rollback.SURPLUS_MAX))  # the surplus reaches its limit: the barrier checks
+    seam.barrier_answer = (2, 77)
+    step(req, 99)
+    assert h.end is None and seam.barrier_calls  # voided by the flip at answer index 2
+    assert offset(None, req) == 4 - 1  # max_new - verified, not 4 - len(output_ids)

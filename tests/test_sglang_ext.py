@@ -54,6 +54,28 @@ def test_seams_match_installed_sglang():
     assert f"sglang=={seams.DEFAULT}\n" in nodeps and seams.DEFAULT in seams.TESTED
 
 
+def test_a_held_end_counts_in_sglangs_admission_reserve():
+    """rollback.install wraps SGLang's own count of a running request's tokens still to come:
+    a held length end reserves what it may still decode, a request mg does not hold is unchanged."""
+    r = _run(
+        "from mg_server.launch import compat\ncompat.install('cpu')\n"
+        "import threading\nfrom types import SimpleNamespace as NS\n"
+        "from sglang.srt.managers.schedule_policy import PrefillAdder\n"
+        "from mg_server.seam import rollback\nrollback.install()\n"
+        "adder = NS(new_token_ratio=0.5)\n"
+        "class Req:  # (a Req is weakly referenced by its hold)\n"
+        "    def __init__(self, n):\n"
+        "        self.sampling_params, self.output_ids = NS(max_new_tokens=4, ignore_eos=True), list(range(n))\n"
+        "plain, held = Req(6), Req(6)\n"
+        "h = rollback.hold(held, None, threading.Lock())\nh.end = (4, None)\n"
+        "f = PrefillAdder._get_running_request_total_token_offset\n"
+        "print('OFFSETS', f(adder, plain), f(adder, held), rollback.SURPLUS_MAX)\n"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    plain, held, surplus_max = r.stdout.split("OFFSETS")[1].split()
+    assert float(plain) == -2 and float(held) == int(surplus_max) - 2
+
+
 def test_seams_refuse_an_untested_version_unless_it_is_named():
     r = _run(
         "from mg_server.launch import compat, seams\ncompat.install('cpu')\n"

@@ -272,14 +272,18 @@ def _finishes_by_length(orig):
 
 def _running_offset(orig):
     def offset(self, req):
-        h = held(req)
-        if h is None or h.end is None:
-            return orig(self, req)
+        own, h = orig(self, req), held(req)
+        if h is None:
+            return own
         # why: SGLang's admission counts max_new_tokens - len(output_ids) tokens still to come for
         # a running request, negative for a held length end (its surplus), which would admit more
         # than fits and retract (a retracted held request fails); a held end decodes at most
         # SURPLUS_MAX tokens past its end before its tail is checked and it finishes
-        return max(orig(self, req), SURPLUS_MAX - (len(req.output_ids) - h.end[0]), 0)
+        if h.end is not None:
+            return max(own, SURPLUS_MAX - (len(req.output_ids) - h.end[0]), 0)
+        # an end voided by a flip keeps its surplus until the rollback applies at the next
+        # forward; after it, at most the unverified part is decoded again
+        return own if own >= 0 else max(req.sampling_params.max_new_tokens - h.verified, 0)
     return offset
 
 
