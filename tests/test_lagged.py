@@ -1,8 +1,8 @@
 # ruff: noqa: F811 - the fixtures hook_mod and runner come from test_hook
 """The lagged control path's host logic (mg_server/seam/lagged.py) on CPU tensors: what the
 device is told (every row a window row: the gate never holds), what the host does one forward
-later (reports, the tokens committed, failures, a rollback applied at launch), and which
-forwards take the synchronous path instead. The device gate is seam.gate's CPU reference here (its CUDA kernel is checked
+later (reports, the tokens committed, failures), and which forwards take the synchronous path
+instead. The device gate is seam.gate's CPU reference here (its CUDA kernel is checked
 against that reference in tests/test_gate_gpu.py)."""
 
 from types import SimpleNamespace
@@ -82,43 +82,21 @@ def test_always_never_gates_either(hook_mod, runner, tmp_path, monkeypatch):
     assert seam.lagged.pending == type(seam.lagged.pending)()
 
 
-def two_rows(top_a: int, top_b: int) -> torch.Tensor:
-    return torch.cat([logits_with(top_a, 4.0), logits_with(top_b, 4.0)])
-
-
-def test_a_due_rollback_is_applied_at_the_lagged_launch(hook_mod, runner, tmp_path, monkeypatch):
-    """A rollback applies in place at the request's next forward without leaving the lagged path
-    (no host sync): SGLang's state is cut at launch (rollback.py), the row is FORCED to the
-    verifier's token by the gate's own kernels, nothing is reported for it, and its position is
-    checked one forward later; its neighbour in the forward goes on as usual. A rolled-back row
-    that turns out not to be the request's step fails the request."""
-    from mg_server.seam import rollback
-
+def test_a_forward_with_a_due_rollback_takes_the_synchronous_path(hook_mod, runner, tmp_path, monkeypatch):
+    """A rollback is applied in place by the synchronous seam (window.py): the forward that next
+    carries the request does not launch a gate; the others go on on the lagged path."""
     seam = lagged_seam(hook_mod, runner, tmp_path, monkeypatch, Policy("margin", 0.5))
-    runner.token_to_kv_pool_allocator = None
-    req, other = FakeReq("r", [1, 2]), FakeReq("o", [4, 5], pool_idx=1)
-    client = seam.link.client
-    seam(None, sampler_args([(req, True), (other, True)], two_rows(6, 6), [1, 1]))
+    req = FakeReq("r", [1, 2])
+    seam(None, sampler_args([(req, True)], logits_with(6, 4.0), [1]))
     seam.lagged.drain(wait=True)
-    cuts = []
-    monkeypatch.setattr(rollback, "roll_back", lambda r, decided, p, *_: cuts.append((r.rid, decided, p)))
-    t = seam.link.tracked["r"]
-    t.rollback = P.Rollback(rid="r", index=0, token=9, epoch=1)
-    logits = two_rows(7, 8)
-    seam(None, sampler_args([(req, True), (other, True)], logits, [2, 2]))
-    assert len(seam.gates.gates) == 2 and len(seam.lagged.pending) == 1 and cuts == [("r", 1, 0)]
-    assert int(logits[0].argmax()) == 9 and torch.isinf(logits[0]).sum() == VOCAB - 1  # the verifier's token
-    assert int(logits[1].argmax()) == 8
-    assert t.tokens == [1, 2, 9] and (t.epoch, t.rollback, t.hold.verified) == (1, None, 1)
-    seam.lagged.drain(wait=True)
-    assert [(r.rid, r.pos) for r in client.rows] == [("r", 1), ("o", 1), ("o", 2)] and req.to_finish is None
-    seam(None, sampler_args([(req, True)], logits_with(3, 4.0), [2]))  # SGLang relays 9 at position O + 0
-    seam.lagged.drain(wait=True)
-    assert t.tokens == [1, 2, 9, 3] and client.rows[-1].pos == 2 and req.to_finish is None
-    t.rollback = P.Rollback(rid="r", index=1, token=5, epoch=2)
-    seam(None, sampler_args([(req, True)], logits_with(3, 4.0), [6]))  # not the step mg expects (3)
-    seam.lagged.drain(wait=True)
-    assert cuts[-1] == ("r", 2, 1) and req.to_finish is not None and t.failed
+    rolled = []
+    monkeypatch.setattr(seam, "_roll_back", lambda live, fails: rolled.append([k for *_, k in live]) or [])
+    seam.link.tracked["r"].rollback = P.Rollback(rid="r", index=0, token=9, epoch=1)
+    seam(None, sampler_args([(req, True)], logits_with(7, 4.0), [2]))
+    assert len(seam.gates.gates) == 1 and not seam.lagged.pending and rolled == [["r"]]
+    seam.link.tracked["r"].rollback = None
+    seam(None, sampler_args([(req, True)], logits_with(8, 4.0), [3]))
+    assert len(seam.gates.gates) == 2 and len(seam.lagged.pending) == 1
 
 
 def test_a_missed_step_and_an_unreachable_controller_fail_the_request(hook_mod, runner, tmp_path, monkeypatch):

@@ -31,8 +31,8 @@ H = {"X-Deterministic": "1"}
 @pytest.fixture(scope="module", params=["sync", "lagged"])
 def setup(request, prepared_model, tmp_path_factory):
     """The synchronous seam (a CPU server's own), and the lagged seam on the CPU reference gate
-    (MG_LAGGED_ON_CPU=1: the rows read one forward late, a due rollback applied at the launch;
-    on CUDA the lagged seam runs in tests/test_gpu_serving.py)."""
+    (MG_LAGGED_ON_CPU=1: the rows read one forward late, a due rollback applied on the synchronous
+    path; on CUDA the lagged seam runs in tests/test_gpu_serving.py)."""
     env = {"MG_FAULT_MISSED_FLIP": str(FLIP_AT), "MG_FAULT_FLIP_MARGIN": "0"}
     if request.param == "lagged":
         env["MG_LAGGED_ON_CPU"] = "1"

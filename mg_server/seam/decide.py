@@ -12,15 +12,12 @@ batch. One program per protected row here does the gather, top-2, position check
                           mode meta[2n + k]: HOLD (0) 1 if the policy verifies it (always, or
                           not margin >= tau in fp64: Policy.should_verify's comparison; a NaN
                           margin is verified); LAZY (1, a window row, checked behind) 0;
-                          BEHIND (2) 2 if the policy verifies it; MUST (3) 1; FORCED (4, a
-                          rollback applied at this forward) 0, and fast[k] = meta[3n + k], the
-                          verifier's token. The seam sends LAZY and FORCED rows (the window
-                          commit): HOLD, BEHIND and MUST are the removed commit paths', kept with
-                          the gate's hold path and their GPU tests.
+                          BEHIND (2) 2 if the policy verifies it; MUST (3) 1. The seam sends
+                          LAZY rows only (the window commit): the other modes are the removed
+                          commit paths', kept with the gate's hold path and their GPU tests.
 `force`   : logits[row k] = -inf everywhere but 0 at chosen[k] (any sampler then picks it).
 
-`meta` is int64 [3n] (rows, expected positions, modes), [4n] with a FORCED row (then tokens):
-on CUDA it may be page-locked host memory (read through UVA, no copy).
+`meta` is int64 [3n]: on CUDA it may be page-locked host memory (read through UVA, no copy).
 The torch versions below are the CPU path (unit tests) and the GPU tests' reference.
 """
 
@@ -34,7 +31,7 @@ from torch import Tensor
 from mg_server.seam.kernel_launch import Launcher
 
 CHUNK = 2048  # columns per step of a row walk (control values only: no output bits depend on it)
-HOLD, LAZY, BEHIND, MUST, FORCED = 0, 1, 2, 3, 4  # a row's mode (meta[2n + k]; module doc)
+HOLD, LAZY, BEHIND, MUST = 0, 1, 2, 3  # a row's mode (meta[2n + k]; module doc)
 
 
 @triton.jit(do_not_specialize=["n", "V"])
@@ -67,11 +64,9 @@ def _decide_kernel(logits_ptr, sl, V, positions_ptr, meta_ptr, tau_ptr, n,
         low = step
     else:
         low = step & ~(margin.to(tl.float64) >= tl.load(tau_ptr))
-    need = tl.where(mode == 3, step.to(tl.int32),
-                    tl.where((mode == 1) | (mode == 4), 0, low.to(tl.int32) * tl.where(mode == 2, 2, 1)))
-    fast = tl.where(mode == 4, tl.load(meta_ptr + 3 * n + k, mask=mode == 4, other=0), i1.to(tl.int64))
+    need = tl.where(mode == 3, step.to(tl.int32), tl.where(mode == 1, 0, low.to(tl.int32) * tl.where(mode == 2, 2, 1)))
     tl.store(margin_ptr + k, margin)
-    tl.store(fast_ptr + k, fast)
+    tl.store(fast_ptr + k, i1.to(tl.int64))
     tl.store(pos_ptr + k, p)
     tl.store(need_ptr + k, need.to(tl.int32))
     tl.store(rows_ptr + k, row)
@@ -96,7 +91,7 @@ _FORCE = Launcher(_force_kernel, constexprs=1, num_warps=4)
 
 def decide(logits: Tensor,  # [bs, V] float, the sampler's logits (rows unit-strided)
            positions: Tensor,  # [bs] int, the forward's positions, same device
-           meta: Tensor,  # [>= 3n] int64: n batch rows, n expected positions, n row modes (+ n tokens: FORCED)
+           meta: Tensor,  # [>= 3n] int64: n batch rows, n expected positions, n row modes
            tau: Tensor,  # [1] fp64 (may be page-locked host memory on CUDA)
            always: bool,
            margin: Tensor, fast: Tensor, pos: Tensor, need: Tensor,  # [n] fp32/int64/int64/int32 (0/1/2) out
@@ -136,7 +131,6 @@ def decide_reference(logits, positions, meta, tau, always, margin, fast, pos, ne
     dev = logits.device
     m = meta[:3 * n].to(dev)
     idx, exp, mode = m[:n], m[n:2 * n], m[2 * n:]
-    forced = mode == FORCED
     v = logits.index_select(0, idx).float()  # [n, V]
     i1 = v.argmax(dim=-1)  # ties: the first maximal index
     v1 = v.gather(1, i1[:, None])[:, 0]
@@ -145,10 +139,7 @@ def decide_reference(logits, positions, meta, tau, always, margin, fast, pos, ne
     p = positions.to(dev).index_select(0, idx).to(torch.int64)
     step = p == exp
     low = (step if always else step & ~(mg.double() >= float(tau.reshape(-1)[0]))).to(torch.int32)
-    nd = torch.where(mode == MUST, step.to(torch.int32),
-                     torch.where((mode == LAZY) | forced, 0, low * (1 + (mode == BEHIND))))
-    if bool(forced.any()):
-        i1 = torch.where(forced, meta[3 * n:4 * n].to(dev), i1)
+    nd = torch.where(mode == MUST, step.to(torch.int32), torch.where(mode == LAZY, 0, low * (1 + (mode == BEHIND))))
     margin.copy_(mg)
     fast.copy_(i1)
     pos.copy_(p)
@@ -156,4 +147,4 @@ def decide_reference(logits, positions, meta, tau, always, margin, fast, pos, ne
     rows.copy_(idx)
 
 
-__all__ = ["decide", "force", "decide_reference", "HOLD", "LAZY", "BEHIND", "MUST", "FORCED"]
+__all__ = ["decide", "force", "decide_reference", "HOLD", "LAZY", "BEHIND", "MUST"]

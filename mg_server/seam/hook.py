@@ -153,10 +153,11 @@ class StepSeam(WindowSeam):
             return None
         # The lagged path needs a sampler that does not wait for the gated stream: only mg's
         # processor may be in the batch (a user's could read the logits on the host); seeded rows
-        # take the synchronous path.
+        # and a forward that carries a due rollback (window.py) take the synchronous path.
         if self.lagged is not None and only_mg_processors(args[1]) and (
                 self.faults.missed_flip < 0 or self.lagged.inline) and not any(
-                sampling_rule(req)[0] > 0 for _, req, _ in rows) and self.lagged.fits(rows):
+                sampling_rule(req)[0] > 0 for _, req, _ in rows) and self.lagged.fits(rows) and not (
+                self._rollback_due(rows)):
             t0 = time.perf_counter()
             self.lagged.launch(args[0].next_token_logits, args[5], rows)
             self.control.observe(time.perf_counter() - t0)

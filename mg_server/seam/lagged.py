@@ -19,9 +19,8 @@ Here the work is split between the device and the host:
   every 5 ms while the scheduler is busy elsewhere): the host reads those values (by then the
   GPU has the next forward queued, so this wait leaves no bubble) and reports the steps to the
   controller one way.
-A request with a due rollback is rolled back at `launch` (window.py, rollback.py: host state
-only, no sync) and its row is FORCED to the verifier's token by the same decide kernel; its
-position is checked one forward later with the others'.
+A forward that carries a request with a due rollback takes the synchronous seam instead
+(hook.StepSeam.__call__), which applies it in place (window.py, rollback.py).
 
 Measured on an H100 (docs/reference.md, "On a GPU"): correct under graphs and overlap, cheaper than the
 synchronous seam at every configuration measured.
@@ -34,13 +33,13 @@ import platform
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from mg_server import env
-from mg_server.seam.decide import FORCED, LAZY, decide, force
+from mg_server.seam.decide import LAZY, decide, force
 from mg_server.seam.gate import ReferenceStepGate, StepGate
 
 log = logging.getLogger(__name__)
@@ -55,7 +54,6 @@ class Forward:
 
     target: int  # this forward's tag in the gate's mailboxes
     rows: list[tuple[int, object, str]]  # (batch row, SGLang Req, instance key)
-    forced: dict[int, int] = field(default_factory=dict)  # k -> the expected position of a row rolled back at launch
 
 
 def _wait(cond, what: str) -> None:
@@ -87,11 +85,10 @@ class LaggedControl:
         else:
             self.gate = ReferenceStepGate(self.capacity, pool.k_buffer, pool.v_buffer, slots, r2t)
         pinned = device.type == "cuda"
-        # [4 * cap] int64: n batch rows, n expected positions, n row modes, n tokens (FORCED rows'),
-        # contiguous for n < cap;
+        # [3 * cap] int64: n batch rows, n expected positions, n row modes (contiguous for n < cap);
         # page-locked on CUDA: seam.decide reads it through UVA (no copy op), before the forward's
         # publish, i.e. before the host may rewrite it for the next forward (drain waits for that)
-        self.meta_host = torch.zeros(4 * self.capacity, dtype=torch.int64, pin_memory=pinned)
+        self.meta_host = torch.zeros(3 * self.capacity, dtype=torch.int64, pin_memory=pinned)
         self.tau_host = torch.zeros(1, dtype=torch.float64, pin_memory=pinned)  # [1] the policy's tau
         cap = self.capacity
         self.margin = torch.zeros(cap, dtype=torch.float32, device=device)  # [cap] top1 - top2
@@ -132,12 +129,8 @@ class LaggedControl:
             self.inject_fault(logits, positions, rows)
         with link.lock:
             expected = [self.expected(req, key) for _, req, key in rows]
-            forced, fails = self.roll_back(rows, expected)
-        self.seam.fail(fails)
         mh = self._meta_np
         mh[:n], mh[n:2 * n], mh[2 * n:3 * n] = [i for i, _, _ in rows], expected, LAZY
-        for k, token in forced.items():
-            mh[2 * n + k], mh[3 * n + k] = FORCED, token
         self._tau_np[0] = link.policy.tau
         views = self._views.get(n)
         if views is None:  # (a slice costs ~2-4 us of host time: made once per row count)
@@ -149,7 +142,7 @@ class LaggedControl:
         decide(logits, positions.to(logits.device), self.meta_host, self.tau_host, link.policy.mode == "always",
                margin, fast, pos, need, rows_dev)
         self.last_target += 1
-        f = Forward(self.last_target, rows, {k: expected[k] for k in forced})
+        f = Forward(self.last_target, rows)
         # pending first: only a forward in `pending` is processed by the watcher
         with self.lock:
             self.pending.append(f)
@@ -161,20 +154,6 @@ class LaggedControl:
                 self.pending.remove(f)
             raise
         force(logits, rows_dev, chosen)  # every protected row samples its chosen token
-
-    def roll_back(self, rows, expected: list[int]) -> tuple[dict[int, int], list]:
-        """Apply the due rollbacks of this forward's requests ({k: the verifier's token}) and the
-        failed ones (req, key, why); caller holds link.lock. Only a live request's step row
-        (expected >= 0) is rolled back: `_process` checks its position when the values arrive."""
-        forced, fails = {}, []
-        for k, (_, req, key) in enumerate(rows):
-            t = self.link.tracked.get(key)
-            if t is None or t.rollback is None or expected[k] < 0 or t.hold.retracted:
-                continue  # (a retracted one fails in _process)
-            token = self.seam.apply_rollback(req, key, fails)
-            if token is not None and token >= 0:
-                forced[k] = token
-        return forced, fails
 
     def inject_fault(self, logits, positions, rows) -> None:
         """Tests only (env.Faults.missed_flip = k, the CPU lagged seam): the k-th answer
@@ -218,16 +197,11 @@ class LaggedControl:
         """Report the forward's steps to the controller and commit their fast tokens."""
         seam, link = self.seam, self.link
         values = self.gate.values(len(f.rows))
-        steps, lost = [], []
-        for k, ((i, req, key), (m, tok, p, _)) in enumerate(zip(f.rows, values)):
-            if k not in f.forced:
-                steps.append((i, req, int(p), m, int(tok), key))
-            elif int(p) != f.forced[k]:  # rolled back at launch: its row had to be that step
-                lost.append((req, key, f"mg missed a step: position {int(p)} at a rollback, expected {f.forced[k]}"))
+        steps = [(i, req, int(p), m, int(tok), key) for (i, req, key), (m, tok, p, _) in zip(f.rows, values)]
         with link.lock:
             live, fails = seam._classify(steps)
         seam._count(live)
-        seam.commit(live, seam.report(live), fails + lost)
+        seam.commit(live, seam.report(live), fails)
 
 
 def attach(seam, config, runner) -> LaggedControl | None:

@@ -57,7 +57,6 @@ hold_ends = False
 seq_limit = 0  # tokens a request may reach (prompt + answer): SGLang's context, its req_to_token width
 SURPLUS_MAX = 64  # a held end's surplus tokens before the barrier checks it instead
 only_ends = False  # the last launched forward carried held ends only (set by the seam's hook)
-_schedule_stream = None  # CUDA: the stream SGLang's scheduler prepares batches on (seen at prepare_for_decode)
 
 
 class HeldOutputs(array):
@@ -168,38 +167,16 @@ def roll_back(req, decided: int, p: int, allocator, req_to_token) -> None:
     out.drop = pending
     end = kv.kv_allocated_len
     if end > o + p:  # the slots of positions O+p .. end-1 (this forward's and the one in flight)
-        slots = req_to_token[kv.req_pool_idx, o + p:end].clone()  # [end - o - p] int, on this (the forward's) stream
-        _free(allocator, slots)
+        slots = req_to_token[kv.req_pool_idx, o + p:end].clone()
+        if slots.is_cuda:  # why: the allocator hands them out on the scheduler's stream, not this one
+            torch.cuda.current_stream().synchronize()
+        allocator.free(slots)
     kv.kv_committed_len = kv.kv_allocated_len = o + p
     _seq_fixups[id(req)] = o + p
 
 
-def _free(allocator, slots) -> None:
-    """Give `slots` back to SGLang's allocator, ordered after their read on the current stream.
-    why a stream wait, not a host sync: the allocator hands slots out on the scheduler's stream;
-    making that stream wait for this one orders the read before any reuse, and the host (SGLang's
-    scheduler, preparing the next batch while this forward runs) never waits for the GPU."""
-    if not slots.is_cuda:
-        allocator.free(slots)
-        return
-    here, there = torch.cuda.current_stream(slots.device), _schedule_stream
-    if there is None:  # (no decode batch prepared yet: cannot happen after a decoded token)
-        here.synchronize()
-        allocator.free(slots)
-    elif there == here:
-        allocator.free(slots)
-    else:
-        there.wait_stream(here)
-        slots.record_stream(there)
-        with torch.cuda.stream(there):
-            allocator.free(slots)
-
-
 def _prepare_for_decode(orig):
     def prepare_for_decode(self):
-        global _schedule_stream
-        if _schedule_stream is None and str(self.device).startswith("cuda"):
-            _schedule_stream = torch.cuda.current_stream()  # (the scheduler thread's, for _free)
         if _seq_fixups:
             rows = [(i, _seq_fixups.pop(id(r))) for i, r in enumerate(self.reqs) if id(r) in _seq_fixups]
             if rows:

@@ -3,10 +3,9 @@
 Every protected row is committed fast (the controller checks the tokens behind:
 controller/window.py). The controller's news (a rollback to apply, how much is checked) reaches
 `Tracked` through the link's stop watcher or the finish barrier; the forward that next carries a
-request with a rollback applies it in place (rollback.py) and forces the verifier's token, on
-the lagged path (lagged.py, without a host sync) or the synchronous one. Rows the seam sends
-carry the request's epoch (its rollbacks applied), so the controller drops those of a timeline
-it has cut already.
+request with a rollback takes the synchronous path, which applies it in place (rollback.py) and
+forces the verifier's token. Rows the seam sends carry the request's epoch (its rollbacks
+applied), so the controller drops those of a timeline it has cut already.
 """
 
 from __future__ import annotations
@@ -47,45 +46,40 @@ class WindowSeam:
                     else:
                         self._released_first.add(r.rid)
 
+    def _rollback_due(self, rows) -> bool:
+        """A request of this forward has a rollback to apply (the synchronous path does it)."""
+        with self.link.lock:
+            return any(getattr(self.link.tracked.get(key), "rollback", None) is not None for _, _, key in rows)
+
     def _roll_back(self, live: list, fails: list) -> list[tuple[int, P.StepDecision]]:
-        """Apply the rollbacks the controller queued for these rows' requests (`apply_rollback`):
-        each such row is forced to the verifier's token and taken out of `live` (the controller
-        has cut its own copy already). Caller holds the link's lock."""
+        """Apply the rollbacks the controller queued for these rows' requests (rollback.py): each
+        such row is forced to the verifier's token and taken out of `live` (the controller has
+        cut its own copy already). Caller holds the link's lock."""
         rolled, keep = [], []
         for row in live:
             i, req, _, _, _, _, key = row
-            token = self.apply_rollback(req, key, fails)
-            if token is None:
+            t = self.link.tracked.get(key)
+            rb = t.rollback if t is not None else None
+            if rb is not None and t.hold.moot(rb.index):  # queued before its request's end was held
+                t.rollback, rb = None, None
+            if rb is None:
                 keep.append(row)
-            elif token >= 0:
-                rolled.append((i, P.StepDecision(rid=key, token=token, verified=True)))
+                continue
+            o = len(req.origin_input_ids)
+            try:
+                rollback.roll_back(req, len(t.tokens) - o, rb.index, self.runner.token_to_kv_pool_allocator,
+                                   self.runner.req_to_token_pool.req_to_token)
+            except Exception as e:  # noqa: BLE001 - fail the request loudly, never emit unchecked tokens
+                fails.append((req, key, f"rollback failed: {e}"))
+                continue
+            log.debug("mg: request %s rolled back to answer index %d (token %d)", key, rb.index, rb.token)
+            del t.tokens[o + rb.index:]
+            t.tokens.append(rb.token)
+            t.epoch, t.rollback = rb.epoch, None
+            t.hold.verified, t.hold.end = rb.index + 1, None  # (a rollback before a held end voids it)
+            rolled.append((i, P.StepDecision(rid=key, token=rb.token, verified=True)))
         live[:] = keep
         return rolled
-
-    def apply_rollback(self, req, key: str, fails: list) -> int | None:
-        """The request's queued rollback applied in place at this forward (rollback.py): the
-        verifier's token, which the caller forces in the request's row; None if none is due;
-        -1 if it failed (the request is in `fails`). Caller holds the link's lock, and has
-        checked the row is the request's step."""
-        t = self.link.tracked.get(key)
-        rb = t.rollback if t is not None else None
-        if rb is not None and t.hold.moot(rb.index):  # queued before its request's end was held
-            t.rollback, rb = None, None
-        if rb is None:
-            return None
-        o = len(req.origin_input_ids)
-        try:
-            rollback.roll_back(req, len(t.tokens) - o, rb.index, self.runner.token_to_kv_pool_allocator,
-                               self.runner.req_to_token_pool.req_to_token)
-        except Exception as e:  # noqa: BLE001 - fail the request loudly, never emit unchecked tokens
-            fails.append((req, key, f"rollback failed: {e}"))
-            return -1
-        log.debug("mg: request %s rolled back to answer index %d (token %d)", key, rb.index, rb.token)
-        del t.tokens[o + rb.index:]
-        t.tokens.append(rb.token)
-        t.epoch, t.rollback = rb.epoch, None
-        t.hold.verified, t.hold.end = rb.index + 1, None  # (a rollback before a held end voids it)
-        return rb.token
 
     def check_tail(self, key: str, req, upto: int) -> tuple[int, int] | None:
         """The finish barrier (rollback.py): the controller checks the request's every token now.
