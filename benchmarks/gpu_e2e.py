@@ -163,13 +163,17 @@ def server_settings(log_text: str) -> dict:
     return got
 
 
-def start(model: Path, name: str, mode: str, out: Path, extra: list[str], device: str, graph_bs: int = 32):
+def start(model: Path, name: str, mode: str, out: Path, extra: list[str], device: str, graph_bs: int = 32,
+          tree: Path | None = None):
+    """A server of `model` (`tree`: another checkout's mg_server, named "-b" in its log)."""
     from mg_server.evaluation.server_process import ServerProcess
 
     gpu = ["--cuda-graph-max-bs-decode", str(graph_bs)] if device == "cuda" else []
-    args = ["--model", str(model), "--device", device, "--mg-mode", mode, *gpu, *MODEL_FLAGS[name], *extra]
-    srv = ServerProcess(args, out / f"server-{name}-{mode}.log")
-    srv.name = f"{name}/{mode}"
+    args = ["--model", str(Path(model).resolve()), "--device", device, "--mg-mode", mode, *gpu, *MODEL_FLAGS[name],
+            *extra]
+    tag = "-b" if tree is not None else ""
+    srv = ServerProcess(args, out / f"server-{name}-{mode}{tag}.log", tree=tree)
+    srv.name = f"{name}/{mode}{tag}"
     t = srv.wait_ready(timeout=600)
     log(f"{srv.name} ready in {t:.0f}s ({' '.join(args[5:])})")
     return srv

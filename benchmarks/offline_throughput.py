@@ -1,7 +1,7 @@
 """Offline throughput at a share of deterministic requests, and streaming latency, on one GPU:
 
     python benchmarks/offline_throughput.py --out DIR --tokenizer DIR [--model llama8b-planted]
-        [--shares 0,0.02,0.1,0.5,1] [--tau-rate 0.1] [--stream-taus target,0]
+        [--shares 0,0.02,0.1,0.5,1] [--tau-rate 0.1] [--stream-taus target,0] [--ab-tree DIR]
 
 Throughput (the protocol of LLM-42, arXiv 2601.17768): --requests requests with ShareGPT-like
 prompt and answer lengths (benchmarks/data/sharegpt_lengths.json), at most --concurrency in
@@ -15,6 +15,11 @@ Streams: --stream-batch requests at once, half deterministic, streamed one token
 time to first token and inter-token gaps (p50, p99) of each half, at tau for --tau-rate (or a
 given tau) and at tau 0 (nothing released before its check). A chunk of k tokens counts as k gaps
 of its share of the wait, so a held burst shows as its average: the first hold shows in TTFT. JSON after each part and a table (OUT/throughput.{json,md}).
+
+--ab-tree DIR: an A/B of two versions in one run. A second mg server runs DIR's mg_server (another
+checkout of this repository, e.g. `git worktree add DIR REV`), and every rep times plain SGLang,
+this tree's mg and DIR's mg ("mg_b") in turn (the order rotated each rep), so both versions meet
+the same plain SGLang in the same minutes: run to run, plain SGLang drifted 5-20 % on one card.
 
 --stacks DIR samples every server process's main thread (benchmarks/stacks), one file per process
 and timed run ("mg-share1.0-rep0", "plain-share1.0-rep0", ...); `benchmarks/stacks/summarize.py`
@@ -178,6 +183,9 @@ def table(res: dict) -> str:
     for s in res["throughput"]:
         lines.append(f"| {s['share']:.0%} | {s['plain_tok_s']:.0f} | {s['mg_tok_s']:.0f} | {s['ratio']:.3f} | "
                      f"{s['verdicts']} | {s['errors']} | {s['rollbacks']:.0f} |")
+        if "mg_b_tok_s" in s:
+            lines.append(f"| {s['share']:.0%}, --ab-tree | | {s['mg_b_tok_s']:.0f} | {s['ratio_b']:.3f} | "
+                         f"{s['verdicts_b']} | | {s['rollbacks_b']:.0f} |")
     if res.get("sglang_det"):
         d = res["sglang_det"]
         lines.append(f"| SGLang deterministic mode (all) | | {d['tok_s']:.0f} | {d['ratio']:.3f} | | | |")
@@ -215,6 +223,7 @@ def main() -> int:
     ap.add_argument("--sglang-det", action="store_true",
                     help="also time SGLang's --enable-deterministic-inference (mg off) on the same requests")
     ap.add_argument("--verifier-memory-gb", type=float, default=22.0)
+    ap.add_argument("--ab-tree", type=Path, help="time a second mg from this checkout in the same reps (module doc)")
     ap.add_argument("--stacks", type=Path, help="sample the servers' stacks into this folder (module doc)")
     args = ap.parse_args()
     E.setup_python(args.wheels)
@@ -243,9 +252,9 @@ def main() -> int:
            "reps": args.reps, "throughput": [], "streams": [], "stream_batch": args.stream_batch}
     from mg_server.evaluation.determinism import scrape
 
-    def mg(tau_value: float):
+    def mg(tau_value: float, tree: Path | None = None):
         return E.start(mdir, name, "margin", args.out, ["--mg-tau", f"{tau_value:.6g}", "--mg-verifier-memory-gb",
-                                                       str(args.verifier_memory_gb), *mem], "cuda", graph_bs)
+                                                       str(args.verifier_memory_gb), *mem], "cuda", graph_bs, tree)
 
     # CUDA graphs up to the concurrency: past them SGLang's bare-host eager decode of the 8B shape
     # ran at ~80 ms a step (730 tokens/s at 60 requests), which would hide any verifier cost
@@ -254,23 +263,29 @@ def main() -> int:
     base = E.start(mdir, name, "off", args.out, mem, "cuda", graph_bs) if shares else None
     srv_tau = tau if shares or not stream_taus else stream_taus[0]
     srv = mg(srv_tau)
-    seen: dict[int, list[int]] = {}
+    srv_b = mg(srv_tau, args.ab_tree) if args.ab_tree and shares else None
+    mgs = [("mg", srv), *([("mg_b", srv_b)] if srv_b else [])]
+    seen: dict[str, dict[int, list[int]]] = {k: {} for k, _ in mgs}  # each version's answers, by request
     differing = repeated = 0
+    if srv_b:
+        res["ab_tree"] = str(args.ab_tree)
     try:
         if base:
-            run_offline(base.url, work[:16], set(), 16)  # warm both
-            run_offline(srv.url, work[:16], set(range(16)), 16)
+            run_offline(base.url, work[:16], set(), 16)  # warm all
+            for _, s in mgs:
+                run_offline(s.url, work[:16], set(range(16)), 16)
         for share in shares:
             det = det_indices(len(work), share)
-            plain, mine, mg_wall, mg_latency = [], [], [], []
-            before = scrape(srv.url, DIAG)
-            verdicts: dict[str, int] = {}
+            tok: dict[str, list[float]] = {"plain": [], **{k: [] for k, _ in mgs}}
+            mg_wall, mg_latency = [], []
+            before = {k: scrape(s.url, DIAG) for k, s in mgs}
+            verdicts: dict[str, dict[str, int]] = {k: {} for k, _ in mgs}
             errors = 0
             for rep in range(args.reps):
-                order = [("plain", base, set()), ("mg", srv, det)]
-                for kind, s, d in (order if rep % 2 == 0 else order[::-1]):
+                order = [("plain", base, set()), *((k, s, det) for k, s in mgs)]
+                for kind, s, d in order[rep % len(order):] + order[:rep % len(order)]:
                     r = run_offline(s.url, work, d, args.concurrency, f"{kind}-share{share}-rep{rep}")
-                    (plain if kind == "plain" else mine).append(r["tokens_per_s"])
+                    tok[kind].append(r["tokens_per_s"])
                     if kind == "mg":
                         mg_wall.append(r["wall_s"])
                         mg_latency.append([r["latency_s_p50"], r["latency_s_p99"]])
@@ -278,26 +293,33 @@ def main() -> int:
                     if r["errors"]:
                         E.log(f"share {share}: {kind} errors {r['errors'][:3]}")
                     for k, v in r["verdicts"].items():
-                        verdicts[k] = verdicts.get(k, 0) + v
+                        verdicts[kind][k] = verdicts[kind].get(k, 0) + v
                     for i, ans in r["answers"].items():
-                        if i in seen:
+                        if i in seen[kind]:
                             repeated += 1
-                            differing += ans != seen[i]
+                            differing += ans != seen[kind][i]
                         else:
-                            seen[i] = ans
-            p, m = statistics.median(plain), statistics.median(mine)
-            diag = {k: v - before[k] for k, v in scrape(srv.url, DIAG).items()}
-            res["throughput"].append({"share": share, "plain_tok_s": p, "mg_tok_s": m, "ratio": m / p,
-                                      "plain_all": plain, "mg_all": mine, "verdicts": verdicts, "errors": errors,
-                                      "rollbacks": diag["mg_rollbacks_total"], "mg_wall_s": sum(mg_wall),
-                                      "mg_latency_s_p50_p99": mg_latency,
-                                      "diagnostics": diag})
-            E.log(f"share {share:.0%}: plain {p:.0f} tok/s, mg {m:.0f} tok/s ({m / p:.3f}), {verdicts}, errors {errors}")
+                            seen[kind][i] = ans
+            p, m = statistics.median(tok["plain"]), statistics.median(tok["mg"])
+            diag = {k: {n: v - before[k][n] for n, v in scrape(s.url, DIAG).items()} for k, s in mgs}
+            row = {"share": share, "plain_tok_s": p, "mg_tok_s": m, "ratio": m / p, "plain_all": tok["plain"],
+                   "mg_all": tok["mg"], "verdicts": verdicts["mg"], "errors": errors,
+                   "rollbacks": diag["mg"]["mg_rollbacks_total"], "mg_wall_s": sum(mg_wall),
+                   "mg_latency_s_p50_p99": mg_latency, "diagnostics": diag["mg"]}
+            if srv_b:
+                mb = statistics.median(tok["mg_b"])
+                row.update(mg_b_tok_s=mb, ratio_b=mb / p, mg_b_all=tok["mg_b"], verdicts_b=verdicts["mg_b"],
+                           rollbacks_b=diag["mg_b"]["mg_rollbacks_total"], diagnostics_b=diag["mg_b"])
+                E.log(f"share {share:.0%}: mg_b {mb:.0f} tok/s ({mb / p:.3f}), {verdicts['mg_b']}")
+            res["throughput"].append(row)
+            E.log(f"share {share:.0%}: plain {p:.0f} tok/s, mg {m:.0f} tok/s ({m / p:.3f}), {verdicts['mg']}, "
+                  f"errors {errors}")
             res.update(differing_answers=differing, repeated_answers=repeated)
             (args.out / "throughput.json").write_text(json.dumps(res, indent=2))
-        if base:
-            base.stop()
-            base = None
+        for s in (base, srv_b):
+            if s:
+                s.stop()
+        base = srv_b = None
         if args.sglang_det and shares:  # SGLang's own deterministic mode (every request), mg off
             det_srv = E.start(mdir, name, "off", args.out, ["--enable-deterministic-inference", *mem], "cuda", graph_bs)
             try:
@@ -322,9 +344,9 @@ def main() -> int:
             E.log(f"streams at tau {t:.4g}: {st}")
             (args.out / "throughput.json").write_text(json.dumps(res, indent=2))
     finally:
-        if base:
-            base.stop()
-        srv.stop()
+        for s in (base, srv_b, srv):
+            if s:
+                s.stop()
     (args.out / "throughput.md").write_text(table(res))
     print(table(res))
     return 0

@@ -38,16 +38,23 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log_path: Path, port: int | None = None):
+    def __init__(self, args: list[str], log_path: Path, port: int | None = None, tree: Path | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         # The package's entry module, never an installed `mg-server` script: the server runs the
-        # code of the tree this process imports (a checkout, a worktree), whatever the script names.
+        # code of the tree this process imports (a checkout, a worktree), whatever the script names,
+        # or that of `tree`, another checkout (an A/B of two versions: started there, first on the path).
         cmd = [sys.executable, "-m", "mg_server", "serve", "--port", str(self.port), *args]
+        env = None
+        if tree is not None:
+            tree = Path(tree).resolve()
+            path = [str(tree), *filter(None, [os.environ.get("PYTHONPATH")])]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
         self._log = open(log_path, "w")
         # own process group, so SGLang's children are stopped with it
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     cwd=tree, env=env)
 
     def log_tail(self, n: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
