@@ -19,7 +19,7 @@ of its share of the wait, so a held burst shows as its average: the first hold s
 --ab-tree DIR: an A/B of two versions in one run. A second mg server runs DIR's mg_server (another
 checkout of this repository, e.g. `git worktree add DIR REV`), and every rep times plain SGLang,
 this tree's mg and DIR's mg ("mg_b") in turn (the order rotated each rep), so both versions meet
-the same plain SGLang in the same minutes: run to run, plain SGLang drifted 5-20 % on one card.
+the same plain SGLang in the same minutes: run to run, plain SGLang drifted 5-16 % on one card.
 
 --stacks DIR samples every server process's main thread (benchmarks/stacks), one file per process
 and timed run ("mg-share1.0-rep0", "plain-share1.0-rep0", ...); `benchmarks/stacks/summarize.py`
