@@ -22,7 +22,7 @@ for part in "${parts[@]}"; do
       python3 benchmarks/gpu_sweep.py --out "$work" --tokenizer .cache/gpu-tokenizer --models "$MODEL" \
         --configs 0.1:w32 --tau-margins bf16 --batches 1,8,32 --reps "$REPS" --decode-tokens 64 \
         --stream-interval 8 2>&1 | grep -v "Warning\|warn(" | tail -40
-      cp "$work/gpu_sweep.json" "$T/decode.json"; cp "$work/gpu_sweep.md" "$T/decode.md" ;;
+      cp "$work/gpu_sweep-$MODEL.json" "$T/decode.json"; cp "$work/gpu_sweep.md" "$T/decode.md" ;;
     offline)
       python3 benchmarks/offline_throughput.py --out "$work" --tokenizer .cache/gpu-tokenizer --model "$MODEL" \
         --shares "$SHARES" --reps "$REPS" --stream-taus "" --sglang-det 2>&1 | grep -v "Warning\|warn(" | tail -20
