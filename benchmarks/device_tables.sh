@@ -14,7 +14,7 @@ set -o pipefail
 source "$(dirname "$0")/device_env.sh"
 MODEL=${MODEL:-llama8b-planted} REPS=${REPS:-2} SHARES=${SHARES:-0,0.02,0.1,0.5,1} T=$OUT/tables
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(decode offline streams)
-mkdir -p "$T"; nvidia-smi -L | tee "$T/env.txt"; git log -1 --format="tree %h %s" >> "$T/env.txt" 2>/dev/null
+mkdir -p "$T"; nvidia-smi -L | tee "$T/env.txt"
 for part in "${parts[@]}"; do
   work=$T/$part-work; rm -rf "$work"; mkdir -p "$work"  # left in place if the part is cut short
   case $part in

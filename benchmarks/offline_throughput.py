@@ -177,9 +177,10 @@ def table(res: dict) -> str:
     lines = [f"# Offline throughput and streaming latency ({res['model']}, {res['device']})", "",
              f"{res['requests']} requests, ShareGPT-like lengths (mean prompt {res['mean_prompt']:.0f}, answer "
              f"{res['mean_answer']:.0f} tokens), at most {res['concurrency']} in flight; tau {res['tau']:.4g} "
-             f"(trigger target {res['tau_rate']}); median of {res['reps']} reps, plain SGLang timed alternately.", "",
-             "| deterministic share | plain tok/s | mg tok/s | mg / plain | verdicts | errors | rollbacks |",
-             "|---|---|---|---|---|---|---|"]
+             f"(trigger target {res['tau_rate']}); median of {res['reps']} reps, plain SGLang timed alternately.", ""]
+    if res["throughput"]:
+        lines += ["| deterministic share | plain tok/s | mg tok/s | mg / plain | verdicts | errors | rollbacks |",
+                  "|---|---|---|---|---|---|---|"]
     for s in res["throughput"]:
         lines.append(f"| {s['share']:.0%} | {s['plain_tok_s']:.0f} | {s['mg_tok_s']:.0f} | {s['ratio']:.3f} | "
                      f"{s['verdicts']} | {s['errors']} | {s['rollbacks']:.0f} |")
