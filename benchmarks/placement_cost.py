@@ -93,8 +93,8 @@ def main():
     steps = 400
     eng = build()
     from torch.cuda import green_contexts as gcm
-    greens = {n: gcm.GreenContext.create(num_sms=n, device_id=0) for n in (66, 33)}  # kept alive: streams die with them
-    sides = {"thread": torch.cuda.Stream(), **{f"green{n}": g.Stream() for n, g in greens.items()}}
+    sides = {"thread": torch.cuda.Stream(),
+             **{f"green{n}": gcm.GreenContext.create(num_sms=n, device_id=0).Stream() for n in (66, 33)}}
     c = mp.get_context("spawn")
     cmd, pstop, pstarted, q = c.Queue(), c.Event(), c.Event(), c.Queue()
     proc = c.Process(target=child, args=(cmd, pstop, pstarted, q), daemon=True)
