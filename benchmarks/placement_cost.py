@@ -1,14 +1,12 @@
 """Where the verifier's kernels should run: a window call beside a decode loop from another process
-(the GPU time-slices two contexts) or from a thread of the decode's process on its own stream
-(`thread`), that stream in a green context of 66 or 33 SMs (`green66`, `green33`: the verifier's
-kernels can never take the other SMs from the decode).
+(the GPU time-slices two contexts) or from a thread of the decode's process on its own stream.
 
-    python benchmarks/placement_cost.py OUT.json [BATCHES]     (CUDA; BATCHES 32,8: ~6 min on an H200)
+    python benchmarks/placement_cost.py OUT.json      (CUDA; ~3 min on an H200)
 
 Decode proxy: window_cost.DecodeProxy (8B shape, bs 32 and 8, one CUDA graph). The verifier loop:
 the engine's step over 8 requests x R rewound rows (random weights, context 512), then a sleep so
 that a call starts every N decode steps' time. Per case: decode ms/step alone and beside the loop,
-calls made, the call's median latency beside it and alone on the same stream."""
+calls made, the call's median latency."""
 import json
 import multiprocessing as mp
 import statistics
@@ -61,22 +59,6 @@ def child(cmd, stop, started, q):
         q.put(lat)
 
 
-def call_alone(eng, rows, stream):
-    """Median ms of the engine's step over 8 x rows on `stream`, nothing else on the GPU."""
-    engine, prompt, rids = eng
-    items = wc._items(rids, prompt, CTX, 8, rows)
-    ts = []
-    with torch.cuda.stream(stream):
-        for i in range(13):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            engine.step(items)
-            torch.cuda.current_stream().synchronize()
-            if i >= 3:
-                ts.append((time.perf_counter() - t0) * 1e3)
-    return round(statistics.median(ts), 2)
-
-
 def decode_loop(proxy, steps):
     torch.cuda.current_stream().synchronize()
     t0 = time.perf_counter()
@@ -92,15 +74,12 @@ def main():
     cfg = SHAPES["llama-8b"]
     steps = 400
     eng = build()
-    from torch.cuda import green_contexts as gcm
-    sides = {"thread": torch.cuda.Stream(),
-             **{f"green{n}": gcm.GreenContext.create(num_sms=n, device_id=0).Stream() for n in (66, 33)}}
     c = mp.get_context("spawn")
     cmd, pstop, pstarted, q = c.Queue(), c.Event(), c.Event(), c.Queue()
     proc = c.Process(target=child, args=(cmd, pstop, pstarted, q), daemon=True)
     proc.start()
     assert q.get(timeout=400) == "ready"
-    for b in [int(x) for x in (sys.argv[2] if len(sys.argv) > 2 else "32,8").split(",")]:
+    for b in (32, 8):
         proxy = wc.DecodeProxy(cfg, b, CTX)
         proxy.capture()
         decode_loop(proxy, 20)
@@ -108,12 +87,10 @@ def main():
         print(f"bs {b}: decode alone {alone:.3f} ms/step", flush=True)
         for rows, every in ((65, 12), (33, 16)):
             period = every * alone / 1e3
-            for mode in ("thread", "green66", "green33", "process"):
-                solo = None
-                if mode != "process":
+            for mode in ("thread", "process"):
+                if mode == "thread":
                     stop, started, lat = threading.Event(), threading.Event(), []
-                    side = sides[mode]
-                    solo = call_alone(eng, rows, side)
+                    side = torch.cuda.Stream()
                     th = threading.Thread(target=vloop, args=(eng, stop, started, lat, period, rows, side), daemon=True)
                     th.start()
                 else:
@@ -125,7 +102,7 @@ def main():
                 time.sleep(0.2)
                 with_v = statistics.median(decode_loop(proxy, steps) for _ in range(3))
                 stop.set()
-                if mode != "process":
+                if mode == "thread":
                     th.join()
                 else:
                     lat = q.get(timeout=120)
@@ -133,8 +110,7 @@ def main():
                 lat_s = sorted(lat[3:])
                 r = {"bs": b, "rows": 8 * rows, "every_steps": every, "mode": mode, "decode_alone": round(base, 3),
                      "decode_with": round(with_v, 3), "overhead_pct": round(100 * (with_v / base - 1), 2),
-                     "call_ms_p50": round(lat_s[len(lat_s) // 2], 2) if lat_s else None, "calls": len(lat),
-                     "call_alone_ms": solo}
+                     "call_ms_p50": round(lat_s[len(lat_s) // 2], 2) if lat_s else None, "calls": len(lat)}
                 print(json.dumps(r), flush=True)
                 res["runs"].append(r)
                 torch.cuda.empty_cache()
