@@ -5,7 +5,7 @@
 # offline: output tokens/s at 0-100 % deterministic requests beside plain SGLang and SGLang's
 #          deterministic mode, timed in the same reps (offline_throughput.py)
 # streams: TTFT / ITL of deterministic and plain streams at the benchmarks' tau and at tau 0
-# Each part is ~8-10 min on an H200. Tables and JSON go to $OUT/tables/{decode,offline,streams}.*;
+# Each part took 4-7 min on an H200. Tables and JSON go to $OUT/tables/{decode,offline,streams}.*;
 # $OUT/tables/tables.md joins the tables. MODEL (default llama8b-planted), REPS (2) and SHARES
 # (0,0.02,0.1,0.5,1) override.
 # On a host with SGLang installed set NO_INSTALL=1; on the device machine the carried wheels
@@ -18,7 +18,7 @@ mkdir -p "$T"; nvidia-smi -L | tee "$T/env.txt"
 for part in "${parts[@]}"; do
   work=$T/$part-work; rm -rf "$work"; mkdir -p "$work"  # left in place if the part is cut short
   case $part in
-    decode)  # the window's default tau rule: a tenth of the reference bf16 margins below it
+    decode)  # tau by the benchmarks' rate rule: a tenth of the reference bf16 margins below it
       python3 benchmarks/gpu_sweep.py --out "$work" --tokenizer .cache/gpu-tokenizer --models "$MODEL" \
         --configs 0.1:w32 --tau-margins bf16 --batches 1,8,32 --reps "$REPS" --decode-tokens 64 \
         --stream-interval 8 2>&1 | grep -v "Warning\|warn(" | tail -40
