@@ -497,7 +497,7 @@ def test_a_wrong_token_a_stream_let_leave_early_is_a_missed_flip_not_a_rollback(
 
 def test_a_held_ends_surplus_is_checked_at_once_and_a_flip_in_it_leaves_the_answer_verified(make_ctl):
     # SGLang ended the request after 4 tokens (unchecked: high margins, fewer than a window); the
-    # seam holds the end and SGLang decodes on, its surplus rows marked due; the surplus' second
+    # seam holds the end and SGLang decodes on, its surplus rows marked due; the surplus' first
     # token is a flip
     ctl = make_ctl("margin", 0.5)
     prompt, n = [3, 1], 4
@@ -506,20 +506,34 @@ def test_a_held_ends_surplus_is_checked_at_once_and_a_flip_in_it_leaves_the_answ
         ctl._step([_window_row(toks, k, ref_next(toks), 9.0)])
         toks.append(ref_next(toks))
     assert not ctl._checks_due()
-    for k in range(n, n + 2):  # the surplus
-        fast = ref_next(toks) if k == n else (ref_next(toks) + 1) % 50
-        row = _window_row(toks, k, fast, 9.0)
-        row.due = True
-        ctl._step([row])
-        toks.append(fast)
-        assert ctl._checks_due()  # at once, not a window or a check delay later
-        ctl._idle_turn()
+    row = _window_row(toks, n, (ref_next(toks) + 1) % 50, 9.0)  # the surplus' first row
+    row.due = True
+    ctl._step([row])
+    toks.append(row.fast_token)
+    assert ctl._checks_due()  # at once, not a window or a check delay later
+    ctl._idle_turn()
     st = ctl.reqs["w"]
+    assert st.checked >= n and len(ctl.vclient.calls) == 1
     rb = ctl.handle(P.WindowNews()).rollbacks
-    assert [r.index for r in rb] == [n + 1] and st.epoch == 1  # past the end: the seam finds it moot
+    assert [r.index for r in rb] == [n] and st.epoch == 1  # past the end: the seam finds it moot
     ctl._finish(P.Finish(rid="w", output=toks[2:2 + n], max_new=n, stop_ids=[], epoch=0))
     ctl._complete(["w"])
     assert ctl._verdict("w").state == "verified" and not st.error and st.tokens == toks[:2 + n]
+
+
+def test_a_held_ends_later_surplus_rows_ask_for_no_check_once_its_end_is_checked(make_ctl):
+    # the end's check came back while SGLang decoded two more surplus rows (the seam has not heard
+    # yet): checking those would only be another verifier call for tokens no one will see
+    ctl = make_ctl("margin", 0.5)
+    toks = [3, 1]
+    for k in range(7):
+        row = _window_row(toks, k, ref_next(toks), 9.0)
+        row.due = k >= 4  # SGLang ended it after 4 tokens
+        ctl._step([row])
+        toks.append(ref_next(toks))
+        assert ctl._checks_due() == (k == 4)
+        ctl._idle_turn()
+    assert len(ctl.vclient.calls) == 1 and ctl.reqs["w"].checked == 5
 
 
 def test_a_check_of_many_requests_is_split_into_calls_the_verifier_accepts(make_ctl):

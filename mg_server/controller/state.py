@@ -41,6 +41,7 @@ class ReqState:
     released: int = 0  # a stream: answer tokens the seam let leave before their check
     rewind: bool = False  # the verifier holds positions past a rollback: the next item drops them
     last_rollback: object = None  # the latest protocol.Rollback (the finish barrier re-tells it)
+    due_from: int | None = None  # a held end's length: the answer index of its first surplus row
 
     @property
     def steps(self) -> int:

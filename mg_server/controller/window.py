@@ -36,7 +36,11 @@ class WindowMixin:
         st.tokens.append(row.fast_token)
         if row.released:
             st.released = st.steps
-        if row.due or st.steps - st.checked >= self.cfg.window:
+        if row.due and st.due_from is None:
+            st.due_from = st.steps - 1
+        # why only until the end is checked: the surplus past it is never shown, so checking it
+        # would only add verifier calls (a flip there is moot)
+        if (row.due and st.checked < st.due_from) or st.steps - st.checked >= self.cfg.window:
             self.window_due = self.forwards
         elif low and (self.window_due is None or self.window_due > self.forwards + CHECK_DELAY_FORWARDS):
             self.window_due = self.forwards + CHECK_DELAY_FORWARDS
@@ -69,6 +73,7 @@ class WindowMixin:
         st.tokens.append(token)
         st.mismatches.clear()
         st.flip_token, st.pred = -1, -1
+        st.due_from = None  # a rollback before a held end voids it; one past it leaves it checked
         st.verifier_len, st.rewind = min(st.verifier_len, q + 1), True
         st.verified = [x for x in st.verified if x < q] + [q]
         st.repairs.append(q)
