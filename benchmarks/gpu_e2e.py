@@ -267,12 +267,13 @@ def _trigger_rate(url: str) -> float:
     return c["steps_verify"] / max(1.0, c["steps_verify"] + c["steps_fast"])
 
 
-def flip_margins(url: str) -> dict:
+def histogram(url: str, name: str = "mg_flip_margin") -> dict:
+    """One of mg's histograms from /metrics: {upper bound: cumulative count}."""
     import requests
 
     text = requests.get(url + "/metrics", timeout=30).text
     buckets = {float(m.group(1)) if m.group(1) != "+Inf" else float("inf"): float(m.group(2))
-               for m in re.finditer(r'^mg_flip_margin_bucket\{le="([^"]+)"\} ([0-9.e+-]+)$', text, re.M)}
+               for m in re.finditer(rf'^{name}_bucket\{{le="([^"]+)"\}} ([0-9.e+-]+)$', text, re.M)}
     return dict(sorted(buckets.items()))
 
 
@@ -304,7 +305,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
                                             "plain": plain_outputs(srv.url, plain_set, args.tokens)}
             s["determinism"] = check(srv, args.tokens, prompts, refs, phases)
             s["gpu_mib"] = gpu_memory_mib()
-            res["flip_margin_buckets"] = flip_margins(srv.url)
+            res["flip_margin_buckets"] = histogram(srv.url)
             if args.perf:  # every row deterministic, every step verified
                 s["decode_det_ms"] = decode_ms([srv], prompts["other"], args.batches, args.decode_tokens // 2, 2,
                                                det_frac=1.0)[srv.name]

@@ -64,20 +64,28 @@ def metrics(url: str) -> dict:
     sums = {"vsum": "mg_verify_seconds_sum", "vcount": "mg_verify_seconds_count",
             "fsum": "mg_verifier_forward_seconds_sum", "rsum": "mg_verify_rows_sum",
             "csum": "mg_control_seconds_sum", "ccount": "mg_control_seconds_count",
-            "rollbacks": "mg_rollbacks_total", "stale": "mg_stale_steps_total"}
+            "rollbacks": "mg_rollbacks_total", "stale": "mg_stale_steps_total",
+            "dropped": "mg_rollback_dropped_steps_total", "lookahead": "mg_lookahead_steps_total"}
     c = scrape(url, (*MG_COUNTERS, *sums.values()))
     return {"fast": c["steps_fast"], "verify": c["steps_verify"], "repair": c["mg_repair_total"],
-            **{k: c[name] for k, name in sums.items()}}
+            **{k: c[name] for k, name in sums.items()},
+            # the margins of every deterministic step and of the steps the verifier overturned
+            # (cumulative buckets): how a flip's odds fall with its margin
+            "margins": E.histogram(url, "mg_margin"), "flip_margins": E.histogram(url, "mg_flip_margin")}
 
 
 def rates(before: dict, after: dict) -> dict:
-    d = {k: after[k] - before[k] for k in after}
+    d = {k: after[k] - before[k] for k in after if k not in ("margins", "flip_margins")}
+    hist = {k: {str(le): n - before[k].get(le, 0.0) for le, n in after[k].items()} for k in ("margins", "flip_margins")}
     steps = max(1.0, d["fast"] + d["verify"])
     # trigger: the margin gate's share (low-margin steps, checked within a few forwards)
     return {"trigger": d["verify"] / steps, "repair": d["repair"] / steps,
             "steps": d["fast"] + d["verify"],
-            # in-place rollbacks and the fast steps they threw away
-            "rollbacks": d["rollbacks"], "stale_steps": d["stale"],
+            # in-place rollbacks and the fast steps they threw away (dropped: decided after the
+            # flip; stale: still in flight), and the overlap scheduler's look-ahead steps; the
+            # rest of `steps` beyond the answers is held ends' surplus
+            "rollbacks": d["rollbacks"], "stale_steps": d["stale"], "dropped_steps": d["dropped"],
+            "lookahead_steps": d["lookahead"],
             # the verify call's profile: the verifier's forward inside it, its rows (checked +
             # catch-up), and verify calls per deterministic forward
             "verifier_forward_ms": 1e3 * d["fsum"] / d["vcount"] if d["vcount"] else None,
@@ -85,7 +93,8 @@ def rates(before: dict, after: dict) -> dict:
             "calls_per_forward": d["vcount"] / d["ccount"] if d["ccount"] else None,
             "verify_call_ms": 1e3 * d["vsum"] / d["vcount"] if d["vcount"] else None,
             # the seam's time per forward whose rows were all fast-committed (mg_control_seconds)
-            "fast_control_ms": 1e3 * d["csum"] / d["ccount"] if d["ccount"] else None, "verify_calls": d["vcount"]}
+            "fast_control_ms": 1e3 * d["csum"] / d["ccount"] if d["ccount"] else None, "verify_calls": d["vcount"],
+            **hist}
 
 
 def front_batch(url: str, rows: list[list[int]], max_new: int, n_det: int, singles: bool = False) -> dict:

@@ -43,7 +43,8 @@ from gpu_sweep import tau_for_rate_quantized
 
 # mg's counters read around each share: rollbacks, and where the verifier's time went
 DIAG = ("mg_rollbacks_total", "mg_verify_seconds_sum", "mg_verify_seconds_count", "mg_verify_rows_sum",
-        "mg_verifier_forward_seconds_sum", "mg_control_seconds_sum", "mg_control_seconds_count", "mg_stale_steps_total")
+        "mg_verifier_forward_seconds_sum", "mg_control_seconds_sum", "mg_control_seconds_count", "mg_stale_steps_total",
+        "mg_rollback_dropped_steps_total", "mg_lookahead_steps_total")
 LENGTHS = E.REPO / "benchmarks" / "data" / "sharegpt_lengths.json"
 STACKS = E.REPO / "benchmarks" / "stacks"  # the stack sampler (--stacks)
 PHASE: Path | None = None  # --stacks: the file that names the timed run in progress

@@ -61,6 +61,8 @@ class ControllerMetrics:
         self.rollbacks = Counter("mg_rollbacks", "Deterministic requests rolled back in place: the verifier's token "
                                  "replaced a fast one, and the answer after it was dropped before anyone saw it")
         self.stale_steps = Counter("mg_stale_steps", "Steps of a timeline rolled back already (dropped)")
+        self.dropped_steps = Counter("mg_rollback_dropped_steps", "Decided steps after a flip that its rollback "
+                                     "dropped (the seam's rows still in flight count in mg_stale_steps)")
         self.lookahead = Counter("mg_lookahead_steps", "Steps decided after a request's last token (the overlap "
                                  "scheduler's look-ahead forward); SGLang drops their tokens")
         # The fast path's margin where the verifier disagreed: tau must stay above these (calibration).

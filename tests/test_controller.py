@@ -131,9 +131,11 @@ def run_request(ctl, rid, prompt, n_steps, margins, flip_at=None, lookahead=0, a
 def test_missed_flip_is_found_by_the_audit(make_ctl):
     ctl = make_ctl("margin", 0.5)
     # the fast path flips at a high-margin step (never verified): the final audit must see it
-    run_request(ctl, "c", [3, 3], 5, [9.0] * 5, flip_at=2)
+    before = ctl.m.flip_margin._sum.get()
+    run_request(ctl, "c", [3, 3], 5, [9.0] * 2 + [7.5] + [9.0] * 2, flip_at=2)
     v = ctl._verdict("c")
     assert v.state == "mismatch" and v.mismatch_positions == [3]
+    assert ctl.m.flip_margin._sum.get() == before + 7.5  # the missed flip's fast margin (mg_flip_margin)
 
 
 def test_finished_requests_tails_are_audited_together_and_fail_alone(make_ctl):
@@ -260,7 +262,7 @@ def test_lookahead_steps_after_the_last_token_are_dropped(make_ctl):
     emitted = run_request(ctl, "la", [2, 3], 4, [9.0] * 5, lookahead=1)
     v = ctl._verdict("la")
     assert v.state == "verified" and v.steps == 4
-    assert ctl.reqs["la"].tokens == emitted
+    assert ctl.reqs["la"].tokens == emitted and ctl.reqs["la"].margins == [9.0] * 4  # (dropped with its token)
     assert [it.pos for it in ctl.vclient.items] == [4]  # the tail audit ends at the last emitted token
 
 
@@ -402,10 +404,14 @@ def test_a_window_request_is_rolled_back_where_the_verifier_disagrees(make_ctl):
     assert list(ctl.checks) == ["w"]  # the low margin asked for a check, a few forwards later
     assert not ctl._checks_due() and ctl.window_due == 5 + CHECK_DELAY_FORWARDS
     ctl.forwards = ctl.window_due  # (that many forwards later)
+    margin_sum, dropped = ctl.m.flip_margin._sum.get(), ctl.m.dropped_steps._value.get()
     ctl._idle_turn()
     assert ctl.window_due is None and ctl.checks == {}
     st = ctl.reqs["w"]
     assert st.tokens == prompt + ref[:flip + 1] and st.epoch == 1 and st.checked == flip + 1
+    # the overturned step's fast margin is observed (mg_flip_margin); the verifier's token has none
+    assert ctl.m.flip_margin._sum.get() == margin_sum + 3.0 and st.margins == [3.0] * flip + [-1.0]
+    assert ctl.m.dropped_steps._value.get() == dropped + 2  # answer tokens 4 and 5, after the flip
     reply = ctl.handle(P.WindowNews())
     assert reply.rollbacks == [P.Rollback(rid="w", index=flip, token=ref[flip], epoch=1)]
     assert reply.verified == {"w": [1, flip + 1]} and ctl.handle(P.WindowNews()).rollbacks == []  # told once

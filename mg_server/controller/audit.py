@@ -36,6 +36,9 @@ class AuditMixin:
             st.flip_token = token
         st.mismatches.append(pos)
         self.m.audit_mismatch.inc()
+        i = pos + 1 - st.prompt_len  # the fast margin of the token the verifier overturned (tau's headroom)
+        if 0 <= i < len(st.margins) and st.margins[i] >= 0:
+            self.m.flip_margin.observe(st.margins[i])
         # the verifier's margin there and where it sits against the request's verified steps and
         # repairs tell a near-tie above tau from a fast path that went wrong after a repair
         last_rep = max((p for p in st.repairs if p <= pos), default=-1)

@@ -42,6 +42,7 @@ class ReqState:
     rewind: bool = False  # the verifier holds positions past a rollback: the next item drops them
     last_rollback: object = None  # the latest protocol.Rollback (the finish barrier re-tells it)
     due_from: int | None = None  # a held end's length: the answer index of its first surplus row
+    margins: list[float] = field(default_factory=list)  # the fast margin of each answer token (-1: the verifier's)
 
     @property
     def steps(self) -> int:
@@ -83,4 +84,5 @@ class ReqState:
             self.verified = [q for q in self.verified if q <= n - 2]
             self.repairs = [q for q in self.repairs if q <= n - 2]
             self.mismatches = [q for q in self.mismatches if q <= n - 2]
+            del self.margins[n - self.prompt_len:]
         return extra

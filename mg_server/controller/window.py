@@ -34,6 +34,7 @@ class WindowMixin:
         low = self.policy.should_verify(row.margin)
         self.m.steps.labels(decision="verify" if low else "fast").inc()
         st.tokens.append(row.fast_token)
+        st.margins.append(row.margin)
         if row.released:
             st.released = st.steps
         if row.due and st.due_from is None:
@@ -69,8 +70,11 @@ class WindowMixin:
     def _roll_back(self, rid: str, st: ReqState) -> None:
         q = min(st.mismatches)  # t_{q+1} is the first token the verifier would not have chosen
         token = st.flip_token
-        del st.tokens[q + 1:]
+        index = q + 1 - st.prompt_len
+        self.m.dropped_steps.inc(len(st.tokens) - q - 2)  # t_{q+2} ..: decoded on the wrong timeline
+        del st.tokens[q + 1:], st.margins[index:]
         st.tokens.append(token)
+        st.margins.append(-1.0)  # the verifier's token: no fast margin
         st.mismatches.clear()
         st.flip_token, st.pred = -1, -1
         st.due_from = None  # a rollback before a held end voids it; one past it leaves it checked
@@ -78,7 +82,6 @@ class WindowMixin:
         st.verified = [x for x in st.verified if x < q] + [q]
         st.repairs.append(q)
         st.epoch += 1
-        index = q + 1 - st.prompt_len
         st.checked = index + 1
         self.rollbacks[rid] = st.last_rollback = P.Rollback(rid=rid, index=index, token=token, epoch=st.epoch)
         self.m.rollbacks.inc()
