@@ -82,8 +82,8 @@ def rates(before: dict, after: dict) -> dict:
     return {"trigger": d["verify"] / steps, "repair": d["repair"] / steps,
             "steps": d["fast"] + d["verify"],
             # in-place rollbacks and the fast steps they threw away (dropped: decided after the
-            # flip; stale: still in flight), and the overlap scheduler's look-ahead steps; the
-            # rest of `steps` beyond the answers is held ends' surplus
+            # flip, a moot rollback's surplus included; stale: still in flight), and the steps
+            # decided past the answers (the look-ahead forward, held ends' surplus)
             "rollbacks": d["rollbacks"], "stale_steps": d["stale"], "dropped_steps": d["dropped"],
             "lookahead_steps": d["lookahead"],
             # the verify call's profile: the verifier's forward inside it, its rows (checked +

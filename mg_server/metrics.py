@@ -64,11 +64,11 @@ class ControllerMetrics:
         self.dropped_steps = Counter("mg_rollback_dropped_steps", "Decided steps after a flip that its rollback "
                                      "dropped (the seam's rows still in flight count in mg_stale_steps)")
         self.lookahead = Counter("mg_lookahead_steps", "Steps decided after a request's last token (the overlap "
-                                 "scheduler's look-ahead forward); SGLang drops their tokens")
+                                 "scheduler's look-ahead forward, a held end's surplus); SGLang drops their tokens")
         # The fast path's margin where the verifier disagreed: tau must stay above these (calibration).
         self.flip_margin = Histogram(
-            "mg_flip_margin", "Fast-path top1-top2 margin of verified steps whose token the verifier changed",
-            buckets=(0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0),
+            "mg_flip_margin", "Fast-path top1-top2 margin of steps whose token the verifier changed (rolled back "
+            "or a missed flip)", buckets=MARGIN_BUCKETS,
         )
         self.verifier_up = Gauge("mg_verifier_up", "1 while the deterministic verifier process runs and beats, else 0",
                                  multiprocess_mode="mostrecent")

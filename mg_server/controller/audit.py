@@ -79,7 +79,7 @@ class AuditMixin:
             self.rollbacks.pop(msg.rid, None)
         elif not st.error and st.tokens:
             extra = st.reconcile(msg.output)
-            if extra:  # the overlap scheduler's look-ahead forward(s) after the last token
+            if extra:  # the overlap scheduler's look-ahead forward(s) after the last token, a held end's surplus
                 self.m.lookahead.inc(extra)
                 log.debug("request %s: %d look-ahead step(s) dropped", msg.rid, extra)
         st.aborted = (msg.reason or "aborted") if msg.aborted else ""
