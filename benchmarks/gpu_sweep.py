@@ -354,13 +354,18 @@ def summarize(r: dict) -> str:
             for bs, x in sorted(c[part].get("by_batch", {}).items())]
     if held:
         lines += ["", "Per batch size (mg's counters around each batch size's runs):", "",
-                  "| config | traffic | bs | trigger | verify calls per deterministic forward | verify call ms | rows per call |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| config | traffic | bs | trigger | verify calls per deterministic forward | verify call ms | rows per call "
+                  "| deterministic steps | rollbacks | steps dropped + stale | steps past the answers |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for c, part, bs, x in held:
             lines.append(f"| margin ~{c['target']}{_variant(c)}, {c.get('commit', 'hold')} | "
                          f"{'all det.' if part == 'det' else '25 % det.'} | {bs} | {100 * x['trigger']:.1f} % | "
                          + " | ".join("" if x[k] is None else format(x[k], ".2f")
-                                      for k in ("calls_per_forward", "verify_call_ms", "rows_per_call")) + " |")
+                                      for k in ("calls_per_forward", "verify_call_ms", "rows_per_call")) + " | "
+                         + f"{x['steps']:.0f} | {x['rollbacks']:.0f} | "
+                         # (blank in a file recorded before these counters)
+                         + ("| |" if "dropped_steps" not in x else
+                            f"{x['dropped_steps'] + x['stale_steps']:.0f} | {x['lookahead_steps']:.0f} |"))
     return "\n".join(lines) + "\n"
 
 
