@@ -56,6 +56,11 @@ def tau_for_rate_quantized(margins: list[float], rate: float) -> tuple[float, fl
     return best if best is not None else (tau_for_rate(margins, rate), 0.0)
 
 
+# the margins of every deterministic step and of the steps the verifier overturned (cumulative
+# buckets): how a flip's odds fall with its margin
+HISTOGRAMS = {"margins": "mg_margin", "flip_margins": "mg_flip_margin"}
+
+
 def metrics(url: str) -> dict:
     """mg's step counters and the verify/control histograms' sums, from one /metrics read
     (evaluation.determinism.scrape)."""
@@ -68,15 +73,12 @@ def metrics(url: str) -> dict:
             "dropped": "mg_rollback_dropped_steps_total", "lookahead": "mg_lookahead_steps_total"}
     c = scrape(url, (*MG_COUNTERS, *sums.values()))
     return {"fast": c["steps_fast"], "verify": c["steps_verify"], "repair": c["mg_repair_total"],
-            **{k: c[name] for k, name in sums.items()},
-            # the margins of every deterministic step and of the steps the verifier overturned
-            # (cumulative buckets): how a flip's odds fall with its margin
-            "margins": E.histogram(url, "mg_margin"), "flip_margins": E.histogram(url, "mg_flip_margin")}
+            **{k: c[name] for k, name in sums.items()}, **{k: E.histogram(url, name) for k, name in HISTOGRAMS.items()}}
 
 
 def rates(before: dict, after: dict) -> dict:
-    d = {k: after[k] - before[k] for k in after if k not in ("margins", "flip_margins")}
-    hist = {k: {str(le): n - before[k].get(le, 0.0) for le, n in after[k].items()} for k in ("margins", "flip_margins")}
+    d = {k: after[k] - before[k] for k in after if k not in HISTOGRAMS}
+    hist = {k: {str(le): n - before[k].get(le, 0.0) for le, n in after[k].items()} for k in HISTOGRAMS}
     steps = max(1.0, d["fast"] + d["verify"])
     # trigger: the margin gate's share (low-margin steps, checked within a few forwards)
     return {"trigger": d["verify"] / steps, "repair": d["repair"] / steps,

@@ -21,10 +21,9 @@ def instance_key(rid: str, instance: str | None) -> str:
     return f"{rid}#{instance}" if instance else rid
 
 
-# Top-1/top-2 logit margin histogram buckets (logit units). Flips were observed at margins
-# <= 0.25 on H200 (ENVIRONMENT.md), so the low end is finely divided.
-# mg_margin's and mg_flip_margin's buckets, the same edges so that their ratio is a flip's odds by
-# margin; fine below 0.3, where flips were measured
+# Top-1/top-2 logit margin histogram buckets (logit units) of mg_margin and mg_flip_margin: the
+# same edges, so their ratio is a flip's odds by margin. Flips were observed at margins <= 0.25 on
+# H200 (ENVIRONMENT.md), so the low end is finely divided.
 MARGIN_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.02, 0.03, 0.05, 0.0625, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3,
                                      0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0, 16.0)
 
