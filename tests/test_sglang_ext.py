@@ -196,6 +196,36 @@ def test_argv_per_host_profile():
     assert "--attention-backend" not in full and "--device" not in full
 
 
+def test_fp32_logits_only_with_mg_on_a_cuda_host_whose_sglang_has_them_free():
+    """The fast path's fp32 logits: the installed SGLang's fp32 LM head is its bf16 GEMM with an
+    fp32 output (a source fact), and the flag goes to CUDA servers with mg on, never to mode off
+    (plain SGLang stays plain) or a CPU host; an SGLang without the free path keeps bf16."""
+    r = _run(
+        "from mg_server.launch import compat\ncompat.install('cpu')\nfrom unittest import mock\n"
+        "from mg_server.config import ServeConfig\nfrom mg_server.launch import launcher, seams\n"
+        "print('FREE', seams.fp32_logits_in_place())\n"
+        "def cfg(profile, mode): return ServeConfig(model_path='/m', host='h', port=1, profile=profile, "
+        "metrics_dir='/x', mg_mode=mode)\n"
+        "for p, m in (('cuda', 'margin'), ('cuda-bare', 'always'), ('cuda', 'off'), ('cpu', 'margin')):\n"
+        "    print('WANT', p, m, launcher.wants_fp32_logits(cfg(p, m)))\n"
+        "with mock.patch.object(seams, 'fp32_logits_in_place', return_value=False):\n"
+        "    print('UNFREE', launcher.wants_fp32_logits(cfg('cuda', 'margin')))\n"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    for line in ("FREE True", "WANT cuda margin True", "WANT cuda-bare always True", "WANT cuda off False",
+                 "WANT cpu margin False", "UNFREE False"):
+        assert line in r.stdout, r.stdout
+
+
+def test_fp32_logits_flag_is_added_once_before_the_users_flags():
+    from mg_server.launch.launcher import FP32_LOGITS_ARGS, sglang_argv
+
+    cfg = _cfg("--max-total-tokens", "1024", profile="cuda")
+    assert FP32_LOGITS_ARGS[0] not in sglang_argv(cfg)
+    argv = sglang_argv(cfg, fp32_logits=True)
+    assert argv.count(FP32_LOGITS_ARGS[0]) == 1 and argv.index(FP32_LOGITS_ARGS[0]) < argv.index("--max-total-tokens")
+
+
 @pytest.mark.parametrize("profile", ["cpu", "cuda-bare", "cuda"])
 def test_every_profiles_flags_are_the_installed_sglangs(profile):
     """mg's engine flags for each host profile parse with the installed SGLang's own parser (a
@@ -206,7 +236,8 @@ def test_every_profiles_flags_are_the_installed_sglangs(profile):
         "from sglang.srt.server_args import ServerArgs\n"
         "p = argparse.ArgumentParser(exit_on_error=False)\nServerArgs.add_cli_args(p)\n"
         f"cfg = ServeConfig(model_path='/m', host='h', port=1, profile={profile!r}, metrics_dir='/x')\n"
-        "ns, unknown = p.parse_known_args(sglang_argv(cfg))\nprint('UNKNOWN', json.dumps(unknown))\n"
+        f"ns, unknown = p.parse_known_args(sglang_argv(cfg, fp32_logits={profile != 'cpu'}))\n"
+        "print('UNKNOWN', json.dumps(unknown))\n"
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "UNKNOWN []" in r.stdout, r.stdout

@@ -54,6 +54,11 @@ BARE_CUDA_ENGINE_ARGS = (
     "--disable-prefill-cuda-graph",
 )
 ENGINE_ARGS = {"cpu": CPU_ENGINE_ARGS, "cuda-bare": BARE_CUDA_ENGINE_ARGS, "cuda": ()}
+# The fast path's logits in fp32 (with mg on, on CUDA, where SGLang's switch costs no extra weight
+# read: seams.fp32_logits_in_place). Why: bf16 logits round near-ties into exact ties that the
+# fast path breaks by token id where the verifier's fp32 logits do not tie; on the 8B shape and
+# on SmolLM2's real weights it took ~40 % of the flips away (docs/history/window-verification.md).
+FP32_LOGITS_ARGS = ("--enable-fp32-lm-head",)
 OWNED_FLAGS = ("--forward-hooks", "--enable-custom-logit-processor")
 # SGLang's parallel widths (each 1, or unset, for a single scheduler process)
 PARALLEL_SIZES = ("tp_size", "pp_size", "dp_size", "attn_dp_size", "attn_cp_size", "dcp_size")
@@ -70,17 +75,31 @@ def hook_spec(config: HookConfig) -> list[dict]:
     }]
 
 
-def sglang_argv(cfg: ServeConfig, hook: HookConfig | None = None) -> list[str]:
+def sglang_argv(cfg: ServeConfig, hook: HookConfig | None = None, fp32_logits: bool = False) -> list[str]:
     """SGLang server flags: mg's defaults first so the user's pass-through flags win."""
     for flag in OWNED_FLAGS:
         if any(a == flag or a.startswith(flag + "=") for a in cfg.sglang_args):
             raise ValueError(f"{flag} is set by mg-server itself and cannot be passed through")
     argv = ["--model-path", cfg.model_path, "--host", cfg.host, "--port", str(cfg.port)]
     argv += ENGINE_ARGS[cfg.profile]
+    argv += FP32_LOGITS_ARGS if fp32_logits else ()
     argv += list(cfg.sglang_args)
     hook = hook or HookConfig(metrics_dir=cfg.metrics_dir)
     argv += ["--enable-custom-logit-processor", "--forward-hooks", json.dumps(hook_spec(hook))]
     return argv
+
+
+def wants_fp32_logits(cfg: ServeConfig) -> bool:
+    """FP32_LOGITS_ARGS for this server: mg on, a CUDA host, and an SGLang whose fp32 LM head
+    is free (logged either way on CUDA)."""
+    if cfg.mg_mode == "off" or cfg.cpu:
+        return False
+    from mg_server.launch import seams
+
+    free = seams.fp32_logits_in_place()
+    log.info("mg: fast path logits %s", "fp32 (--enable-fp32-lm-head)" if free else
+             "bf16 (this SGLang's --enable-fp32-lm-head would copy the LM head to fp32 at every forward)")
+    return free
 
 
 def refuse_unsupported(server_args, mode: str) -> None:
@@ -289,6 +308,7 @@ def serve(cfg: ServeConfig) -> None:
     version = seams.check(cfg.allow_sglang)
     if cfg.mg_mode != "off":
         seams.check_window()
+    fp32_logits = wants_fp32_logits(cfg)
     if version not in seams.TESTED:
         log.warning("mg: SGLang %s is not a tested version (%s); starting because --mg-allow-sglang names it",
                     version, seams.RANGE)
@@ -301,7 +321,7 @@ def serve(cfg: ServeConfig) -> None:
     parser = argparse.ArgumentParser(prog="mg-server serve (SGLang flags)")
     ServerArgs.add_cli_args(parser)
     # Parsed once before mg's processes start, to refuse what mg cannot serve (hook: no controller yet).
-    ns = parser.parse_args(sglang_argv(cfg))
+    ns = parser.parse_args(sglang_argv(cfg, fp32_logits=fp32_logits))
     parsed = ServerArgs.from_cli_args(ns)  # the flags as given (unresolved)
     refuse_on_host(parsed, cfg.profile)
     refuse_unsupported(parsed, cfg.mg_mode)
@@ -324,7 +344,7 @@ def serve(cfg: ServeConfig) -> None:
     hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
                       step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
                       lagged_commit=cfg.lagged_commit)
-    server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook)))
+    server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook, fp32_logits)))
     app.add_middleware(
         DeterministicMiddleware,
         config=FrontConfig(noop_processor=serialized(), metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,

@@ -104,6 +104,16 @@ def check_window() -> None:
         raise SeamMismatch("SGLang seams of the window commit do not match:\n  - " + "\n  - ".join(problems))
 
 
+def fp32_logits_in_place() -> bool:
+    """Whether SGLang's `--enable-fp32-lm-head` on CUDA is the LM head's bf16 GEMM with an fp32
+    output (no extra weight read) rather than an fp32 copy of the LM head at every forward."""
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+
+    fn = getattr(LogitsProcessor, "_compute_lm_head", None)
+    mm = "torch.mm(hidden_states,lm_head.weight.T,out_dtype=torch.float32"
+    return fn is not None and not _missing([("LogitsProcessor._compute_lm_head", fn, (mm,))])
+
+
 def version_problem(version: str, allow: str = "") -> str:
     """Why this SGLang version may not start ("" if it may)."""
     if version in TESTED or (allow and version == allow):
