@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
 # The embedded SmolLM2's real weights on the GPU device machine. A device call carries at most
-# 64 MiB (the repo's tracked files, ~4 MB, included) and the GGUF is ~98 MB, so it travels in
-# three parts over three back-to-back calls (files outside the repo copy survive while the
-# machine stays warm, ~30 s between calls):
+# 64 MiB (the repo's tracked files, ~5 MB, included), the packed SGLang site ~43 MB and the GGUF
+# ~98 MB, so they travel over four back-to-back calls (files outside the repo copy survive while
+# the machine stays warm, ~30 s between calls):
 #   here:          bash benchmarks/device_real_smol.sh split
 #                  (writes .cache/gguf{1,2,3}/part and each part's .cache/ggufK/total, all ignored)
 #   device call 1: bash benchmarks/device_real_smol.sh stage
-#                  carry .whl .cache/gpu-tokenizer .cache/gguf1 (installs the wheels; stages part 1
-#                  and the tokenizer in /tmp/stage)
-#   device call 2: bash benchmarks/device_real_smol.sh stage      carry .cache/gguf2
-#   device call 3: bash benchmarks/device_real_smol.sh build [CMD ...]
+#                  carry .whl .cache/gpu-tokenizer (installs the wheels; stages the tokenizer in
+#                  /tmp/stage); or any device_env.sh run that carried .whl, e.g. device_tables.sh
+#   device calls 2, 3: bash benchmarks/device_real_smol.sh stage      carry .cache/gguf1, then .cache/gguf2
+#   device call 4: bash benchmarks/device_real_smol.sh build [CMD ...]
 #                  carry .cache/gguf3 (joins the parts, checks the size, prepare_model ->
 #                  /tmp/mg-models/smol-real, then runs CMD), e.g. CMD = python3 benchmarks/gpu_sweep.py
 #                  --tokenizer /tmp/stage/tok --checkpoint smol=/tmp/mg-models/smol-real --models smol ...
-# Later calls on the same warm machine: `build` again skips what exists.
+# Later calls on the same warm machine: `build` again skips what exists. A call that finds the
+# machine cold (the lease's `warm` false) has lost the staged parts and the installed site.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PART=33000000  # bytes per part: part 1 travels with the wheels (23 MB) and the tokenizer (3.4 MB)
+PART=33000000  # bytes per part: each travels alone (with the tokenizer: 3.4 MB)
 
 stage_parts() {  # every carried part, and the tokenizer, into /tmp/stage
   mkdir -p /tmp/stage
