@@ -54,6 +54,7 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
         log = srv.log_path.read_text()
         assert "cuda graph on, overlap scheduler on" in log
         assert "Capture target decode CUDA graph end" in log
+        assert "mg: fast path logits fp32 (--enable-fp32-lm-head)" in log  # SGLang 0.5.23's fp32 LM head is free
         assert ("mg: lagged commit on" in log) == (seam == "lagged")
         if with_seeded:  # seeded rows beside greedy ones, twice: the same samples each time
             with ThreadPoolExecutor(8) as pool:

@@ -210,10 +210,15 @@ def test_fp32_logits_only_with_mg_on_a_cuda_host_whose_sglang_has_them_free():
         "    print('WANT', p, m, launcher.wants_fp32_logits(cfg(p, m)))\n"
         "with mock.patch.object(seams, 'fp32_logits_in_place', return_value=False):\n"
         "    print('UNFREE', launcher.wants_fp32_logits(cfg('cuda', 'margin')))\n"
+        "from sglang.srt.layers.logits_processor import LogitsProcessor\n"
+        "def upcast(self, hidden_states, lm_head, embedding_bias=None, *, out=None):\n"
+        "    return hidden_states.float() @ lm_head.weight.float().T\n"
+        "with mock.patch.object(LogitsProcessor, '_compute_lm_head', upcast):\n"
+        "    print('UPCAST', seams.fp32_logits_in_place())\n"
     )
     assert r.returncode == 0, r.stderr[-3000:]
     for line in ("FREE True", "WANT cuda margin True", "WANT cuda-bare always True", "WANT cuda off False",
-                 "WANT cpu margin False", "UNFREE False"):
+                 "WANT cpu margin False", "UNFREE False", "UPCAST False"):
         assert line in r.stdout, r.stdout
 
 

@@ -76,7 +76,8 @@ def hook_spec(config: HookConfig) -> list[dict]:
 
 
 def sglang_argv(cfg: ServeConfig, hook: HookConfig | None = None, fp32_logits: bool = False) -> list[str]:
-    """SGLang server flags: mg's defaults first so the user's pass-through flags win."""
+    """SGLang server flags: mg's defaults first so the user's pass-through flags win (but for
+    switches without an off form, as `--enable-fp32-lm-head`)."""
     for flag in OWNED_FLAGS:
         if any(a == flag or a.startswith(flag + "=") for a in cfg.sglang_args):
             raise ValueError(f"{flag} is set by mg-server itself and cannot be passed through")
@@ -98,7 +99,7 @@ def wants_fp32_logits(cfg: ServeConfig) -> bool:
 
     free = seams.fp32_logits_in_place()
     log.info("mg: fast path logits %s", "fp32 (--enable-fp32-lm-head)" if free else
-             "bf16 (this SGLang's --enable-fp32-lm-head would copy the LM head to fp32 at every forward)")
+             "bf16 (this SGLang's --enable-fp32-lm-head is not the fp32-output GEMM mg checks for)")
     return free
 
 

@@ -105,13 +105,17 @@ def check_window() -> None:
 
 
 def fp32_logits_in_place() -> bool:
-    """Whether SGLang's `--enable-fp32-lm-head` on CUDA is the LM head's bf16 GEMM with an fp32
-    output (no extra weight read) rather than an fp32 copy of the LM head at every forward."""
-    from sglang.srt.layers.logits_processor import LogitsProcessor
-
+    """Whether SGLang's `--enable-fp32-lm-head` on CUDA is an unquantized bf16 LM head's GEMM with
+    an fp32 output (no extra weight read) rather than an fp32 copy of the LM head at every forward.
+    False where the source is not that (or not found): the fast path then keeps bf16 logits."""
+    try:
+        from sglang.srt.layers.logits_processor import LogitsProcessor
+    except ImportError:
+        return False
     fn = getattr(LogitsProcessor, "_compute_lm_head", None)
+    same_dtype = "use_mm_out_dtype=(hidden_states.is_cudaandhidden_states.dtype==lm_head.weight.dtype"
     mm = "torch.mm(hidden_states,lm_head.weight.T,out_dtype=torch.float32"
-    return fn is not None and not _missing([("LogitsProcessor._compute_lm_head", fn, (mm,))])
+    return fn is not None and not _missing([("LogitsProcessor._compute_lm_head", fn, (same_dtype, mm))])
 
 
 def version_problem(version: str, allow: str = "") -> str:
