@@ -27,6 +27,14 @@ def instance_key(rid: str, instance: str | None) -> str:
 MARGIN_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.02, 0.03, 0.05, 0.0625, 0.075, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3,
                                      0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0, 16.0)
 
+# SGLang's switch for the fast path's logits in fp32: mg passes it on CUDA with mg on (where it
+# costs no extra weight read: launch/seams.fp32_logits_in_place), and `mg-server calibrate` to its
+# fast-path server on CUDA, so a profile's margins are the served ones. Why: bf16 logits round
+# near-ties into exact ties that the fast path breaks by token id where the verifier's fp32
+# logits do not tie; on the 8B shape and on SmolLM2's real weights it took ~40 % of the flips
+# away (docs/history/window-verification.md).
+FP32_LOGITS_ARGS = ("--enable-fp32-lm-head",)
+
 
 @dataclass(frozen=True)
 class HookConfig:

@@ -309,3 +309,17 @@ def test_small_calibration_end_to_end(tmp_path, prepared_model):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "fast path from" in again.stderr and "starting" not in again.stderr
     assert json.loads((out / "profile.json").read_text())["sets"] == prof["sets"]
+
+
+def test_the_fast_path_server_takes_the_served_logits_on_each_device():
+    """On CUDA mg serves its fast path with fp32 logits, so a GPU calibration measures that path:
+    its server gets the same switch (and its cache key and recorded flags change with it)."""
+    from mg_server.calibration import run
+    from mg_server.config import FP32_LOGITS_ARGS
+
+    def cfg(device):
+        return CalibrationConfig(model_path="/m", prompt_sets=("humaneval",), batch_sizes=(1,), max_tokens=4,
+                                 limit=1, out_dir="/x", device=device)
+
+    assert run._server_flags(cfg("cuda")) == (*run.SERVER_FLAGS, *FP32_LOGITS_ARGS)
+    assert run._server_flags(cfg("cpu")) == run.SERVER_FLAGS

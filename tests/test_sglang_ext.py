@@ -223,7 +223,8 @@ def test_fp32_logits_only_with_mg_on_a_cuda_host_whose_sglang_has_them_free():
 
 
 def test_fp32_logits_flag_is_added_once_before_the_users_flags():
-    from mg_server.launch.launcher import FP32_LOGITS_ARGS, sglang_argv
+    from mg_server.config import FP32_LOGITS_ARGS
+    from mg_server.launch.launcher import sglang_argv
 
     cfg = _cfg("--max-total-tokens", "1024", profile="cuda")
     assert FP32_LOGITS_ARGS[0] not in sglang_argv(cfg)

@@ -20,11 +20,15 @@ from pathlib import Path
 from mg_server.calibration import fastpath, plot, profile
 from mg_server.calibration.config import CalibrationConfig
 from mg_server.calibration.sweep import SetData
+from mg_server.config import FP32_LOGITS_ARGS
 
 log = logging.getLogger("mg.calibrate")
 
 REF_CHUNK = 32  # prompts per reference decode (the verifier engine holds at most 64 requests)
 SERVER_FLAGS = ("--mg-mode", "off", "--disable-radix-cache")  # plain SGLang: the fast path itself
+# ... with the logits mg's fast path takes on the device (mg passes them only where SGLang's fp32
+# LM head is free, as in every tested SGLang version: launch/seams.fp32_logits_in_place)
+DEVICE_FLAGS = {"cpu": (), "cuda": FP32_LOGITS_ARGS}
 
 
 def calibrate(cfg: CalibrationConfig) -> dict:
@@ -100,7 +104,7 @@ def _measure_all(cfg: CalibrationConfig, data: list[SetData], model_key: str, ou
     serving = None
     for d in data:
         for bs in cfg.batch_sizes:
-            key = _key("fast", model_key, cfg.device, sglang_version, cfg.server_args, SERVER_FLAGS,
+            key = _key("fast", model_key, cfg.device, sglang_version, cfg.server_args, _server_flags(cfg),
                        cfg.max_tokens, bs, d.prompts, d.refs)
             path = out / "cache" / f"fast-{d.name}-bs{bs}.json"
             hit = _load(path, key)
@@ -114,7 +118,7 @@ def _measure_all(cfg: CalibrationConfig, data: list[SetData], model_key: str, ou
         return serving
     from mg_server.evaluation.server_process import ServerProcess
 
-    args = ["--model", cfg.model_path, "--device", cfg.device, *SERVER_FLAGS, *cfg.server_args]
+    args = ["--model", cfg.model_path, "--device", cfg.device, *_server_flags(cfg), *cfg.server_args]
     srv = ServerProcess(args, out / "server.log")
     try:
         log.info("starting the fast path's server (mg off): log in %s", out / "server.log")
@@ -155,7 +159,11 @@ def _serving_facts(url: str, cfg: CalibrationConfig) -> dict:
     keys = ("device", "attention_backend", "sampling_backend", "disable_radix_cache", "disable_overlap_schedule",
             "disable_cuda_graph", "chunked_prefill_size", "max_running_requests")
     return {"sglang_version": info.get("version", ""), "dtype": dtype,
-            "flags": [*SERVER_FLAGS, *cfg.server_args], **{k: info.get(k) for k in keys}}
+            "flags": [*_server_flags(cfg), *cfg.server_args], **{k: info.get(k) for k in keys}}
+
+
+def _server_flags(cfg: CalibrationConfig) -> tuple[str, ...]:
+    return (*SERVER_FLAGS, *DEVICE_FLAGS[cfg.device])
 
 
 def _kernel_config_id(device: str) -> str:

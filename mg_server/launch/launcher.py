@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 
 from mg_server import env
-from mg_server.config import FrontConfig, HookConfig, ServeConfig
+from mg_server.config import FP32_LOGITS_ARGS, FrontConfig, HookConfig, ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,6 @@ BARE_CUDA_ENGINE_ARGS = (
     "--disable-prefill-cuda-graph",
 )
 ENGINE_ARGS = {"cpu": CPU_ENGINE_ARGS, "cuda-bare": BARE_CUDA_ENGINE_ARGS, "cuda": ()}
-# The fast path's logits in fp32 (with mg on, on CUDA, where SGLang's switch costs no extra weight
-# read: seams.fp32_logits_in_place). Why: bf16 logits round near-ties into exact ties that the
-# fast path breaks by token id where the verifier's fp32 logits do not tie; on the 8B shape and
-# on SmolLM2's real weights it took ~40 % of the flips away (docs/history/window-verification.md).
-FP32_LOGITS_ARGS = ("--enable-fp32-lm-head",)
 OWNED_FLAGS = ("--forward-hooks", "--enable-custom-logit-processor")
 # SGLang's parallel widths (each 1, or unset, for a single scheduler process)
 PARALLEL_SIZES = ("tp_size", "pp_size", "dp_size", "attn_dp_size", "attn_cp_size", "dcp_size")
