@@ -129,3 +129,53 @@ def test_a_cut_answers_an_unstarted_response_with_503_and_ends_a_started_stream(
     sent = run(main(streams))
     assert sent[0]["status"] == 200 and sent[-1]["more_body"] is False
     assert json.loads(sent[-1]["body"].decode().removeprefix("data: "))["error"]["mg_verdict"] == "failed"
+
+
+def test_a_streams_slots_come_back_at_its_last_message_not_when_the_app_call_returns(tmp_path, monkeypatch):
+    """SGLang's streamed /generate returns from its app call 2 s after the stream's end (a
+    background disconnect check); a batch posted right after must not wait for that."""
+    from mg_server.config import FrontConfig
+    from mg_server.front.middleware import DeterministicMiddleware
+    from mg_server.front.verdict import RuntimeView
+
+    async def verified(self, rids, correct=False):
+        return [("verified", None)] * len(rids)
+
+    monkeypatch.setattr(RuntimeView, "verdicts", verified)
+    background = asyncio.Event()  # set: the first request's background part may end
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
+        await send({"type": "http.response.body", "body": b'data: {"text": "a"}\n\ndata: [DONE]\n\n', "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if scope["n"] == 0:
+            await background.wait()
+
+    async def post(mw, n, ended):
+        body = json.dumps({"input_ids": [[1, 2], [3, 4]], "stream": True}).encode()
+        sent = iter([{"type": "http.request", "body": body, "more_body": False}])
+
+        async def receive():
+            return next(sent, {"type": "http.disconnect"})
+
+        async def send(m):
+            if m["type"] == "http.response.body" and not m.get("more_body", False):
+                ended.set()
+        scope = {"type": "http", "method": "POST", "path": "/generate", "query_string": b"", "n": n,
+                 "headers": [(b"x-deterministic", b"1"), (b"content-type", b"application/json")]}
+        await mw(scope, receive, send)
+
+    async def main():
+        mw = DeterministicMiddleware(app, FrontConfig(noop_processor='{"callable": "00"}', metrics_dir=str(tmp_path),
+                                                      controller_ipc="ipc:///unused", max_deterministic=2))
+        first_end, second_end = asyncio.Event(), asyncio.Event()
+        first = asyncio.create_task(post(mw, 0, first_end))
+        await asyncio.wait_for(first_end.wait(), 5)
+        second = asyncio.create_task(post(mw, 1, second_end))  # 2 + 2 rows > capacity 2 unless the first left
+        await asyncio.wait_for(second_end.wait(), 5)
+        assert not first.done()  # its app call still runs: the slots came back at its last message
+        background.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 5)
+        assert mw.admission.used == 0 and mw.admission.drained()
+
+    run(main())

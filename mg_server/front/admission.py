@@ -158,8 +158,12 @@ class Guard:
     """Runs one admitted request's app call so that `cut` can end it: the response answered with
     a 503 if it has not started, else ended with an error event; the app call is cancelled."""
 
-    def __init__(self, send: Send, refused_headers: list[tuple[bytes, bytes]]):
+    def __init__(self, send: Send, refused_headers: list[tuple[bytes, bytes]],
+                 on_end: Callable[[], None] | None = None):
         self.send, self.headers = send, refused_headers
+        # called once the response's last message has gone: SGLang's streamed /generate returns
+        # from its app call only 2 s later (its disconnect check), which must not hold the slots
+        self.on_end = on_end
         self.started = self.ended = False
         self.task: asyncio.Task | None = None
         self.cutting: asyncio.Future | None = None  # the cut's answer, once cut
@@ -171,6 +175,10 @@ class Guard:
             self.started = True
         elif message["type"] == "http.response.body" and not message.get("more_body", False):
             self.ended = True
+            await self.send(message)
+            if self.on_end is not None:
+                self.on_end()
+            return
         await self.send(message)
 
     async def run(self, call: Awaitable[None]) -> None:

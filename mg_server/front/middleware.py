@@ -272,12 +272,20 @@ class DeterministicMiddleware:
         except Refused as e:
             extra = [(b"retry-after", str(e.retry_after).encode())] if e.retry_after else []
             return await _respond(send, e.status, refusal_body(e), b"application/json", refused + extra)
-        guard = Guard(send, refused)
+        left = False
+
+        def leave() -> None:  # at the response's last message, else when the call ends (cut, error)
+            nonlocal left
+            if not left:
+                left = True
+                self.admission.leave(ticket, slots)
+
+        guard = Guard(send, refused, on_end=leave)
         self.admission.on_cut(ticket, guard.cut)
         try:
             await guard.run(call(guard.tracked))
         finally:
-            self.admission.leave(ticket, slots)
+            leave()
 
     async def _fan_out(self, scope: Scope, bodies: list[dict], send: Send, echo) -> None:
         """Seeded n > 1 (front.samples): each body is one sample; one merged answer, whose
