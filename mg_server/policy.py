@@ -54,7 +54,7 @@ def read_profile(path: Path) -> dict:
 def profile_name(model_name: str, device: str) -> str:
     """A shipped profile's file name. Per device, why: tau bounds how far the fast path's margins
     drift from the verifier's, and both kernel sets differ between CPU and GPU (SmolLM2: 0.547 on
-    CPU, 0.641 on an H100)."""
+    CPU, 0.578 on an H200)."""
     return f"{model_name}.{device}.json"
 
 
