@@ -1,7 +1,7 @@
 """Deterministic batches posted back to back, against the same batches after a pause.
 
-    python3 benchmarks/back_to_back.py --out OUT.json --prompts PROMPTS.json \
-        (--url http://HOST:PORT | --checkpoint DIR --tau T) [--tokens 64] [--reps 2]
+    python3 benchmarks/back_to_back.py --out OUT.json (--url http://HOST:PORT | --checkpoint DIR --tau T)
+        [--prompts PROMPTS.json] [--tokens 64] [--reps 2]
 
 Each batch is one streamed /generate body of 32 rows (X-Deterministic: 1), read to its end (the
 verdict event included) before the next is posted. Per batch: the rows' first chunk, the chunk
@@ -9,8 +9,8 @@ at token 16 and the last chunk (seconds from the post; median and max over the r
 differences of mg's counters around it, so a slow batch shows whether it did more checks or
 waited. Patterns, in order: a warm-up batch; `--reps` batches back to back (8 prompts, each 4
 times); `--reps` after a 2 s pause each; `--reps` of 32 distinct prompts back to back; two plain
-batches back to back. PROMPTS.json: gpu_sweep.py's prompts file (token ids under "det",
-"other", "prefix"). --checkpoint starts a margin server of the smol shape on CUDA at --tau
+batches back to back. PROMPTS.json: token ids under "det", "other" and "prefix" (default
+benchmarks/data/gpu_prompts.json, gpu_sweep.py's). --checkpoint starts a margin server of the smol shape on CUDA at --tau
 (gpu_e2e.start, lagged seam) and stops it after; on the device machine after
 `benchmarks/device_real_smol.sh build`, e.g. --checkpoint /tmp/mg-models/smol-real --tau 0.578125.
 """
@@ -30,6 +30,7 @@ COUNTERS = ("mg_rollbacks_total", "mg_verify_seconds_count", "mg_verify_seconds_
             "mg_rollback_dropped_steps_total", "mg_stale_steps_total", "steps_fast", "steps_verify")
 ROWS = 32
 PAUSE_S = 2.0
+MIN_TOKENS = 16  # each row's chunk at token 16 is timed
 
 
 def batch(url: str, rows: list[list[int]], tokens: int, det: bool) -> dict:
@@ -79,15 +80,17 @@ def run(url: str, prompts: dict, tokens: int, reps: int) -> list[dict]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--prompts", type=Path, required=True)
+    ap.add_argument("--prompts", type=Path, default=Path(__file__).resolve().parent / "data" / "gpu_prompts.json")
     ap.add_argument("--url")
     ap.add_argument("--checkpoint", type=Path)
     ap.add_argument("--tau", type=float)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
-    if (args.url is None) == (args.checkpoint is None) or (args.checkpoint is not None and args.tau is None):
-        ap.error("give --url, or --checkpoint with --tau")
+    if (args.url is None) == (args.checkpoint is None) or (args.checkpoint is None) != (args.tau is None):
+        ap.error("give --url (a running server), or --checkpoint with --tau")
+    if args.tokens < MIN_TOKENS:
+        ap.error(f"--tokens must be at least {MIN_TOKENS}")
     prompts = json.loads(args.prompts.read_text())
     srv = None
     if args.checkpoint is not None:
@@ -100,7 +103,9 @@ def main() -> int:
     finally:
         if srv is not None:
             srv.stop()
-    args.out.write_text(json.dumps({"tokens": args.tokens, "rows": ROWS, "pause_s": PAUSE_S, "batches": res}, indent=1))
+    server = {"url": args.url} if args.url else {"checkpoint": str(args.checkpoint), "tau": args.tau}
+    args.out.write_text(json.dumps({"tokens": args.tokens, "rows": ROWS, "pause_s": PAUSE_S, "server": server,
+                                    "batches": res}, indent=1))
     return 0
 
 
