@@ -51,7 +51,7 @@ def batch(url: str, rows: list[list[int]], tokens: int, det: bool) -> dict:
     if len(points) != len(rows):
         raise RuntimeError(f"{len(points)} of {len(rows)} rows streamed")
     first = [p[0][1] - posted for p in points.values()]
-    t16 = [next(t for n, t in p if n >= 16) - posted for p in points.values()]
+    t16 = [next(t for n, t in p if n >= MIN_TOKENS) - posted for p in points.values()]
     last = [p[-1][1] - posted for p in points.values()]
     return {"first_med": statistics.median(first), "first_max": max(first), "t16_med": statistics.median(t16),
             "last_med": statistics.median(last), "last_max": max(last), "done": done, "states": sorted(set(states)),

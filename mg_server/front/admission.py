@@ -171,15 +171,14 @@ class Guard:
     async def tracked(self, message: dict) -> None:
         if self.ended:
             return  # cut already: the app's later messages go nowhere
+        last = message["type"] == "http.response.body" and not message.get("more_body", False)
         if message["type"] == "http.response.start":
             self.started = True
-        elif message["type"] == "http.response.body" and not message.get("more_body", False):
+        elif last:
             self.ended = True
-            await self.send(message)
-            if self.on_end is not None:
-                self.on_end()
-            return
         await self.send(message)
+        if last and self.on_end is not None:
+            self.on_end()
 
     async def run(self, call: Awaitable[None]) -> None:
         self.task = asyncio.ensure_future(call)
