@@ -5,7 +5,8 @@
 
 Each batch is one streamed /generate body of 32 rows (X-Deterministic: 1), read to its end (the
 verdict event included) before the next is posted. Per batch: the rows' first chunk, the chunk
-at token 16 and the last chunk (seconds from the post; median and max over the rows), and the
+at token 16 and the last chunk (seconds from the post; median and max over the rows), how long
+the verdict event came after the last row's last chunk, and the
 differences of mg's counters around it, so a slow batch shows whether it did more checks or
 waited. Patterns, in order: a warm-up batch; `--reps` batches back to back (8 prompts, each 4
 times); `--reps` after a 2 s pause each; `--reps` of 32 distinct prompts back to back; two plain
@@ -55,6 +56,7 @@ def batch(url: str, rows: list[list[int]], tokens: int, det: bool) -> dict:
     last = [p[-1][1] - posted for p in points.values()]
     return {"first_med": statistics.median(first), "first_max": max(first), "t16_med": statistics.median(t16),
             "last_med": statistics.median(last), "last_max": max(last), "done": done, "states": sorted(set(states)),
+            "verdict_after_last": done - max(last),  # the body's end (its verdict event) after the last row's last chunk
             "counters": {k: after[k] - before[k] for k in COUNTERS}}
 
 
@@ -72,7 +74,8 @@ def run(url: str, prompts: dict, tokens: int, reps: int) -> list[dict]:
             b = {"pattern": name, "i": i, **batch(url, rows, tokens, det)}
             out.append(b)
             print(f"{name} #{i}: first chunk {b['first_med']:.3f} s (max {b['first_max']:.3f}), last "
-                  f"{b['last_med']:.3f} s, {b['counters']['mg_verify_seconds_count']:.0f} verify calls, "
+                  f"{b['last_med']:.3f} s, verdict {1e3 * b['verdict_after_last']:.0f} ms after the last chunk, "
+                  f"{b['counters']['mg_verify_seconds_count']:.0f} verify calls, "
                   f"{b['counters']['mg_rollbacks_total']:.0f} rollbacks", flush=True)
     return out
 

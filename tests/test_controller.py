@@ -468,6 +468,17 @@ def test_a_window_request_is_checked_every_window_and_at_its_finish_barrier(make
     assert tail.rollback is None and tail.verified == ctl.cfg.window + 3 and ctl.checks == {}
 
 
+def test_a_row_after_its_requests_finish_is_dropped_as_a_look_ahead(make_ctl):
+    """The seam reports a checked end at once from the scheduler thread, so a look-ahead row
+    classified before it may arrive after the Finish: never emitted, not a position error."""
+    ctl = make_ctl("margin", 0.5)
+    emitted = run_request(ctl, "a", [5], 3, [9.0] * 3)
+    before = ctl.m.lookahead._value.get()
+    ctl._step([P.StepRow(rid="a", pos=len(emitted) - 1, margin=9.0, fast_token=1)])
+    assert not ctl.reqs["a"].error and ctl.m.lookahead._value.get() == before + 1
+    assert ctl._verdict("a").state == "verified"
+
+
 def test_the_finish_barrier_checks_every_window_request_in_one_call(make_ctl):
     # requests of one batch end in the same forward: the first barrier's call takes all of them
     ctl = make_ctl("margin", 0.5)

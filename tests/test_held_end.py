@@ -191,6 +191,52 @@ def test_the_barrier_finding_a_flip_before_a_held_end_voids_it(held, monkeypatch
     assert h.end is None and not req.finished()  # the rollback applies at the next forward
 
 
+def test_an_end_is_reported_once_the_moment_the_request_finishes_with_its_answer_checked(held, monkeypatch):
+    """Reported from the finishing (scheduler) thread, not when the finish watcher next runs: never
+    while an end is held, a flip voided it or the request was cut short, and once only."""
+    make, step, seam = held
+    ends = []
+
+    def make_reported(**kw):
+        req = make(**kw)
+        rollback.held(req).on_end = ends.append
+        return req
+
+    req = make_reported(max_new=3)  # a held end: reported when its check reaches the end
+    h = rollback.held(req)
+    step(req, 10, 11, 12, 13)
+    h.verified = 2
+    step(req, 14)
+    assert ends == [] and not req.finished()
+    h.verified = 5
+    step(req, 15)
+    assert ends == [req] and req.finished_len == 3
+    step(req, 16)  # SGLang's rules run again on a finished request: not a second report
+    assert ends == [req]
+    ends.clear()
+    checked = make_reported(max_new=2)  # every token checked before its end: reported at the end
+    rollback.held(checked).verified = 2
+    step(checked, 10, 11)
+    assert ends == [checked]
+    ends.clear()
+    monkeypatch.setattr(rollback, "only_ends", True)  # the barrier: reported once it checked the end
+    seam.barrier_verified = 2
+    barrier = make_reported(max_new=2)
+    step(barrier, 10, 11)
+    assert ends == [barrier] and barrier.finished()
+    ends.clear()
+    seam.barrier_answer = (0, 77)  # the barrier found a flip: not finished, nothing reported
+    flipped = make_reported(max_new=2)
+    step(flipped, 10, 11)
+    assert ends == [] and not flipped.finished()
+    seam.barrier_answer = None
+    cut = make_reported(max_new=5)  # cut short: the finish watcher reports it
+    step(cut, 10)
+    cut.to_finish = FINISH_ABORT()
+    step(cut, 11)
+    assert ends == [] and isinstance(cut.finished_reason, FINISH_ABORT)
+
+
 def test_an_abort_during_a_held_end_stands_and_shows_only_the_checked_tokens(held):
     make, step, seam = held
     req = make(max_new=3)

@@ -206,3 +206,44 @@ def test_a_retracted_held_request_fails_at_its_next_step_on_either_path(hook_mod
     live, fails = seam._classify([(0, req, 3, 1.0, 9, "r")])
     assert live == [] and [f[1] for f in fails] == ["r"] and "retracted" in fails[0][2]
 
+
+
+def test_an_end_the_scheduler_thread_reported_is_untracked_without_a_second_finish(hook_mod, tmp_path):
+    client = Client()
+    link = start_link(hook_mod, tmp_path, client)
+    with link.lock:
+        link.tracked["sent"] = hook_mod.Tracked(Req("sent"), [1, 7, 8], ended=True)
+        link.tracked["other"] = hook_mod.Tracked(Req("other"), [1, 7, 8])
+    assert wait_for(lambda: not link.tracked)
+    assert wait_for(lambda: ("other", [7, 8], False) in client.finished)
+    time.sleep(0.05)
+    assert [f[0] for f in client.finished] == ["other"]
+
+
+def test_a_checked_end_is_reported_from_the_finishing_thread_and_its_later_rows_are_not_steps(hook_mod):
+    """StepSeam.ended (the hold's on_end): one Finish, the answer through its stop, at once; the
+    look-ahead forward's row after it is neither a step nor a failure. A controller that cannot
+    take it leaves the end to the finish watcher."""
+    from mg_server.seam import rollback
+
+    client = Client()
+    seam = object.__new__(hook_mod.StepSeam)
+    seam.link = link = object.__new__(hook_mod.ControllerLink)
+    link.client, link.tracked, link.lock, link.rpc_lock = client, {}, threading.Lock(), threading.Lock()
+    req = Req("r")
+    req.output_ids, req.finished_len = [7, 8, 9], 2  # 9: a held end's surplus
+    t = link.tracked["r"] = hook_mod.Tracked(req, [1, 2, 7, 8, 9])
+    t.hold = rollback.hold(req, lambda r, n: None, link.lock)
+    with link.lock:
+        seam.ended("r", req)
+        seam.ended("r", req)
+    assert client.finished == [("r", [7, 8], False)] and t.ended
+    live, fails = seam._classify([(0, req, 4, 1.0, 9, "r")])
+    assert live == [] and fails == []
+    other = Req("o")
+    t2 = link.tracked["o"] = hook_mod.Tracked(other, [1, 7, 8])
+    t2.hold = rollback.hold(other, lambda r, n: None, link.lock)
+    seam.link.client = Client(fail_first=1)
+    with link.lock:
+        seam.ended("o", other)
+    assert not t2.ended  # the watcher will report it

@@ -135,6 +135,9 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
             self.forwards += 1
         for row in rows:
             st = self._state_for(row)
+            if st.finished_at:  # a look-ahead row reported after its request's Finish: never emitted
+                self.m.lookahead.inc()
+                continue
             if row.epoch != st.epoch and not st.error:  # a timeline cut already
                 self.m.stale_steps.inc()
                 continue

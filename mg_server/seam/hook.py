@@ -216,7 +216,7 @@ class StepSeam(WindowSeam):
             if t is not None and t.req is not req:
                 fails.append((req, key, f"request id {req.rid!r} is already in use"))
                 continue
-            if t is not None and t.failed:
+            if t is not None and (t.failed or t.ended):
                 continue
             if t is not None and t.hold is not None and t.hold.retracted:  # (rollback.py's module doc)
                 fails.append((req, key, "SGLang retracted the request under memory pressure; it cannot resume "

@@ -1,6 +1,8 @@
 """The step seam's link to mg's controller, in SGLang's scheduler process (hook.py's StepSeam
 owns one): one socket for one-way step reports and finishes; the finish watcher thread, which
-reports every finished deterministic request (draining the lagged path's forwards first); and
+reports every finished deterministic request the scheduler thread did not (an answer that ends
+with its every token checked is reported at once: `report_end`), draining the lagged path's
+forwards first; and
 the news watcher, which hands the controller's rollbacks and checked
 lengths to the tracked requests. Also each tracked request's state (`Tracked`) and how SGLang
 ends a request (`end_rules`, sent with its Finish)."""
@@ -44,6 +46,7 @@ class Tracked:
     failed: bool = False  # aborted by mg: later forwards (the abort lands a step later) are ignored
     hold: object = None  # its rollback.Hold (verified length, finish barrier)
     epoch: int = 0  # rollbacks applied (StepRow.epoch)
+    ended: bool = False  # its Finish was sent from the scheduler thread (report_end); later rows are not steps
     rollback: object = None  # a protocol.Rollback to apply at its next forward
 
 
@@ -129,7 +132,8 @@ class ControllerLink:
                     t.hold.verified = max(t.hold.verified, n)
 
     def _watch_finished(self) -> None:
-        """A request's last token is never the input of a forward; report ends from here.
+        """A request's last token is never the input of a forward; report the ends the scheduler
+        thread did not (aborts, ends of requests mg lost track of) from here.
 
         The thread must outlive any error (without it every deterministic response would wait
         for a Finish that never comes): each round is guarded, and the thread beats a file that
@@ -156,9 +160,25 @@ class ControllerLink:
             except OSError:  # run folder removed at shutdown
                 pass
 
-    def _finish(self, rid: str, output: list[int], aborted: bool, reason: str, end: dict | None = None,
-                epoch: int = 0) -> None:
-        msg = P.Finish(rid=rid, output=output, aborted=aborted, reason=reason, epoch=epoch, **(end or {}))
+    @staticmethod
+    def finish_of(rid: str, req, epoch: int) -> P.Finish:
+        """The Finish of a finished `req`: an answer through its stop (a held end's surplus is not
+        part of it, rollback.py); an aborted one whole (its finished_len may be what the output
+        hold showed)."""
+        aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
+        reason = str(getattr(req.finished_reason, "message", "")) if aborted else ""
+        flen = None if aborted else getattr(req, "finished_len", None)
+        output = list(req.output_ids if flen is None else req.output_ids[:flen])
+        return P.Finish(rid=rid, output=output, aborted=aborted, reason=reason, epoch=epoch, **end_rules(req))
+
+    def report_end(self, rid: str, req, epoch: int) -> None:
+        """A request's Finish from the scheduler thread (seam/window.py's `ended`), in order behind
+        the steps this thread reported on the same socket."""
+        msg = self.finish_of(rid, req, epoch)
+        with self.rpc_lock:
+            self.client.finish(msg)
+
+    def _finish(self, msg: P.Finish) -> None:
         with _beating_while_waiting(self, self.rpc_lock):  # a long verify step may hold it
             self.client.finish(msg)
 
@@ -180,25 +200,24 @@ class ControllerLink:
             # the lagged path's forwards launched before these requests finished (the last
             # steps, the look-ahead one) are processed first, while mg still tracks them
             self.before_finish(True)
-        epochs = {}
+        epochs, sent = {}, set()  # sent: Finishes the scheduler thread sent already (report_end)
         with _beating_while_waiting(self, self.lock):
             for rid, req in done:
-                if rid in self.tracked and self.tracked[rid].req is req:
-                    epochs[rid] = self.tracked[rid].epoch
+                t = self.tracked.get(rid)
+                if t is not None and t.req is req:
+                    epochs[rid] = t.epoch
+                    if t.ended:
+                        sent.add(rid)
                     _untrack(self.tracked, rid)
         for rid, req in done:
+            if rid in sent:
+                continue
             try:
-                aborted = type(req.finished_reason).__name__ == "FINISH_ABORT"
-                reason = str(getattr(req.finished_reason, "message", "")) if aborted else ""
-                # an answer through its stop: a held end's surplus is not part of it (rollback.py);
-                # an aborted one whole (its finished_len may be what the output hold showed)
-                flen = None if aborted else getattr(req, "finished_len", None)
-                output = list(req.output_ids if flen is None else req.output_ids[:flen])
-                self._finish(rid, output, aborted, reason, end_rules(req), epochs.get(rid, 0))
+                self._finish(self.finish_of(rid, req, epochs.get(rid, 0)))
             except Exception as e:  # noqa: BLE001 - the verdict then stays "running" and says so
                 log.error("mg: could not report the end of %s: %s", rid, e)
         for rid in broken:
-            self._finish(rid, [], True, "mg lost track of the request")
+            self._finish(P.Finish(rid=rid, output=[], aborted=True, reason="mg lost track of the request"))
 
 
 @contextmanager

@@ -23,6 +23,8 @@ the detokenizer has seen):
   (SGLang's own rule for a speculative overshoot: the client gets the tokens through the stop,
   the release frees the K/V past it). A disagreement before the end voids the end (the rollback
   applies; SGLang's rules end the request again later); one in the surplus is moot.
+  An answer that finishes with its every token checked (a held end once checked, after the barrier, or one checked
+  before its end) is reported to the controller at once from the scheduler thread (`Hold.on_end`).
 - the finish barrier, where a held end cannot be used (no lagged path, i.e. a CPU host: the
   verifier shares SGLang's cores; past SURPLUS_MAX tokens; near the sequence limit; a forward of
   held ends only, where the surplus would only slow the check): the tail is checked at once
@@ -84,9 +86,10 @@ class Hold:
     """What the seam knows of one held request: its verified answer length (the output hold and
     the finish barrier read it) and the tail check the barrier calls."""
 
-    __slots__ = ("verified", "released", "check_tail", "lock", "retracted", "req", "end")
+    __slots__ = ("verified", "released", "check_tail", "lock", "retracted", "req", "end", "on_end")
 
-    def __init__(self, check_tail: Callable[[object], tuple[int, int] | None], lock):
+    def __init__(self, check_tail: Callable[[object], tuple[int, int] | None], lock,
+                 on_end: Callable[[object], None] | None = None):
         self.req = None  # weakref to its Req (set by `hold`): an id() outlives nothing
         self.verified = 0  # answer tokens (not the prompt) checked by the verifier
         self.released = 0  # a stream's answer tokens that may leave unchecked (the margin gate)
@@ -96,6 +99,9 @@ class Hold:
         self.lock = lock  # the seam's: its finish watcher must not see an end the barrier undoes
         self.retracted = False  # SGLang retracted it (memory pressure): the seam fails it
         self.end = None  # a held end: (answer length, finished_reason) SGLang gave it
+        # (req) -> None, called with `lock` held once the request has finished with its every
+        # answer token checked: its end is reported from the scheduler thread (seam/window.py)
+        self.on_end = on_end
 
     def shown(self) -> int:
         """Answer tokens the output hold lets SGLang stream: checked or released, never past a held end."""
@@ -112,10 +118,10 @@ class Hold:
         return True
 
 
-def hold(req, check_tail, lock) -> Hold:
+def hold(req, check_tail, lock, on_end=None) -> Hold:
     """Start holding `req` (its first step): its outputs become `HeldOutputs`. The hold ends when
     the Req is garbage: a new Req at the same id() never finds it."""
-    key, h = id(req), Hold(check_tail, lock)
+    key, h = id(req), Hold(check_tail, lock, on_end)
 
     def gone(_ref, key=key, h=h):
         if _holds.get(key) is h:
@@ -215,23 +221,36 @@ def _update_finish_state(orig):
         if h is None:
             return orig(self, *args, **kwargs)
         with h.lock:
+            ended_before = self.finished()
             orig(self, *args, **kwargs)
             if type(self.finished_reason).__name__ == "FINISH_ABORT":
                 return  # cut short: its verdict says so, and the hold sends only the verified prefix
             if h.end is not None:  # a held end: what SGLang decides about the surplus is moot
                 _held_end(self, h)
-                return
-            if not self.finished() or h.verified >= len(self.output_ids):
-                return
-            # why: a finished request is released to the radix tree and its client; a later
-            # rollback could not take that back, so its tail is checked first
-            n = self.finished_len if self.finished_len is not None else len(self.output_ids)
-            if hold_ends and _may_hold(self, h) and not only_ends:
-                h.end = (n, self.finished_reason)  # checked beside SGLang's forwards instead
-                self.finished_reason = self.finished_len = None
-            elif h.check_tail(self, n) is not None:
-                self.finished_reason = self.finished_len = None
+            elif self.finished() and h.verified < len(self.output_ids):
+                # why: a finished request is released to the radix tree and its client; a later
+                # rollback could not take that back, so its tail is checked first
+                n = self.finished_len if self.finished_len is not None else len(self.output_ids)
+                if hold_ends and _may_hold(self, h) and not only_ends:
+                    h.end = (n, self.finished_reason)  # checked beside SGLang's forwards instead
+                    self.finished_reason = self.finished_len = None
+                elif h.check_tail(self, n) is not None:
+                    self.finished_reason = self.finished_len = None
+            if not ended_before:
+                _checked_end(self, h)
     return update_finish_state
+
+
+def _checked_end(req, h: Hold) -> None:
+    """A request that has just finished with every answer token checked: its end is reported now,
+    from this (the scheduler's) thread. Why not by the finish watcher alone: that thread waits
+    for the GIL behind the scheduler's, 50-100 ms at times on a GPU host, and the answer's
+    verdict waits for the end's report."""
+    if h.on_end is None or not req.finished() or type(req.finished_reason).__name__ == "FINISH_ABORT":
+        return
+    n = req.finished_len if req.finished_len is not None else len(req.output_ids)
+    if h.verified >= n:
+        h.on_end(req)
 
 
 def _may_hold(req, h: Hold) -> bool:

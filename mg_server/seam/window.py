@@ -114,6 +114,21 @@ class WindowSeam:
             self._fail_at_finish(t, req, f"finish barrier: {t.hold.verified} of {upto} tokens checked")
         return None
 
+    def ended(self, key: str, req) -> None:
+        """The request finished with its every answer token checked (rollback.py; the scheduler
+        thread, the caller holds link.lock): its Finish goes now. The controller has every step
+        through the end (it checked them); rows of later forwards are not reported (hook's
+        `_classify`) or, classified before this, dropped by the controller as a finished request's."""
+        t = self.link.tracked.get(key)
+        if t is None or t.req is not req or t.failed or t.ended:
+            return
+        t.ended = True
+        try:
+            self.link.report_end(key, req, t.epoch)
+        except Exception as e:  # noqa: BLE001 - never raise into SGLang's finish rules: the watcher reports it
+            t.ended = False
+            log.warning("mg: the end of %s goes to the finish watcher: %s", key, e)
+
     def _fail_at_finish(self, t: Tracked, req, why: str) -> None:
         """Fail a request the finish barrier holds: its abort replaces the end SGLang just gave it."""
         t.failed = True
@@ -123,7 +138,7 @@ class WindowSeam:
     def hold(self, req, t: Tracked) -> None:
         """The request's output held until checked, its finish behind the barrier (rollback.py)."""
         key = instance_key(req.rid, (req.sampling_params.custom_params or {}).get(INSTANCE_PARAM))
-        t.hold = rollback.hold(req, partial(self.check_tail, key), self.link.lock)
+        t.hold = rollback.hold(req, partial(self.check_tail, key), self.link.lock, partial(self.ended, key))
         if key in self._released_first:  # (its first row was released before it was tracked)
             self._released_first.discard(key)
             t.hold.released = 1
