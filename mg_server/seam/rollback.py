@@ -23,8 +23,9 @@ the detokenizer has seen):
   (SGLang's own rule for a speculative overshoot: the client gets the tokens through the stop,
   the release frees the K/V past it). A disagreement before the end voids the end (the rollback
   applies; SGLang's rules end the request again later); one in the surplus is moot.
-  An answer that finishes with its every token checked (a held end once checked, after the barrier, or one checked
-  before its end) is reported to the controller at once from the scheduler thread (`Hold.on_end`).
+  An answer that finishes with its every token checked (a held end once checked, after the
+  barrier, or one checked before its end) is reported to the controller at once from the
+  scheduler thread (`Hold.on_end`).
 - the finish barrier, where a held end cannot be used (no lagged path, i.e. a CPU host: the
   verifier shares SGLang's cores; past SURPLUS_MAX tokens; near the sequence limit; a forward of
   held ends only, where the surplus would only slow the check): the tail is checked at once
