@@ -6,9 +6,8 @@
 Each batch is one streamed /generate body of 32 rows (X-Deterministic: 1), read to its end (the
 verdict event included) before the next is posted. Per batch: the rows' first chunk, the chunk
 at token 16 and the last chunk (seconds from the post; median and max over the rows), how long
-the verdict event came after the last row's last chunk, and the
-differences of mg's counters around it, so a slow batch shows whether it did more checks or
-waited. Patterns, in order: a warm-up batch; `--reps` batches back to back (8 prompts, each 4
+after the last row's last chunk the verdict event came, and the differences of mg's counters
+around it, so a slow batch shows whether it did more checks or waited. Patterns, in order: a warm-up batch; `--reps` batches back to back (8 prompts, each 4
 times); `--reps` after a 2 s pause each; `--reps` of 32 distinct prompts back to back; two plain
 batches back to back. PROMPTS.json: token ids under "det", "other" and "prefix" (default
 benchmarks/data/gpu_prompts.json, gpu_sweep.py's). --checkpoint starts a margin server of the smol shape on CUDA at --tau
