@@ -123,8 +123,9 @@ def test_the_finish_watcher_drains_before_it_reports_an_end(hook_mod, runner, tm
     seam(None, sampler_args([(req, True)], logits_with(6, 4.0), [1]))
     order = []
     seam.link.client.report = lambda rows: order.append(("report", rows[0].pos))
-    link = SimpleNamespace(tracked={"w": SimpleNamespace(req=req, epoch=0)}, lock=seam.link.lock, before_finish=seam.lagged.drain,
-                           _finish=lambda rid, *rest: order.append(("finish", rid)))
+    link = SimpleNamespace(tracked={"w": SimpleNamespace(req=req, epoch=0, ended=False)}, lock=seam.link.lock,
+                           before_finish=seam.lagged.drain, finish_of=hook_mod.ControllerLink.finish_of,
+                           _finish=lambda msg: order.append(("finish", msg.rid)))
     req.finished = lambda: True
     req.finished_reason, req.output_ids = None, [6]
     monkeypatch.setattr(link_mod, "end_rules", lambda req: {})
@@ -143,7 +144,7 @@ def test_a_finished_requests_last_forward_is_processed_while_mg_still_tracks_it(
     assert len(seam.lagged.pending) == 1
     finished = []
     seam.link.before_finish = seam.lagged.drain
-    seam.link._finish = lambda rid, *rest: finished.append(rid)
+    seam.link._finish, seam.link.finish_of = lambda msg: finished.append(msg.rid), hook_mod.ControllerLink.finish_of
     req.finished = lambda: True
     req.finished_reason, req.output_ids = None, [6, 9]
     monkeypatch.setattr(link_mod, "end_rules", lambda req: {})

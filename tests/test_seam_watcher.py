@@ -214,6 +214,8 @@ def test_an_end_the_scheduler_thread_reported_is_untracked_without_a_second_fini
     with link.lock:
         link.tracked["sent"] = hook_mod.Tracked(Req("sent"), [1, 7, 8], ended=True)
         link.tracked["other"] = hook_mod.Tracked(Req("other"), [1, 7, 8])
+        # reported already, then its state cannot be read: not a second, cut-short Finish
+        link.tracked["sent-broken"] = hook_mod.Tracked(Req("sent-broken", fail=100), [1, 7, 8], ended=True)
     assert wait_for(lambda: not link.tracked)
     assert wait_for(lambda: ("other", [7, 8], False) in client.finished)
     time.sleep(0.05)
@@ -221,29 +223,39 @@ def test_an_end_the_scheduler_thread_reported_is_untracked_without_a_second_fini
 
 
 def test_a_checked_end_is_reported_from_the_finishing_thread_and_its_later_rows_are_not_steps(hook_mod):
-    """StepSeam.ended (the hold's on_end): one Finish, the answer through its stop, at once; the
-    look-ahead forward's row after it is neither a step nor a failure. A controller that cannot
-    take it leaves the end to the finish watcher."""
+    """The hold's on_end (wired by StepSeam.hold) sends one Finish, the answer through its stop, at
+    once; the look-ahead forward's row after it is neither a step nor a failure. An end whose last
+    step the seam has not reported yet (a forward processed late), or that the controller cannot
+    take, is left to the finish watcher."""
     from mg_server.seam import rollback
 
     client = Client()
     seam = object.__new__(hook_mod.StepSeam)
     seam.link = link = object.__new__(hook_mod.ControllerLink)
     link.client, link.tracked, link.lock, link.rpc_lock = client, {}, threading.Lock(), threading.Lock()
-    req = Req("r")
-    req.output_ids, req.finished_len = [7, 8, 9], 2  # 9: a held end's surplus
-    t = link.tracked["r"] = hook_mod.Tracked(req, [1, 2, 7, 8, 9])
-    t.hold = rollback.hold(req, lambda r, n: None, link.lock)
+    seam._released_first = set()
+
+    def held(rid, tokens, output, finished_len=None):
+        req = Req(rid)
+        req.origin_input_ids, req.output_ids, req.finished_len = [1, 2], output, finished_len
+        req.sampling_params.custom_params = None
+        t = link.tracked[rid] = hook_mod.Tracked(req, tokens)
+        seam.hold(req, t)
+        return req, t
+
+    req, t = held("r", [1, 2, 7, 8, 9], [7, 8, 9], finished_len=2)  # 9: a held end's surplus
     with link.lock:
-        seam.ended("r", req)
-        seam.ended("r", req)
+        rollback.held(req).on_end(req)
+        rollback.held(req).on_end(req)
     assert client.finished == [("r", [7, 8], False)] and t.ended
     live, fails = seam._classify([(0, req, 4, 1.0, 9, "r")])
     assert live == [] and fails == []
-    other = Req("o")
-    t2 = link.tracked["o"] = hook_mod.Tracked(other, [1, 7, 8])
-    t2.hold = rollback.hold(other, lambda r, n: None, link.lock)
+    late, t_late = held("late", [1, 2, 7], [7, 8])  # token 8's step not reported yet
+    with link.lock:
+        rollback.held(late).on_end(late)
+    assert not t_late.ended and [f[0] for f in client.finished] == ["r"]
+    other, t2 = held("o", [1, 2, 7, 8], [7, 8])
     seam.link.client = Client(fail_first=1)
     with link.lock:
-        seam.ended("o", other)
+        rollback.held(other).on_end(other)
     assert not t2.ended  # the watcher will report it

@@ -1,10 +1,9 @@
 """The step seam's link to mg's controller, in SGLang's scheduler process (hook.py's StepSeam
 owns one): one socket for one-way step reports and finishes; the finish watcher thread, which
 reports every finished deterministic request the scheduler thread did not (an answer that ends
-with its every token checked is reported at once: `report_end`), draining the lagged path's
-forwards first; and
-the news watcher, which hands the controller's rollbacks and checked
-lengths to the tracked requests. Also each tracked request's state (`Tracked`) and how SGLang
+with its every token checked and reported is reported at once: `report_end`), draining the
+lagged path's forwards first; and the news watcher, which hands the controller's rollbacks and
+checked lengths to the tracked requests. Also each tracked request's state (`Tracked`) and how SGLang
 ends a request (`end_rules`, sent with its Finish)."""
 
 from __future__ import annotations
@@ -192,7 +191,8 @@ class ControllerLink:
                 except Exception as e:  # noqa: BLE001 - a broken entry must not block the others
                     log.error("mg: %s ends here: its state cannot be read (%s)", rid, e)
                     _untrack(self.tracked, rid)
-                    broken.append(rid)
+                    if not t.ended:  # (its Finish went already: never a second, cut-short one)
+                        broken.append(rid)
                     continue
                 if finished:
                     done.append((rid, t.req))

@@ -116,11 +116,16 @@ class WindowSeam:
 
     def ended(self, key: str, req) -> None:
         """The request finished with its every answer token checked (rollback.py; the scheduler
-        thread, the caller holds link.lock): its Finish goes now. The controller has every step
-        through the end (it checked them); rows of later forwards are not reported (hook's
-        `_classify`) or, classified before this, dropped by the controller as a finished request's."""
+        thread, the caller holds link.lock): its Finish goes now, if the seam has reported every
+        step through the end, else the finish watcher sends it after the lagged path's drain (a
+        forward processed late: SGLang's delayed sampling; or `checked` unheld after a missed
+        flip). Rows of later forwards are not reported (hook's `_classify`) or, classified before
+        this, dropped by the controller as a finished request's."""
         t = self.link.tracked.get(key)
         if t is None or t.req is not req or t.failed or t.ended:
+            return
+        n = req.finished_len if req.finished_len is not None else len(req.output_ids)
+        if len(t.tokens) - len(req.origin_input_ids) < n:  # (a report appends to `tokens` after its send)
             return
         t.ended = True
         try:
