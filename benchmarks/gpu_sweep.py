@@ -153,8 +153,8 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
     stream > 0: one streamed run per rep instead, a chunk every `stream` tokens, ms/step from the
     chunks' arrival times (stream_timing.py: prefill, first steps and the verdict's wait left out),
     and ms per token of the whole answers (post to last chunk), which a held row's checks cannot
-    drop out of."""
-    kinds = ("det", "plain", "det_answer", "plain_answer") if stream else ("det", "plain")
+    drop out of, and the ms from a deterministic body's last chunk to its verdict event."""
+    kinds = ("det", "plain", "det_answer", "plain_answer", "det_verdict_wait") if stream else ("det", "plain")
     res = {s.name: {**{k: {} for k in kinds}, "verdicts": {}, "by_batch": {}} for s in servers}
     for bs in batches:
         rows = [prompts[i % len(prompts)] for i in range(bs)]
@@ -202,7 +202,7 @@ def timed(base, srv, prompts, batches, new, reps, frac, singles=False, short=2, 
     mg = ms[srv.name]
     return {"base": ms[base.name]["plain"], "mg": mg["det"] or mg["plain"], "mg_plain": mg["plain"],
             "base_answer": ms[base.name].get("plain_answer", {}), "mg_answer": mg.get("det_answer") or mg.get("plain_answer", {}),
-            "verdicts": mg["verdicts"], "by_batch": mg["by_batch"], **rates(before, metrics(srv.url))}
+            "mg_verdict_wait": mg.get("det_verdict_wait", {}), "verdicts": mg["verdicts"], "by_batch": mg["by_batch"], **rates(before, metrics(srv.url))}
 
 
 def run_model(name: str, args, prompts: dict, out: Path) -> dict:
@@ -352,6 +352,16 @@ def summarize(r: dict) -> str:
             d = c["det"]
             lines.append(f"| mg margin ~{c['target']}{_variant(c)} | "
                          + " | ".join(pct_reps(d["mg_answer"][b], d["base_answer"][b]) for b in r["batches"]) + " |")
+        waits = [c for c in answers if c["det"].get("mg_verdict_wait")]
+        if waits:  # a deterministic response ends with its verdict event, after the last chunk
+            lines += ["", "The verdict event after the body's last chunk, all rows deterministic (ms, median over "
+                      "the reps) [min..max]:", "", "| config | " + " | ".join(f"bs {b}" for b in r["batches"]) + " |",
+                      "|---" * (1 + len(r["batches"])) + "|"]
+            for c in waits:
+                w = c["det"]["mg_verdict_wait"]
+                lines.append(f"| mg margin ~{c['target']}{_variant(c)} | " + " | ".join(
+                    f"{w[b]['median']:.0f} [{min(w[b]['all']):.0f}..{max(w[b]['all']):.0f}]" if b in w else ""
+                    for b in r["batches"]) + " |")
     held = [(c, part, bs, x) for c in r["configs"] for part in ("det", "mixed")
             for bs, x in sorted(c[part].get("by_batch", {}).items())]
     if held:

@@ -17,6 +17,8 @@ check's time drops out of the interval (on an H200 the 8B shape's all-determinis
 timed -23 % against plain SGLang with a 32-forward check delay, impossible for the same
 forwards). Each row is therefore also timed as a whole answer: from the post to its last chunk,
 per answer token (`answer_ms`; prefill and every wait included, the same rule for both servers).
+A deterministic response ends with its verdict event, after the last chunk: `verdict_wait_ms`
+times that wait per body.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import threading
 import time
 
 
-def read_stream(resp, clock=time.perf_counter) -> tuple[dict[int, list[tuple[int, float]]], list]:
+def read_stream(resp, clock=time.perf_counter, marks: dict | None = None) -> tuple[dict[int, list[tuple[int, float]]], list]:
     """SSE lines of a /generate stream -> ({index: [(completion tokens, arrival time)]}, the
-    states of mg's verdict event, `data: {"mg_verdict": {...}}`, if one came). Raises on an error event."""
+    states of mg's verdict event, `data: {"mg_verdict": {...}}`, if one came); `marks["verdict"]`:
+    that event's arrival time. Raises on an error event."""
     points: dict[int, list[tuple[int, float]]] = {}
     states: list = []
     buf = b""
@@ -44,6 +47,8 @@ def read_stream(resp, clock=time.perf_counter) -> tuple[dict[int, list[tuple[int
                     raise RuntimeError(f"stream error: {ev['error']}")
                 if "mg_verdict" in ev:
                     states = ev["mg_verdict"]["states"]
+                    if marks is not None:
+                        marks["verdict"] = now
                     continue
                 points.setdefault(ev.get("index", 0), []).append((ev["meta_info"]["completion_tokens"], now))
     return points, states
@@ -70,12 +75,22 @@ def answer_ms(points: list[tuple[int, float]], new: int, posted: float) -> float
     return (_last(points, new)[1] - posted) / new * 1e3
 
 
+def verdict_wait_ms(points: dict[int, list[tuple[int, float]]], marks: dict) -> float:
+    """ms from a body's last chunk (of any row) to its verdict event, which ends a deterministic
+    response (the whole answers stop at the last chunk)."""
+    if "verdict" not in marks:
+        raise RuntimeError("a deterministic stream ended without its verdict event")
+    return (marks["verdict"] - max(p[-1][1] for p in points.values())) * 1e3
+
+
 def stream_batch(url: str, rows: list[list[int]], new: int, n_det: int, singles: bool = False,
                  interval: int = 8) -> dict:
     """gpu_sweep.front_batch with streamed answers: the first n_det rows deterministic (one body,
     or one request each with singles), the rest one plain body, all posted at the same moment.
     -> {"det"/"plain": ms/step (median over the rows), "det_answer"/"plain_answer": ms per token
-    of the whole answers (median over the rows), "det_verdict": the verdict states}."""
+    of the whole answers (median over the rows), "det_verdict": the verdict states,
+    "det_verdict_wait": ms from a deterministic body's last chunk to its verdict (median over the
+    bodies)}."""
     import requests
 
     params = {"max_new_tokens": new, "ignore_eos": True, "temperature": 0, "stream_interval": interval}
@@ -83,17 +98,19 @@ def stream_batch(url: str, rows: list[list[int]], new: int, n_det: int, singles:
 
     def post(key: str, part: list[list[int]], headers: dict) -> None:
         try:
-            posted = time.perf_counter()
+            posted, marks = time.perf_counter(), {}
             with requests.post(url + "/generate", json={"input_ids": part, "sampling_params": params,
                                                         "stream": True},
                                headers=headers, timeout=600, stream=True) as r:
                 r.raise_for_status()
-                points, states = read_stream(r)
+                points, states = read_stream(r, marks=marks)
             if len(points) != len(part):
                 raise RuntimeError(f"{len(points)} of {len(part)} rows streamed")
             out[key] = [steady_ms(p, new) for p in points.values()]
             out[key + "_answer"] = [answer_ms(p, new, posted) for p in points.values()]
             out[key + "_verdict"] = ",".join(sorted(set(states))) if headers else ""
+            if headers and states:  # (mode off answers no verdict)
+                out[key + "_verdict_wait"] = verdict_wait_ms(points, marks)
         except Exception as e:  # noqa: BLE001 - reported by the caller
             out[key + "_error"] = repr(e)
 
@@ -102,6 +119,9 @@ def stream_batch(url: str, rows: list[list[int]], new: int, n_det: int, singles:
     if n_parts:
         res["det"] = statistics.median([x for k in range(n_parts) for x in out[f"det{k}"]])
         res["det_answer"] = statistics.median([x for k in range(n_parts) for x in out[f"det{k}_answer"]])
+        waits = [out[f"det{k}_verdict_wait"] for k in range(n_parts) if f"det{k}_verdict_wait" in out]
+        if waits:
+            res["det_verdict_wait"] = statistics.median(waits)
         verdicts = {out[f"det{k}_verdict"] for k in range(n_parts)}
         res["det_verdict"] = verdicts.pop() if len(verdicts) == 1 else "mixed: " + ";".join(sorted(verdicts))
     if "plain" in out:

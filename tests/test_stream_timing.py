@@ -1,6 +1,6 @@
 """The streamed decode measures of the GPU sweep (benchmarks/stream_timing.py) on synthetic
 chunk times: the steady measure drops the wait of a held row's first check, the whole-answer
-measure keeps it."""
+measure keeps it, and a deterministic body's verdict wait is timed from its last chunk."""
 from __future__ import annotations
 
 import sys
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from stream_timing import answer_ms, steady_ms  # noqa: E402
+from stream_timing import answer_ms, read_stream, steady_ms, verdict_wait_ms  # noqa: E402
 
 NEW, STEP_MS = 64, 10.0  # a 64-token answer decoded at 10 ms a token, posted at t = 0
 
@@ -32,3 +32,28 @@ def test_held_row_steady_measure_understates_and_the_answer_measure_does_not():
 def test_a_short_row_is_refused():
     with pytest.raises(RuntimeError, match="streamed 56 of 64"):
         answer_ms([(56, 0.5)], NEW, posted=0.0)
+
+
+class FakeStream:
+    """A /generate SSE body, one network read per item."""
+
+    def __init__(self, reads):
+        self.reads = reads
+
+    def iter_content(self, chunk_size=None):
+        yield from self.reads
+
+
+def test_the_verdict_wait_runs_from_the_bodys_last_chunk_to_its_verdict_event():
+    reads = [b'data: {"index": 0, "meta_info": {"completion_tokens": 8}}\n',
+             b'data: {"index": 1, "meta_info": {"completion_tokens": 8}}\ndata: {"index": 0, "meta_info": '
+             b'{"completion_tokens": 16}}\n',
+             b'data: {"index": 1, "meta_info": {"completion_tokens": 16}}\n',
+             b'data: {"mg_verdict": {"states": ["verified", "verified"]}}\n', b"data: [DONE]\n"]
+    times = iter([0.10, 0.20, 0.30, 0.38, 0.39])
+    marks = {}
+    points, states = read_stream(FakeStream(reads), clock=lambda: next(times), marks=marks)
+    assert points == {0: [(8, 0.10), (16, 0.20)], 1: [(8, 0.20), (16, 0.30)]} and states == ["verified"] * 2
+    assert verdict_wait_ms(points, marks) == pytest.approx(80.0)  # 0.38 - 0.30
+    with pytest.raises(RuntimeError, match="without its verdict"):
+        verdict_wait_ms(points, {})
