@@ -109,7 +109,7 @@ def stream_batch(url: str, rows: list[list[int]], new: int, n_det: int, singles:
             out[key] = [steady_ms(p, new) for p in points.values()]
             out[key + "_answer"] = [answer_ms(p, new, posted) for p in points.values()]
             out[key + "_verdict"] = ",".join(sorted(set(states))) if headers else ""
-            if headers and states:  # (mode off answers no verdict)
+            if headers:  # every deterministic body ends with its verdict event (mode off: unverified)
                 out[key + "_verdict_wait"] = verdict_wait_ms(points, marks)
         except Exception as e:  # noqa: BLE001 - reported by the caller
             out[key + "_error"] = repr(e)

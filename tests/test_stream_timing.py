@@ -46,14 +46,14 @@ class FakeStream:
 
 def test_the_verdict_wait_runs_from_the_bodys_last_chunk_to_its_verdict_event():
     reads = [b'data: {"index": 0, "meta_info": {"completion_tokens": 8}}\n',
-             b'data: {"index": 1, "meta_info": {"completion_tokens": 8}}\ndata: {"index": 0, "meta_info": '
+             b'data: {"index": 1, "meta_info": {"completion_tokens": 8}}\ndata: {"index": 1, "meta_info": '
              b'{"completion_tokens": 16}}\n',
-             b'data: {"index": 1, "meta_info": {"completion_tokens": 16}}\n',
+             b'data: {"index": 0, "meta_info": {"completion_tokens": 16}}\n',
              b'data: {"mg_verdict": {"states": ["verified", "verified"]}}\n', b"data: [DONE]\n"]
-    times = iter([0.10, 0.20, 0.30, 0.38, 0.39])
+    times = iter([0.10, 0.25, 0.30, 0.38, 0.39])
     marks = {}
     points, states = read_stream(FakeStream(reads), clock=lambda: next(times), marks=marks)
-    assert points == {0: [(8, 0.10), (16, 0.20)], 1: [(8, 0.20), (16, 0.30)]} and states == ["verified"] * 2
-    assert verdict_wait_ms(points, marks) == pytest.approx(80.0)  # 0.38 - 0.30
+    assert points == {0: [(8, 0.10), (16, 0.30)], 1: [(8, 0.25), (16, 0.25)]} and states == ["verified"] * 2
+    assert verdict_wait_ms(points, marks) == pytest.approx(80.0)  # 0.38 - 0.30: row 0 ended last
     with pytest.raises(RuntimeError, match="without its verdict"):
         verdict_wait_ms(points, {})
