@@ -199,7 +199,7 @@ def test_an_end_is_reported_once_the_moment_the_request_finishes_with_its_answer
 
     def make_reported(**kw):
         req = make(**kw)
-        rollback.held(req).on_end = ends.append
+        rollback.held(req).on_end = lambda r, n: ends.append((r, n))
         return req
 
     req = make_reported(max_new=3)  # a held end: reported when its check reaches the end
@@ -210,20 +210,20 @@ def test_an_end_is_reported_once_the_moment_the_request_finishes_with_its_answer
     assert ends == [] and not req.finished()
     h.verified = 5
     step(req, 15)
-    assert ends == [req] and req.finished_len == 3
+    assert ends == [(req, 3)] and req.finished_len == 3
     step(req, 16)  # SGLang's rules run again on a finished request: not a second report
-    assert ends == [req]
+    assert ends == [(req, 3)]
     ends.clear()
     checked = make_reported(max_new=2)  # every token checked before its end: reported at the end
     rollback.held(checked).verified = 2
     step(checked, 10, 11)
-    assert ends == [checked]
+    assert ends == [(checked, 2)]
     ends.clear()
     monkeypatch.setattr(rollback, "only_ends", True)  # the barrier: reported once it checked the end
     seam.barrier_verified = 2
     barrier = make_reported(max_new=2)
     step(barrier, 10, 11)
-    assert ends == [barrier] and barrier.finished()
+    assert ends == [(barrier, 2)] and barrier.finished()
     ends.clear()
     seam.barrier_answer = (0, 77)  # the barrier found a flip: not finished, nothing reported
     flipped = make_reported(max_new=2)

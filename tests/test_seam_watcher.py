@@ -245,17 +245,17 @@ def test_a_checked_end_is_reported_from_the_finishing_thread_and_its_later_rows_
 
     req, t = held("r", [1, 2, 7, 8, 9], [7, 8, 9], finished_len=2)  # 9: a held end's surplus
     with link.lock:
-        rollback.held(req).on_end(req)
-        rollback.held(req).on_end(req)
+        rollback.held(req).on_end(req, 2)
+        rollback.held(req).on_end(req, 2)
     assert client.finished == [("r", [7, 8], False)] and t.ended
     live, fails = seam._classify([(0, req, 4, 1.0, 9, "r")])
     assert live == [] and fails == []
     late, t_late = held("late", [1, 2, 7], [7, 8])  # token 8's step not reported yet
     with link.lock:
-        rollback.held(late).on_end(late)
+        rollback.held(late).on_end(late, 2)
     assert not t_late.ended and [f[0] for f in client.finished] == ["r"]
     other, t2 = held("o", [1, 2, 7, 8], [7, 8])
     seam.link.client = Client(fail_first=1)
     with link.lock:
-        rollback.held(other).on_end(other)
+        rollback.held(other).on_end(other, 2)
     assert not t2.ended  # the watcher will report it

@@ -90,7 +90,7 @@ class Hold:
     __slots__ = ("verified", "released", "check_tail", "lock", "retracted", "req", "end", "on_end")
 
     def __init__(self, check_tail: Callable[[object], tuple[int, int] | None], lock,
-                 on_end: Callable[[object], None] | None = None):
+                 on_end: Callable[[object, int], None] | None = None):
         self.req = None  # weakref to its Req (set by `hold`): an id() outlives nothing
         self.verified = 0  # answer tokens (not the prompt) checked by the verifier
         self.released = 0  # a stream's answer tokens that may leave unchecked (the margin gate)
@@ -100,8 +100,8 @@ class Hold:
         self.lock = lock  # the seam's: its finish watcher must not see an end the barrier undoes
         self.retracted = False  # SGLang retracted it (memory pressure): the seam fails it
         self.end = None  # a held end: (answer length, finished_reason) SGLang gave it
-        # (req) -> None, called with `lock` held once the request has finished with its every
-        # answer token checked: its end is reported from the scheduler thread (seam/window.py)
+        # (req, answer length) -> None, called with `lock` held once the request has finished with
+        # its every answer token checked: its end is reported from the scheduler thread (seam/window.py)
         self.on_end = on_end
 
     def shown(self) -> int:
@@ -231,7 +231,7 @@ def _update_finish_state(orig):
             elif self.finished() and h.verified < len(self.output_ids):
                 # why: a finished request is released to the radix tree and its client; a later
                 # rollback could not take that back, so its tail is checked first
-                n = self.finished_len if self.finished_len is not None else len(self.output_ids)
+                n = _answer_len(self)
                 if hold_ends and _may_hold(self, h) and not only_ends:
                     h.end = (n, self.finished_reason)  # checked beside SGLang's forwards instead
                     self.finished_reason = self.finished_len = None
@@ -249,9 +249,14 @@ def _checked_end(req, h: Hold) -> None:
     verdict waits for the end's report."""
     if h.on_end is None or not req.finished() or type(req.finished_reason).__name__ == "FINISH_ABORT":
         return
-    n = req.finished_len if req.finished_len is not None else len(req.output_ids)
+    n = _answer_len(req)
     if h.verified >= n:
-        h.on_end(req)
+        h.on_end(req, n)
+
+
+def _answer_len(req) -> int:
+    """A finished request's answer through its stop (SGLang's finished_len, else every output)."""
+    return req.finished_len if req.finished_len is not None else len(req.output_ids)
 
 
 def _may_hold(req, h: Hold) -> bool:

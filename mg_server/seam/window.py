@@ -114,9 +114,9 @@ class WindowSeam:
             self._fail_at_finish(t, req, f"finish barrier: {t.hold.verified} of {upto} tokens checked")
         return None
 
-    def ended(self, key: str, req) -> None:
-        """The request finished with its every answer token checked (rollback.py; the scheduler
-        thread, the caller holds link.lock): its Finish goes now, if the seam has reported every
+    def ended(self, key: str, req, n: int) -> None:
+        """The request finished with every one of its `n` answer tokens checked (rollback.py; the
+        scheduler thread, the caller holds link.lock): its Finish goes now, if the seam has reported every
         step through the end, else the finish watcher sends it after the lagged path's drain (a
         forward processed late: SGLang's delayed sampling; or `checked` unheld after a missed
         flip). Rows of later forwards are not reported (hook's `_classify`) or, classified before
@@ -124,7 +124,6 @@ class WindowSeam:
         t = self.link.tracked.get(key)
         if t is None or t.req is not req or t.failed or t.ended:
             return
-        n = req.finished_len if req.finished_len is not None else len(req.output_ids)
         if len(t.tokens) - len(req.origin_input_ids) < n:  # (a report appends to `tokens` after its send)
             return
         t.ended = True
