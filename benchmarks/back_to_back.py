@@ -8,8 +8,9 @@ verdict event included) before the next is posted. Per batch: the rows' first ch
 at token 16 and the last chunk (seconds from the post; median and max over the rows), how long
 after the last row's last chunk the verdict event came, and the differences of mg's counters
 around it, so a slow batch shows whether it did more checks or waited. Patterns, in order: a warm-up batch; `--reps` batches back to back (8 prompts, each 4
-times); `--reps` after a 2 s pause each; `--reps` of 32 distinct prompts back to back; two plain
-batches back to back. PROMPTS.json: token ids under "det", "other" and "prefix" (default
+times); `--reps` after a 2 s pause each; `--reps` of 32 distinct prompts back to back, then after a
+pause each (a quarter of them ~1,250 tokens long); two plain batches back to back, then two of the
+distinct prompts. PROMPTS.json: token ids under "det", "other" and "prefix" (default
 benchmarks/data/gpu_prompts.json, gpu_sweep.py's). --checkpoint starts a margin server of the smol shape on CUDA at --tau
 (gpu_e2e.start, lagged seam) and stops it after; on the device machine after
 `benchmarks/device_real_smol.sh build`, e.g. --checkpoint /tmp/mg-models/smol-real --tau 0.578125.
@@ -65,7 +66,8 @@ def run(url: str, prompts: dict, tokens: int, reps: int) -> list[dict]:
     distinct = (prompts["det"] + prompts["other"] + prompts["prefix"])[:ROWS]
     plan = [("warm-up", repeated, 1, 0.0, True), ("back to back", repeated, reps, 0.0, True),
             ("after a pause", repeated, reps, PAUSE_S, True), ("distinct, back to back", distinct, reps, 0.0, True),
-            ("plain, back to back", repeated, 2, 0.0, False)]
+            ("distinct, after a pause", distinct, reps, PAUSE_S, True),
+            ("plain, back to back", repeated, 2, 0.0, False), ("plain, distinct", distinct, 2, 0.0, False)]
     out = []
     for name, rows, n, pause, det in plan:
         for i in range(n):
