@@ -388,6 +388,33 @@ def test_a_chunk_error_fails_the_request(make_ctl):
     assert ctl._verdict("x").state == "failed"
 
 
+def test_long_prompts_checked_together_share_verify_calls(make_ctl):
+    # on a GPU verifier a catch-up chunk is a whole call's rows: the prompts of requests checked
+    # together go in a few packed calls (one read of the weights each), not a call per 8 tokens
+    # of one request after another; a prompt longer than a call still goes in chunks, in rounds
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    ctl = make_ctl("margin", 0.5)
+    ctl.cfg = replace(ctl.cfg, catchup_chunk=8, verifier=SimpleNamespace(n_slots=64, device="cuda"))  # 128 rows a call
+    prompts = {"a": [(3 * i) % 50 + 1 for i in range(60)], "b": [(7 * i) % 50 + 1 for i in range(60)],
+               "c": [(5 * i) % 50 + 1 for i in range(60)], "long": [(11 * i) % 50 + 1 for i in range(300)]}
+    toks = {rid: list(p) for rid, p in prompts.items()}
+    for k in range(3):
+        for rid, t in toks.items():
+            ctl._step([_window_row(t, k, ref_next(t), 0.1, rid=rid)])
+            t.append(ref_next(t))
+    ctl.forwards = ctl.window_due
+    ctl._idle_turn()
+    items, calls = ctl.vclient.items, ctl.vclient.calls
+    rows = [sum(len(it.tokens) for it in items[sum(map(len, calls[:j])):][:len(c)]) for j, c in enumerate(calls)]
+    assert all(r <= 128 for r in rows) and len(calls) <= 5  # 362 + 3 x 62 rows (one request after another: 59 calls)
+    assert calls[0] == ["long"] and calls[1] == ["long"]  # its first 256 tokens, in two rounds
+    assert sorted(rid for c in calls[2:] for rid in c) == ["a", "b", "c", "long"]
+    for rid, t in toks.items():  # every token seen once, in order, and checked
+        assert ctl.vclient.seen[rid] == t[:-1] and ctl.reqs[rid].checked == 3 and not ctl.reqs[rid].error
+
+
 def _window_row(toks, k, fast, margin, epoch=0, rid="w"):
     return P.StepRow(rid=rid, pos=len(toks) - 1, prompt=list(toks) if k == 0 else [], margin=margin,
                      fast_token=fast, epoch=epoch)

@@ -125,20 +125,11 @@ class AuditMixin:
             for _, st, _ in todo:
                 st.error = "deterministic verifier is not running (final audit)"
             return
-        ready = []
-        for rid, st, n in todo:
-            st.error = self._catch_up(rid, st, n - 2)
-            if not st.error:
-                ready.append((rid, st, n))
+        self._catch_up([(rid, st, n - 2) for rid, st, n in todo])
+        ready = [(rid, st, n) for rid, st, n in todo if not st.error]
         for k in range(0, len(ready), AUDIT_ITEMS):
             part = ready[k:k + AUDIT_ITEMS]
-            results = []
-            for call in self._calls([self._item(rid, st, n - 2) for rid, st, n in part]):  # (rows bounded)
-                self._fresh_deadlines(call)
-                try:
-                    results += self.vclient.verify_many(call)
-                except VerifierError as e:
-                    results += [P.ErrorReply(code=e.code, message=e.message) for _ in call]
+            results = self._verify([self._item(rid, st, n - 2) for rid, st, n in part])  # (rows bounded)
             for (rid, st, n), res in zip(part, results):
                 if isinstance(res, P.ErrorReply):
                     st.error = f"verifier (final audit): {VerifierError.of(res)}"

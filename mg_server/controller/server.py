@@ -163,10 +163,14 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
                                            temperature=row.temperature, seed=row.seed)
         return st
 
-    def _catch_up(self, rid: str, st: ReqState, pos: int) -> str:
-        """All but the last chunk of what the verifier has not seen before pos (controller.catchup)."""
-        return catch_up(self.vclient, lambda end: self._item(rid, st, end), lambda res: self._audit(rid, st, res),
-                        st, pos, self.cfg.catchup_chunk)
+    def _catch_up(self, todo: list[tuple[str, ReqState, int]]) -> None:
+        """All but the last chunk of what the verifier has not seen before each (rid, st, pos) of
+        todo, the requests' chunks sharing calls (controller.catchup); a failure is its request's."""
+        catch_up(todo, self._rows_per_call(), self._item, self._verify, self._audit)
+
+    def _verify(self, items: list[P.VerifyItem]) -> list[P.VerifyResult | P.ErrorReply]:
+        """The items' results, in as few calls as the verifier accepts (`_calls`)."""
+        return [res for part in self._calls(items) for res in self._call_verifier(part)]
 
     def _call_verifier(self, items: list[P.VerifyItem], t0: float | None = None) -> list[P.VerifyResult | P.ErrorReply]:
         """One verify call (its items share one batched forward), timed from t0 (default: now);
@@ -190,24 +194,23 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         """Check the resumable requests that committed low-margin steps (module doc), in one call."""
         todo, self.checks = self.checks, {}
         batch = []
+        up = self.verifier_up()
         for rid, positions in todo.items():
             st = self.reqs.get(rid)
             if st is None or st.error or st.finished_at or st.mismatches:
                 continue  # gone, failed, diverged already, or finished (its tail audit covers it)
-            pos = len(st.tokens) - 2  # up to the latest decided token t_{pos+1}
-            if not self.verifier_up():
+            if not up:
                 st.error = "deterministic verifier is not running"
-            else:
-                st.error = self._catch_up(rid, st, pos)
-            if not st.error and not st.mismatches:
-                batch.append((rid, st, pos, positions))
-            elif st.mismatches:
+                continue
+            batch.append((rid, st, len(st.tokens) - 2, positions))  # up to the latest decided token t_{pos+1}
+        self._catch_up([(rid, st, pos) for rid, st, pos, _ in batch])
+        for rid, st, _, _ in batch:
+            if st.mismatches:
                 self._diverged(rid, st)
+        batch = [b for b in batch if not b[1].error and not b[1].mismatches]
         if not batch:
             return
-        results = []
-        for part in self._calls([self._item(rid, st, pos) for rid, st, pos, _ in batch]):
-            results += self._call_verifier(part)
+        results = self._verify([self._item(rid, st, pos) for rid, st, pos, _ in batch])
         for (rid, st, pos, positions), res in zip(batch, results):
             if isinstance(res, P.ErrorReply):
                 st.error = f"verifier: [{res.code}] {res.message}"
@@ -231,9 +234,8 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         """Items in verify calls of at most the verifier's items per message (its n_slots) and, beyond
         one item, at most `catchup_chunk` rows on a CPU verifier (16 x on a GPU, where such a forward
         takes ~0.1 s): the verify timeout bounds a call whatever the number of requests checked."""
-        v = self.cfg.verifier
-        slots = v.n_slots if v else CHECK_ITEMS
-        budget = self.cfg.catchup_chunk * (1 if v is None or v.device == "cpu" else 16)
+        slots = self.cfg.verifier.n_slots if self.cfg.verifier else CHECK_ITEMS
+        budget = self._rows_per_call()
         calls: list[list[P.VerifyItem]] = []
         rows = 0
         for it in items:
@@ -243,6 +245,11 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
             calls[-1].append(it)
             rows += len(it.tokens)
         return calls
+
+    def _rows_per_call(self) -> int:
+        """Rows of a verify call beyond one item, and of one catch-up chunk."""
+        v = self.cfg.verifier
+        return self.cfg.catchup_chunk * (1 if v is None or v.device == "cpu" else 16)
 
     def _item(self, rid: str, st: ReqState, pos: int) -> P.VerifyItem:
         """Verify position pos after teaching the verifier every token it has not seen yet (after a
