@@ -400,17 +400,11 @@ def test_long_prompts_checked_together_share_verify_calls(make_ctl):
     prompts = {"a": [(3 * i) % 50 + 1 for i in range(60)], "b": [(7 * i) % 50 + 1 for i in range(60)],
                "c": [(5 * i) % 50 + 1 for i in range(60)], "long": [(11 * i) % 50 + 1 for i in range(300)]}
     toks = {rid: list(p) for rid, p in prompts.items()}
-    for k in range(3):
-        for rid, t in toks.items():
-            ctl._step([_window_row(t, k, ref_next(t), 0.1, rid=rid)])
-            t.append(ref_next(t))
-    ctl.forwards = ctl.window_due
-    ctl._idle_turn()
-    items, calls = ctl.vclient.items, ctl.vclient.calls
-    rows = [sum(len(it.tokens) for it in items[sum(map(len, calls[:j])):][:len(c)]) for j, c in enumerate(calls)]
-    assert all(r <= 128 for r in rows) and len(calls) <= 5  # 362 + 3 x 62 rows (one request after another: 59 calls)
-    assert calls[0] == ["long"] and calls[1] == ["long"]  # its first 256 tokens, in two rounds
-    assert sorted(rid for c in calls[2:] for rid in c) == ["a", "b", "c", "long"]
+    calls = _due_check_calls(ctl, toks, 3)
+    assert all(sum(len(it.tokens) for it in c) <= 128 for c in calls)
+    assert len(calls) <= 5  # 362 + 3 x 62 rows (one request after another: 59 calls)
+    assert [it.rid for it in calls[0]] == ["long"] == [it.rid for it in calls[1]]  # its first 256 tokens, 2 rounds
+    assert sorted(it.rid for c in calls[2:] for it in c) == ["a", "b", "c", "long"]
     for rid, t in toks.items():  # every token seen once, in order, and checked
         assert ctl.vclient.seen[rid] == t[:-1] and ctl.reqs[rid].checked == 3 and not ctl.reqs[rid].error
 
@@ -418,6 +412,19 @@ def test_long_prompts_checked_together_share_verify_calls(make_ctl):
 def _window_row(toks, k, fast, margin, epoch=0, rid="w"):
     return P.StepRow(rid=rid, pos=len(toks) - 1, prompt=list(toks) if k == 0 else [], margin=margin,
                      fast_token=fast, epoch=epoch)
+
+
+def _due_check_calls(ctl, toks: dict[str, list[int]], steps: int) -> list[list[P.VerifyItem]]:
+    """Each request of `toks` commits `steps` low-margin steps fast (its list grows with them),
+    then the due check runs: the items of each verify call it made."""
+    for k in range(steps):
+        for rid, t in toks.items():
+            ctl._step([_window_row(t, k, ref_next(t), 0.1, rid=rid)])
+            t.append(ref_next(t))
+    ctl.forwards = ctl.window_due
+    ctl._idle_turn()
+    items = iter(ctl.vclient.items)
+    return [[next(items) for _ in c] for c in ctl.vclient.calls]
 
 
 def test_a_window_request_is_rolled_back_where_the_verifier_disagrees(make_ctl):
@@ -585,14 +592,7 @@ def test_a_check_of_many_requests_is_split_into_calls_the_verifier_accepts(make_
     # at most catchup_chunk rows per call, so the verify timeout bounds each call
     ctl = make_ctl("margin", 0.5)
     toks = {f"r{i}": [i % 40 + 1, 2] for i in range(70)}
-    for k in range(5):
-        for rid, t in toks.items():
-            ctl._step([_window_row(t, k, ref_next(t), 0.1, rid=rid)])
-            t.append(ref_next(t))
-    ctl.forwards = ctl.window_due
-    ctl._idle_turn()
-    calls = [[it for it in ctl.vclient.items[sum(len(c) for c in ctl.vclient.calls[:j]):][:len(c)]]
-             for j, c in enumerate(ctl.vclient.calls)]
+    calls = _due_check_calls(ctl, toks, 5)
     assert len(calls) >= 2 and sum(len(c) for c in calls) == 70
     assert all(len(c) <= 64 and sum(len(it.tokens) for it in c) <= ctl.cfg.catchup_chunk for c in calls)
     assert all(ctl.reqs[rid].checked == 5 and not ctl.reqs[rid].error for rid in toks)
