@@ -74,8 +74,8 @@ class ControllerMetrics:
                                  multiprocess_mode="mostrecent")
         self.verify_errors = Counter("mg_verify_errors", "Verify calls that failed (timeout, verifier down, rejected)")
         self.verify_seconds = Histogram(
-            "mg_verify_seconds", "Latency of one verify call (all rows of a forward, with the catch-up chunks "
-            "sent before it), seconds",
+            "mg_verify_seconds", "Latency of one verify call (a check's, a catch-up chunk's or a tail audit's: "
+            "one verifier forward), seconds",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
         )
         # The profile of a verify call: the verifier's own forward (the rest of mg_verify_seconds

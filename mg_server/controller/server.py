@@ -172,12 +172,11 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         """The items' results, in as few calls as the verifier accepts (`_calls`)."""
         return [res for part in self._calls(items) for res in self._call_verifier(part)]
 
-    def _call_verifier(self, items: list[P.VerifyItem], t0: float | None = None) -> list[P.VerifyResult | P.ErrorReply]:
-        """One verify call (its items share one batched forward), timed from t0 (default: now);
-        errors become replies."""
+    def _call_verifier(self, items: list[P.VerifyItem]) -> list[P.VerifyResult | P.ErrorReply]:
+        """One verify call (its items share one batched forward), timed; errors become replies."""
         from mg_server.verifier.client import VerifierError
 
-        t0 = time.perf_counter() if t0 is None else t0
+        t0 = time.perf_counter()
         self._fresh_deadlines(items)
         try:
             results = self.vclient.verify_many(items)
