@@ -388,10 +388,11 @@ def test_a_chunk_error_fails_the_request(make_ctl):
     assert ctl._verdict("x").state == "failed"
 
 
-def test_long_prompts_checked_together_share_verify_calls(make_ctl):
+def test_a_prompt_that_fits_a_call_goes_in_its_checks_own_item(make_ctl):
     # on a GPU verifier a catch-up chunk is a whole call's rows: the prompts of requests checked
-    # together go in a few packed calls (one read of the weights each), not a call per 8 tokens
-    # of one request after another; a prompt longer than a call still goes in chunks, in rounds
+    # together go in their checks' items, packed into a few calls (one read of the weights each),
+    # not in calls of catchup_chunk tokens of one request after another; a prompt longer than a
+    # call still goes in chunks first
     from dataclasses import replace
     from types import SimpleNamespace
 

@@ -125,8 +125,11 @@ class AuditMixin:
             for _, st, _ in todo:
                 st.error = "deterministic verifier is not running (final audit)"
             return
-        self._catch_up([(rid, st, n - 2) for rid, st, n in todo])
-        ready = [(rid, st, n) for rid, st, n in todo if not st.error]
+        ready = []
+        for rid, st, n in todo:
+            st.error = self._catch_up(rid, st, n - 2)
+            if not st.error:
+                ready.append((rid, st, n))
         for k in range(0, len(ready), AUDIT_ITEMS):
             part = ready[k:k + AUDIT_ITEMS]
             results = self._verify([self._item(rid, st, n - 2) for rid, st, n in part])  # (rows bounded)

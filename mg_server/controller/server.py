@@ -163,10 +163,10 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
                                            temperature=row.temperature, seed=row.seed)
         return st
 
-    def _catch_up(self, todo: list[tuple[str, ReqState, int]]) -> None:
-        """All but the last chunk of what the verifier has not seen before each (rid, st, pos) of
-        todo, the requests' chunks sharing calls (controller.catchup); a failure is its request's."""
-        catch_up(todo, self._rows_per_call(), self._item, self._verify, self._audit)
+    def _catch_up(self, rid: str, st: ReqState, pos: int) -> str:
+        """All but the last chunk of what the verifier has not seen before pos (controller.catchup)."""
+        return catch_up(st, pos, self._rows_per_call(), lambda end: self._item(rid, st, end), self._call_verifier,
+                        lambda res: self._audit(rid, st, res))
 
     def _verify(self, items: list[P.VerifyItem]) -> list[P.VerifyResult | P.ErrorReply]:
         """The items' results, in as few calls as the verifier accepts (`_calls`)."""
@@ -193,20 +193,19 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         """Check the resumable requests that committed low-margin steps (module doc), in one call."""
         todo, self.checks = self.checks, {}
         batch = []
-        up = self.verifier_up()
         for rid, positions in todo.items():
             st = self.reqs.get(rid)
             if st is None or st.error or st.finished_at or st.mismatches:
                 continue  # gone, failed, diverged already, or finished (its tail audit covers it)
-            if not up:
+            pos = len(st.tokens) - 2  # up to the latest decided token t_{pos+1}
+            if not self.verifier_up():
                 st.error = "deterministic verifier is not running"
-                continue
-            batch.append((rid, st, len(st.tokens) - 2, positions))  # up to the latest decided token t_{pos+1}
-        self._catch_up([(rid, st, pos) for rid, st, pos, _ in batch])
-        for rid, st, _, _ in batch:
-            if st.mismatches:
+            else:
+                st.error = self._catch_up(rid, st, pos)
+            if not st.error and not st.mismatches:
+                batch.append((rid, st, pos, positions))
+            elif st.mismatches:
                 self._diverged(rid, st)
-        batch = [b for b in batch if not b[1].error and not b[1].mismatches]
         if not batch:
             return
         results = self._verify([self._item(rid, st, pos) for rid, st, pos, _ in batch])
