@@ -70,14 +70,18 @@ def metrics(url: str) -> dict:
             "fsum": "mg_verifier_forward_seconds_sum", "rsum": "mg_verify_rows_sum",
             "csum": "mg_control_seconds_sum", "ccount": "mg_control_seconds_count",
             "rollbacks": "mg_rollbacks_total", "stale": "mg_stale_steps_total",
-            "dropped": "mg_rollback_dropped_steps_total", "lookahead": "mg_lookahead_steps_total"}
+            "dropped": "mg_rollback_dropped_steps_total", "lookahead": "mg_lookahead_steps_total",
+            "tracked": "mg_tracked_requests", "live": "mg_live_requests"}
     c = scrape(url, (*MG_COUNTERS, *sums.values()))
     return {"fast": c["steps_fast"], "verify": c["steps_verify"], "repair": c["mg_repair_total"],
             **{k: c[name] for k, name in sums.items()}, **{k: E.histogram(url, name) for k, name in HISTOGRAMS.items()}}
 
 
+GAUGES = ("tracked", "live")  # read as they are after the runs, not as differences
+
+
 def rates(before: dict, after: dict) -> dict:
-    d = {k: after[k] - before[k] for k in after if k not in HISTOGRAMS}
+    d = {k: after[k] - before[k] for k in after if k not in HISTOGRAMS and k not in GAUGES}
     hist = {k: {str(le): n - before[k].get(le, 0.0) for le, n in after[k].items()} for k in HISTOGRAMS}
     steps = max(1.0, d["fast"] + d["verify"])
     # trigger: the margin gate's share (low-margin steps, checked within a few forwards)
@@ -96,7 +100,8 @@ def rates(before: dict, after: dict) -> dict:
             "verify_call_ms": 1e3 * d["vsum"] / d["vcount"] if d["vcount"] else None,
             # the seam's time per forward whose rows were all fast-committed (mg_control_seconds)
             "fast_control_ms": 1e3 * d["csum"] / d["ccount"] if d["ccount"] else None, "verify_calls": d["vcount"],
-            **hist}
+            # requests mg still tracks after the runs (the seam's, the controller's): 0, else a leak
+            **{f"{k}_after": after[k] for k in GAUGES}, **hist}
 
 
 def front_batch(url: str, rows: list[list[int]], max_new: int, n_det: int, singles: bool = False) -> dict:
@@ -367,8 +372,9 @@ def summarize(r: dict) -> str:
     if held:
         lines += ["", "Per batch size (mg's counters around each batch size's runs):", "",
                   "| config | traffic | bs | trigger | verify calls per deterministic forward | verify call ms | rows per call "
-                  "| deterministic steps | rollbacks | steps dropped + stale | steps past the answers |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| deterministic steps | rollbacks | steps dropped + stale | steps past the answers "
+                  "| the seam's ms a forward without a check | requests still tracked after (seam / controller) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c, part, bs, x in held:
             lines.append(f"| margin ~{c['target']}{_variant(c)}, {c.get('commit', 'hold')} | "
                          f"{'all det.' if part == 'det' else '25 % det.'} | {bs} | {100 * x['trigger']:.1f} % | "
@@ -377,7 +383,10 @@ def summarize(r: dict) -> str:
                          + f"{x['steps']:.0f} | {x['rollbacks']:.0f} | "
                          # (blank in a file recorded before these counters)
                          + ("| |" if "dropped_steps" not in x else
-                            f"{x['dropped_steps'] + x['stale_steps']:.0f} | {x['lookahead_steps']:.0f} |"))
+                            f"{x['dropped_steps'] + x['stale_steps']:.0f} | {x['lookahead_steps']:.0f} |")
+                         + ("" if x.get("fast_control_ms") is None else f" {x['fast_control_ms']:.2f}") + " |"
+                         + ("" if "tracked_after" not in x else f" {x['tracked_after']:.0f} / {x['live_after']:.0f}")
+                         + " |")
     return "\n".join(lines) + "\n"
 
 

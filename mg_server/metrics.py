@@ -32,6 +32,13 @@ def hook_metrics(buckets: tuple[float, ...] = MARGIN_BUCKETS) -> tuple[Counter, 
     return steps, margin, control
 
 
+@lru_cache(maxsize=None)
+def tracked_requests() -> Gauge:
+    """Created on first use, in the SGLang scheduler process (the seam's finish watcher sets it)."""
+    return Gauge("mg_tracked_requests", "Deterministic requests the seam in SGLang's scheduler tracks now (from "
+                 "their first step to their end's report)", multiprocess_mode="mostrecent")
+
+
 def sglang_version(version: str, tested: bool) -> None:
     """Record the SGLang version served (main process, at start-up)."""
     Gauge("mg_sglang", "The SGLang version mg runs on; tested=\"false\" when --mg-allow-sglang let an untested "
@@ -70,6 +77,9 @@ class ControllerMetrics:
             "mg_flip_margin", "Fast-path top1-top2 margin of steps whose token the verifier changed (rolled back "
             "or a missed flip)", buckets=MARGIN_BUCKETS,
         )
+        # requests between their first step and their Finish: 0 once traffic stops (else a leak)
+        self.live_requests = Gauge("mg_live_requests", "Deterministic requests the controller holds without their "
+                                   "end yet", multiprocess_mode="mostrecent")
         self.verifier_up = Gauge("mg_verifier_up", "1 while the deterministic verifier process runs and beats, else 0",
                                  multiprocess_mode="mostrecent")
         self.verify_errors = Counter("mg_verify_errors", "Verify calls that failed (timeout, verifier down, rejected)")

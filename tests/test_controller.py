@@ -349,6 +349,21 @@ def test_a_controller_whose_verifier_did_not_start_says_why_and_stops(make_ctl):
     assert not ctl.running
 
 
+def test_the_live_requests_gauge_counts_requests_without_their_end(make_ctl):
+    # mg_live_requests: 0 once every request's Finish came (else a leak it shows), whatever the
+    # verdicts the controller still keeps
+    ctl = make_ctl("margin", 0.5)
+    for rid in ("a", "b"):
+        ctl._step([P.StepRow(rid=rid, pos=1, prompt=[3, 3], margin=9.0, fast_token=ref_next([3, 3]))])
+    run_request(ctl, "c", [3, 3], 3, [9.0] * 3)
+    assert ctl._verdict("c").state == "verified"
+    assert ctl.m.live_requests._value.get() == 2
+    ctl._finish(P.Finish(rid="a", output=[ref_next([3, 3])]))
+    ctl._finish(P.Finish(rid="b", output=[ref_next([3, 3])]))
+    assert ctl._verdict("a").state == "verified" and ctl._verdict("b").state == "verified"
+    assert ctl.m.live_requests._value.get() == 0 and len(ctl.reqs) == 3
+
+
 def test_long_catch_up_goes_to_the_verifier_in_bounded_chunks(make_ctl, monkeypatch):
     # a long prompt is prefilled (and a long fast-committed stretch audited) in
     # calls of at most catchup_chunk tokens, so the verify timeout bounds one chunk, not all

@@ -97,6 +97,23 @@ def test_the_finish_reports_the_answer_through_its_stop_not_a_held_ends_surplus(
     assert wait_for(lambda: ("cut", [7, 8, 9], True) in client.finished)  # whole: mg's tokens reconcile with it
 
 
+def test_the_watcher_publishes_how_many_requests_it_tracks(hook_mod, tmp_path):
+    # mg_tracked_requests: the requests between their first step and their end's report, 0 once
+    # traffic stops (a request that stays tracked after its end would be a leak the gauge shows)
+    from mg_server import metrics
+
+    link = start_link(hook_mod, tmp_path, Client())
+    running = Req("running")
+    running.finished = lambda: False
+    with link.lock:
+        link.tracked["running"] = hook_mod.Tracked(running, [1])
+        link.tracked["done"] = hook_mod.Tracked(Req("done"), [1])
+    gauge = metrics.tracked_requests()._value
+    assert wait_for(lambda: "done" not in link.tracked and gauge.get() == 1)
+    running.finished = lambda: True
+    assert wait_for(lambda: gauge.get() == 0)
+
+
 def test_a_held_request_mg_lost_track_of_fails_at_its_end(hook_mod):
     seam = object.__new__(hook_mod.StepSeam)
     seam.link = SimpleNamespace(tracked={}, lock=threading.Lock())

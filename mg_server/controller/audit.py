@@ -170,6 +170,7 @@ class AuditMixin:
                               correction=st.correction if correct else None)
 
     def _expire(self) -> None:
+        self.m.live_requests.set(sum(1 for s in self.reqs.values() if not s.finished_at))
         now = time.monotonic()
         for rid in [r for r, s in self.reqs.items() if s.finished_at and now - s.finished_at > self.cfg.verdict_ttl_s]:
             del self.reqs[rid]

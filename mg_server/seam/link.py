@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from mg_server import env
+from mg_server import env, metrics
 from mg_server.config import HookConfig
 from mg_server.seam import rollback
 from mg_server.wire import protocol as P
@@ -209,6 +209,7 @@ class ControllerLink:
                     if t.ended:
                         sent.add(rid)
                     _untrack(self.tracked, rid)
+            metrics.tracked_requests().set(len(self.tracked))  # (0 once traffic stops, else a leak)
         for rid, req in done:
             if rid in sent:
                 continue
