@@ -362,6 +362,9 @@ def test_the_live_requests_gauge_counts_requests_without_their_end(make_ctl):
     ctl._finish(P.Finish(rid="b", output=[ref_next([3, 3])]))
     assert ctl._verdict("a").state == "verified" and ctl._verdict("b").state == "verified"
     assert ctl.m.live_requests._value.get() == 0 and len(ctl.reqs) == 3
+    ctl._step([P.StepRow(rid="d", pos=1, prompt=[3, 3], margin=9.0, fast_token=ref_next([3, 3]))])
+    ctl._idle_turn()  # nothing pending, nothing due: an idle turn counts too
+    assert ctl.m.live_requests._value.get() == 1
 
 
 def test_long_catch_up_goes_to_the_verifier_in_bounded_chunks(make_ctl, monkeypatch):

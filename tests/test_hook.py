@@ -69,7 +69,7 @@ class ScriptedClient:
 def make_seam(hook_mod, runner, tmp_path, monkeypatch, policy=Policy("always", 0.0)):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     seam = hook_mod.StepSeam(HookConfig(metrics_dir=str(tmp_path)), runner)
-    seam.link = SimpleNamespace(client=ScriptedClient(), tracked={}, lock=threading.Lock(),
+    seam.link = SimpleNamespace(client=ScriptedClient(), tracked={}, lock=threading.Lock(), published_tracked=-1,
                                 rpc_lock=threading.Lock(), policy=policy)
     return seam
 

@@ -124,6 +124,7 @@ def test_the_finish_watcher_drains_before_it_reports_an_end(hook_mod, runner, tm
     order = []
     seam.link.client.report = lambda rows: order.append(("report", rows[0].pos))
     link = SimpleNamespace(tracked={"w": SimpleNamespace(req=req, epoch=0, ended=False)}, lock=seam.link.lock,
+                           published_tracked=-1,
                            before_finish=seam.lagged.drain, finish_of=hook_mod.ControllerLink.finish_of,
                            _finish=lambda msg: order.append(("finish", msg.rid)))
     req.finished = lambda: True

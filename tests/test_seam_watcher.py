@@ -97,21 +97,25 @@ def test_the_finish_reports_the_answer_through_its_stop_not_a_held_ends_surplus(
     assert wait_for(lambda: ("cut", [7, 8, 9], True) in client.finished)  # whole: mg's tokens reconcile with it
 
 
-def test_the_watcher_publishes_how_many_requests_it_tracks(hook_mod, tmp_path):
+def test_the_watcher_publishes_how_many_requests_it_tracks(hook_mod, tmp_path, monkeypatch):
     # mg_tracked_requests: the requests between their first step and their end's report, 0 once
-    # traffic stops (a request that stays tracked after its end would be a leak the gauge shows)
+    # traffic stops (a request that stays tracked after its end would be a leak the gauge shows);
+    # set when the count changes (other tests' idle watchers never write it again)
     from mg_server import metrics
 
+    published = []
+    monkeypatch.setattr(metrics, "tracked_requests", lambda: SimpleNamespace(set=published.append))
     link = start_link(hook_mod, tmp_path, Client())
     running = Req("running")
     running.finished = lambda: False
     with link.lock:
         link.tracked["running"] = hook_mod.Tracked(running, [1])
         link.tracked["done"] = hook_mod.Tracked(Req("done"), [1])
-    gauge = metrics.tracked_requests()._value
-    assert wait_for(lambda: "done" not in link.tracked and gauge.get() == 1)
+    assert wait_for(lambda: "done" not in link.tracked and published[-1:] == [1])
     running.finished = lambda: True
-    assert wait_for(lambda: gauge.get() == 0)
+    assert wait_for(lambda: published[-1:] == [0])
+    time.sleep(0.05)  # no change, no write
+    assert published[-2:] == [1, 0] and published.count(1) == 1
 
 
 def test_a_held_request_mg_lost_track_of_fails_at_its_end(hook_mod):

@@ -169,8 +169,12 @@ class AuditMixin:
                               mismatch_positions=list(st.mismatches), error=st.error or st.aborted,
                               correction=st.correction if correct else None)
 
-    def _expire(self) -> None:
+    def _count_live(self) -> None:
+        """mg_live_requests: after each tail audit and at idle turns, so 0 once traffic stops."""
         self.m.live_requests.set(sum(1 for s in self.reqs.values() if not s.finished_at))
+
+    def _expire(self) -> None:
+        self._count_live()
         now = time.monotonic()
         for rid in [r for r, s in self.reqs.items() if s.finished_at and now - s.finished_at > self.cfg.verdict_ttl_s]:
             del self.reqs[rid]

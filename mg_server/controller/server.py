@@ -294,8 +294,9 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
             self._run_checks()
         elif self.pending:  # idle: run deferred tail audits, a few at a time (a Step may come)
             self._complete(list(self.pending)[:IDLE_AUDITS])
-        else:  # idle: notice a dead verifier without traffic (health, metric)
+        else:  # idle: notice a dead verifier without traffic (health, metrics)
             self.verifier_up()
+            self._count_live()
 
     def close(self) -> None:
         self.stop_verifier()

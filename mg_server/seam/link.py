@@ -67,6 +67,7 @@ class ControllerLink:
     # the lagged control path's drain(wait) (lagged.py): a Finish follows the reports of every
     # forward launched before it (the overlap scheduler's look-ahead forward included)
     before_finish = None
+    published_tracked = -1  # the last len(tracked) set on mg_tracked_requests (set when it changes)
 
     def __init__(self, config: HookConfig):
         from mg_server.controller.client import ControllerClient
@@ -209,7 +210,9 @@ class ControllerLink:
                     if t.ended:
                         sent.add(rid)
                     _untrack(self.tracked, rid)
-            metrics.tracked_requests().set(len(self.tracked))  # (0 once traffic stops, else a leak)
+            if len(self.tracked) != self.published_tracked:  # (0 once traffic stops, else a leak)
+                self.published_tracked = len(self.tracked)
+                metrics.tracked_requests().set(self.published_tracked)
         for rid, req in done:
             if rid in sent:
                 continue
