@@ -81,15 +81,12 @@ def in_flight(url: str, timeout_s: float = 2.0) -> dict:
     controller's (mg_tracked_requests, mg_live_requests), read until both are 0 or timeout_s has
     passed (an end reported from the scheduler thread is untracked at the watcher's next look):
     0, else requests left behind; None where the server publishes no such gauge."""
-    import re
-
-    import requests
+    from mg_server.evaluation.determinism import scrape
 
     deadline = time.monotonic() + timeout_s
     while True:
-        text = requests.get(url + "/metrics", timeout=30).text
-        got = {f"{k}_after": float(m.group(1)) if (m := re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)) else None
-               for k, name in (("tracked", "mg_tracked_requests"), ("live", "mg_live_requests"))}
+        c = scrape(url, ("mg_tracked_requests", "mg_live_requests"), absent=None)
+        got = {"tracked_after": c["mg_tracked_requests"], "live_after": c["mg_live_requests"]}
         if not any(got.values()) or time.monotonic() > deadline:
             return got
         time.sleep(0.1)

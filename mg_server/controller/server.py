@@ -230,8 +230,8 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
 
     def _calls(self, items: list[P.VerifyItem]) -> list[list[P.VerifyItem]]:
         """Items in verify calls of at most the verifier's items per message (its n_slots) and, beyond
-        one item, at most `catchup_chunk` rows on a CPU verifier (16 x on a GPU, where such a forward
-        takes ~0.1 s): the verify timeout bounds a call whatever the number of requests checked."""
+        one item, at most `_rows_per_call` rows: the verify timeout bounds a call whatever the
+        number of requests checked."""
         slots = self.cfg.verifier.n_slots if self.cfg.verifier else CHECK_ITEMS
         budget = self._rows_per_call()
         calls: list[list[P.VerifyItem]] = []
@@ -245,7 +245,8 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         return calls
 
     def _rows_per_call(self) -> int:
-        """Rows of a verify call beyond one item, and of one catch-up chunk."""
+        """Rows of a verify call beyond one item, and of one catch-up chunk: `catchup_chunk` on a CPU
+        verifier, 16 x on a GPU one, where such a forward takes ~0.1 s."""
         v = self.cfg.verifier
         return self.cfg.catchup_chunk * (1 if v is None or v.device == "cpu" else 16)
 

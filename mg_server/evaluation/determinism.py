@@ -71,13 +71,13 @@ class Report:
         return d
 
 
-def scrape(url: str, names: tuple[str, ...] = MG_COUNTERS) -> dict[str, float]:
-    """mg's counters `names` (unlabelled samples, 0 where absent) and its steps by decision."""
+def scrape(url: str, names: tuple[str, ...] = MG_COUNTERS, absent: float | None = 0.0) -> dict[str, float | None]:
+    """mg's counters `names` (unlabelled samples, `absent` where absent) and its steps by decision."""
     text = requests.get(url + "/metrics", timeout=30).text
     out = {}
     for name in names:
         m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-        out[name] = float(m.group(1)) if m else 0.0
+        out[name] = float(m.group(1)) if m else absent
     for decision in ("fast", "verify"):
         m = re.search(rf'^mg_steps_total{{decision="{decision}"}} ([0-9.e+-]+)$', text, re.M)
         out[f"steps_{decision}"] = float(m.group(1)) if m else 0.0
