@@ -15,7 +15,7 @@ from pathlib import Path
 
 from mg_server.evaluation.server_process import ServerProcess
 
-from mg_server.evaluation.determinism import DeterminismConfig, build_workload, noop_processor, run  # noqa: E402
+from mg_server.evaluation.determinism import DeterminismConfig, build_workload, run  # noqa: E402
 from mg_server.model.prepare import prepare_model  # noqa: E402
 
 
@@ -42,15 +42,15 @@ def main() -> int:
             ready = srv.wait_ready()
             print(f"[{mode}] server ready in {ready:.0f}s", flush=True)
             rep = run(DeterminismConfig(url=srv.url, max_new=args.tokens), wl.det, wl.refs, wl.other,
-                      noop_processor(), progress=lambda s, m=mode: print(f"[{m}] {s}", flush=True))
+                      progress=lambda s, m=mode: print(f"[{m}] {s}", flush=True))
         finally:
             srv.stop()
         results[mode] = rep.to_json()
-    print(f"\n{'mode':>7} {'equal':>9} {'compos.':>7} {'steps':>6} {'trigger':>8} {'repair':>7} {'audit-mm':>8} {'sec':>5}")
+    print(f"\n{'mode':>7} {'equal':>9} {'steps':>6} {'trigger':>8} {'repair':>7} {'audit-mm':>8} {'sec':>5}")
     for mode, r in results.items():
         c = r["counters"]
         steps = c["mg_deterministic_steps_total"] or 1
-        print(f"{mode:>7} {r['n_checked'] - r['n_mismatch']:>4}/{r['n_checked']:<4} {str(r['composition_equal']):>7} "
+        print(f"{mode:>7} {r['n_checked'] - r['n_mismatch']:>4}/{r['n_checked']:<4} "
               f"{c['mg_deterministic_steps_total']:>6.0f} {c['steps_verify'] / steps:>8.1%} {c['mg_repair_total'] / steps:>7.2%} "
               f"{c['mg_audit_mismatch_total']:>8.0f} {r['seconds']:>5.0f}")
     summary = {"prompts": args.prompts, "tokens": args.tokens, "server_args": args.server_args,

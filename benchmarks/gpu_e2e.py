@@ -189,23 +189,27 @@ def gpu_memory_mib() -> list[int]:
 
 
 def generate_batch(url: str, prompts: list[list[int]], max_new: int, n_det: int = 0) -> tuple[list[list[int]], float]:
-    """One batched /generate (all rows enter the scheduler together); (outputs, seconds).
-    The first n_det rows are deterministic (what the X-Deterministic header does, per row)."""
+    """The rows as batched /generate requests posted at once (their rows share the scheduler's
+    decode batches); (outputs, seconds). The first n_det rows are one request with X-Deterministic:
+    1, the rest one plain request (a client cannot flag single rows of a batch)."""
     import requests
-
-    from mg_server.config import DETERMINISTIC_PARAM
-    from mg_server.evaluation.determinism import noop_processor
+    from concurrent.futures import ThreadPoolExecutor
 
     params = {"max_new_tokens": max_new, "ignore_eos": True, "temperature": 0}
-    body = {"input_ids": prompts, "sampling_params": params}
-    if n_det:
-        flags = [i < n_det for i in range(len(prompts))]
-        body["sampling_params"] = [{**params, "custom_params": {DETERMINISTIC_PARAM: f}} for f in flags]
-        body["custom_logit_processor"] = [noop_processor() if f else None for f in flags]
+
+    def post(rows: list[list[int]], det: bool) -> list[list[int]]:
+        if not rows:
+            return []
+        r = requests.post(url + "/generate", json={"input_ids": rows, "sampling_params": params}, timeout=600,
+                          headers={"X-Deterministic": "1"} if det else {})
+        r.raise_for_status()
+        return [o["output_ids"] for o in r.json()]
+
     t0 = time.perf_counter()
-    r = requests.post(url + "/generate", json=body, timeout=600)
-    r.raise_for_status()
-    return [o["output_ids"] for o in r.json()], time.perf_counter() - t0
+    with ThreadPoolExecutor(2) as pool:
+        det, plain = pool.submit(post, prompts[:n_det], True), pool.submit(post, prompts[n_det:], False)
+        out = det.result() + plain.result()
+    return out, time.perf_counter() - t0
 
 
 def plain_outputs(url: str, prompts: list[list[int]], max_new: int) -> dict:
@@ -243,11 +247,11 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
 
 
 def check(srv, cfg_tokens: int, prompts: dict, refs: dict, phases: tuple[str, ...]) -> dict:
-    from mg_server.evaluation.determinism import DeterminismConfig, noop_processor, run
+    from mg_server.evaluation.determinism import DeterminismConfig, run
 
     t0 = time.monotonic()
     rep = run(DeterminismConfig(url=srv.url, max_new=cfg_tokens, phases=phases), prompts["det"], refs["det"],
-              prompts["other"], noop_processor(), progress=lambda s: log(f"{srv.name} {s}"),
+              prompts["other"], progress=lambda s: log(f"{srv.name} {s}"),
               prefix_prompts=prompts["prefix"], prefix_refs=refs["prefix"])
     out = rep.to_json()
     c = out["counters"]
@@ -292,7 +296,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
     mdir = write_model(name, Path(args.models_dir) / name, args.tokenizer)
     refs = references(mdir, prompts, args.tokens, out / f"refs-{name}.json", args.device)
     res: dict = {"model": name, "shape": SHAPES[name], "tokens": args.tokens, "servers": {}}
-    phases = ("alone", "mixed", "prefix", "composition")
+    phases = ("alone", "mixed", "prefix")
     plain_set = prompts["other"][:8]
 
     # The same memory flags for every server (see POOL_TOKENS): 0.85 of what is free when each starts.

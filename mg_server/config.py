@@ -15,6 +15,10 @@ SEED_PARAM = "mg_seed"  # int in [0, 2**64)
 # seam's token lists, the controller's states, verdicts) is per instance, so a client that
 # reuses a request id never gets, or disturbs, another instance's state.
 INSTANCE_PARAM = "mg_instance"
+# The server's mark beside the flag (a random value of this start that only the front knows, set in
+# the scheduler's environment: env.request_mark): SGLang's scheduler runs mg's processor, and the
+# seam protects a row, only with it (seam/guard.py), so no client can pose as deterministic.
+MARK_PARAM = "mg_mark"
 
 
 def instance_key(rid: str, instance: str | None) -> str:
@@ -79,6 +83,12 @@ class FrontConfig:
     max_body_bytes: int = 16 << 20
     max_deterministic: int = 64  # deterministic completions in SGLang at once: the verifier's shadow caches
     queue_size: int = 256  # deterministic requests waiting for one of them before a 429 (front.admission)
+    request_mark: str = ""  # this start's mark of deterministic requests (MARK_PARAM; env.request_mark)
+    served_models: tuple[str, ...] = ()  # the `model` names the OpenAI routes serve besides "default" (): any
+    any_model: bool = False  # LoRA adapters are served: SGLang checks adapter names itself
+    # a body that has not arrived by then is a 408 (a client that trickles bytes holds a connection
+    # and its buffers); 30 s carries the 16 MiB limit over a 5 Mbit/s link
+    body_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)

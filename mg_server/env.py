@@ -26,6 +26,14 @@ def compat_profile() -> str:
     return os.environ.get(COMPAT_VAR, "")
 
 
+MARK_VAR = "MG_REQUEST_MARK"  # set by the launcher at each start; SGLang's scheduler inherits it
+
+
+def request_mark() -> str:
+    """The front's mark of deterministic requests (config.MARK_PARAM; "" outside a server)."""
+    return os.environ.get(MARK_VAR, "")
+
+
 def prometheus_multiproc_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
 

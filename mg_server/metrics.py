@@ -39,6 +39,21 @@ def tracked_requests() -> Gauge:
                  "their first step to their end's report)", multiprocess_mode="mostrecent")
 
 
+@lru_cache(maxsize=None)
+def verifier_up() -> Gauge:
+    """mg_verifier_up: set by the controller, and to 0 by the main process while no controller runs
+    (one gauge per process; the most recent value is the one shown)."""
+    return Gauge("mg_verifier_up", "1 while the deterministic verifier process runs and beats, else 0 (also while "
+                 "it, or the controller, restarts)", multiprocess_mode="mostrecent")
+
+
+@lru_cache(maxsize=None)
+def controller_restarts() -> Counter:
+    """Created on first use, in the main process (launch.runtime counts the restarts)."""
+    return Counter("mg_controller_restarts", "mg controllers started again after one exited or stopped beating "
+                   "(each start counts, a failed one too; its verifier starts with it)")
+
+
 def sglang_version(version: str, tested: bool) -> None:
     """Record the SGLang version served (main process, at start-up)."""
     Gauge("mg_sglang", "The SGLang version mg runs on; tested=\"false\" when --mg-allow-sglang let an untested "
@@ -61,8 +76,11 @@ class ControllerMetrics:
         self.verify = Counter("mg_verify", "Steps computed by the deterministic verifier")
         self.repair = Counter("mg_repair", "Checked tokens where the verifier's token differed (the request was "
                               "rolled back there)")
-        self.audit_mismatch = Counter("mg_audit_mismatch",
-                                      "Missed flips found by the verifier's audit of unverified steps")
+        # once per answer, where no rollback can help: not every disagreement (mg_repair counts those)
+        self.missed_flips = Counter("mg_audit_mismatch", "Deterministic answers with a token the verifier would "
+                                    "not emit that no rollback could take back (a stream's token let out before its "
+                                    "check, or one found by the final audit): verdict mismatch, unless "
+                                    "mg_corrections counts its answer completed by the verifier")
         self.corrections = Counter("mg_corrections", "Missed flips whose non-streamed answer the verifier completed "
                                    "from the flip (the response then equals the reference)")
         self.rollbacks = Counter("mg_rollbacks", "Deterministic requests rolled back in place: the verifier's token "
@@ -80,8 +98,10 @@ class ControllerMetrics:
         # requests between their first step and their Finish: 0 once traffic stops (else a leak)
         self.live_requests = Gauge("mg_live_requests", "Deterministic requests the controller holds without their "
                                    "end yet", multiprocess_mode="mostrecent")
-        self.verifier_up = Gauge("mg_verifier_up", "1 while the deterministic verifier process runs and beats, else 0",
-                                 multiprocess_mode="mostrecent")
+        self.verifier_up = verifier_up()
+        self.verifier_restarts = Counter("mg_verifier_restarts", "Deterministic verifier processes the controller "
+                                         "started again after one exited or stopped beating (each start counts, a "
+                                         "failed one too)")
         self.verify_errors = Counter("mg_verify_errors", "Verify calls that failed (timeout, verifier down, rejected)")
         self.verify_seconds = Histogram(
             "mg_verify_seconds", "Latency of one verify call (a check's, a catch-up chunk's or a tail audit's: "

@@ -79,3 +79,32 @@ def test_sglang_instance_files_are_recorded_and_removed(monkeypatch):
         assert not any(os.path.exists(p) for p in [*sockets, slot]) and os.path.exists(other)
     finally:
         os.unlink(other)
+
+
+def test_sglangs_files_are_listed_in_the_run_folder_and_go_with_it(tmp_path, monkeypatch):
+    """A server killed with SIGKILL removes nothing itself: its controller's orphan watch (or the next
+    start's sweep) removes the run folder, and with it the SGLang files the folder lists (only
+    names of SGLang's patterns: an altered list removes nothing else)."""
+    from sglang.srt.managers.load_snapshot import shm_path_for
+    from sglang.srt.server_args import PortArgs, ServerArgs
+
+    from mg_server.launch import leftovers
+    from mg_server.wire.cleanup import SGLANG_FILES, remove_instance
+
+    monkeypatch.setattr(PortArgs, "init_new", PortArgs.__dict__["init_new"])
+    monkeypatch.setattr(leftovers, "_paths", [])
+    monkeypatch.setattr(leftovers, "_listing", [])
+    run = tmp_path / "mg-run-1-2-x"
+    run.mkdir()
+    leftovers.track(str(run))
+    port_args = PortArgs.init_new(ServerArgs(model_path="m", device="cpu"))
+    sockets = [getattr(port_args, n)[len("ipc://"):] for n in ("tokenizer_ipc_name", "scheduler_input_ipc_name")]
+    slot = shm_path_for(port_args.instance_id)
+    open(slot, "wb").close()
+    keep = tmp_path / "not-sglangs"
+    keep.write_text("x")
+    with open(run / SGLANG_FILES, "a") as f:
+        f.write(f"{keep}\n")
+    assert all(os.path.exists(p) for p in [*sockets, slot])
+    remove_instance((str(run),), ())
+    assert not run.exists() and not any(os.path.exists(p) for p in [*sockets, slot]) and keep.exists()

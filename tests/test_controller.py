@@ -80,15 +80,36 @@ class FakeVerifier:
         self.released += rids
         return len(rids)
 
+    def close(self):
+        pass
+
 
 class Alive:
     exitcode = None
+    pid = 0
 
     def __init__(self):
         self.alive = True
 
     def is_alive(self):
         return self.alive
+
+    def kill(self):
+        self.alive = False
+        self.exitcode = -9
+
+    def join(self, timeout=None):
+        pass
+
+
+class NoStart:
+    """A verifier start that never ends (a lost fake verifier stays down)."""
+
+    def done(self):
+        return False
+
+    def abandon(self):
+        pass
 
 
 @pytest.fixture()
@@ -100,6 +121,7 @@ def make_ctl(tmp_path, monkeypatch):
         ctl = Controller(ControllerConfig(ipc_path=str(tmp_path / f"c{len(ctls)}.sock"), mode=mode, tau=tau,
                                           metrics_dir=str(tmp_path)))
         ctl.vclient, ctl.verifier_proc = FakeVerifier(), Alive()
+        ctl._begin_start = lambda predecessor=0: NoStart()
         ctls.append(ctl)
         return ctl
 
@@ -563,6 +585,33 @@ def test_a_wrong_token_a_stream_let_leave_early_is_a_missed_flip_not_a_rollback(
     assert tail.rollback is None and tail.verified >= 1 << 30 and st.epoch == 0 and ctl.rollbacks == {}
     ctl._finish(P.Finish(rid="w", output=toks[2:], max_new=5, stop_ids=[]))
     assert ctl._verdict("w").state == "mismatch"
+
+
+def test_missed_flips_count_answers_no_rollback_could_fix_not_repairs(make_ctl):
+    # mg_audit_mismatch: a disagreement rolled back before anyone saw it is a repair only; a
+    # stream's token let out before its check, and a flip the final audit finds, are missed flips
+    ctl = make_ctl("margin", 0.5)
+    counts = lambda: (ctl.m.missed_flips._value.get(), ctl.m.repair._value.get())
+    missed, repairs = counts()
+    toks = {}
+    for rid, margin, released in (("held", 0.1, False), ("stream", 3.0, True)):
+        toks[rid] = t = [2, 9]
+        for k in range(5):  # a flip at answer index 2
+            row = _window_row(t, k, ref_next(t) if k != 2 else (ref_next(t) + 1) % 50, margin, rid=rid)
+            row.released = released
+            ctl._step([row])
+            t.append(row.fast_token)
+        ctl._check_tail(rid)
+    assert ctl.reqs["held"].epoch == 1 and ctl.reqs["stream"].epoch == 0
+    assert counts() == (missed + 1, repairs + 1)
+    run_request(ctl, "c", [3, 3], 5, [9.0] * 5, flip_at=2)  # high margins, unchecked until the final audit
+    assert ctl._verdict("c").state == "mismatch" and counts() == (missed + 2, repairs + 1)
+    t = toks["stream"]
+    for k in range(5, 7):  # the stream runs on unchecked; its final audit finds it wrong again
+        ctl._step([_window_row(t, k, ref_next(t), 3.0, rid="stream")])
+        t.append(ref_next(t))
+    ctl._finish(P.Finish(rid="stream", output=t[2:], max_new=7, stop_ids=[]))
+    assert ctl._verdict("stream").state == "mismatch" and counts() == (missed + 2, repairs + 1)  # once an answer
 
 
 def test_a_held_ends_surplus_is_checked_at_once_and_a_flip_in_it_leaves_the_answer_verified(make_ctl):

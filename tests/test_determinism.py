@@ -26,15 +26,15 @@ def workload(prepared_model):
     return build_workload(str(prepared_model), N_PROMPTS, MAX_NEW)
 
 
-def _run(mode, tmp_path, workload, phases=("alone", "mixed", "composition"), then=None):
+def _run(mode, tmp_path, workload, phases=("alone", "mixed"), then=None):
     """`then(url)`, if given, runs on the same server after the check (no second server start)."""
-    from mg_server.evaluation.determinism import DeterminismConfig, noop_processor, run
+    from mg_server.evaluation.determinism import DeterminismConfig, run
 
     srv = ServerProcess(["--mg-mode", mode], tmp_path / f"server-{mode}.log")
     try:
         srv.wait_ready()
-        report = run(DeterminismConfig(url=srv.url, max_new=MAX_NEW, phases=phases), workload.det, workload.refs, workload.other,
-                     noop_processor())
+        report = run(DeterminismConfig(url=srv.url, max_new=MAX_NEW, phases=phases), workload.det, workload.refs,
+                     workload.other)
         if then is not None:
             then(srv.url)
     finally:
@@ -47,14 +47,13 @@ def _run(mode, tmp_path, workload, phases=("alone", "mixed", "composition"), the
 def test_margin_mode_matches_reference_everywhere(tmp_path, workload):
     rep = _run("margin", tmp_path, workload)
     assert not rep.mismatches, rep.mismatches
-    assert rep.composition_equal
     c = rep.counters
-    # every disagreement the checks found was rolled back (none left for the tail audit), and
+    # every disagreement the checks found was rolled back (no missed flip reached an answer), and
     # every step the seam reported was committed (fast or low-margin) or dropped as stale
-    assert c["mg_audit_mismatch_total"] == c["mg_rollbacks_total"] and c["mg_verify_errors_total"] == 0
+    assert c["mg_audit_mismatch_total"] == 0 and c["mg_verify_errors_total"] == 0
     assert c["steps_fast"] + c["steps_verify"] + c["mg_stale_steps_total"] == c["mg_deterministic_steps_total"]
     assert 0 < c["steps_verify"] < c["mg_deterministic_steps_total"]  # low margins: some, not all
-    assert all(o.verdict == "verified" for o in rep.outcomes if o.label != "composition")
+    assert all(o.verdict == "verified" for o in rep.outcomes)
 
 
 def test_always_mode_matches_reference_everywhere(tmp_path, workload):
@@ -64,12 +63,11 @@ def test_always_mode_matches_reference_everywhere(tmp_path, workload):
     half = dataclasses.replace(workload, det=workload.det[:k], refs=workload.refs[:k], ref_margins=workload.ref_margins[:k])
     rep = _run("always", tmp_path, half)
     assert not rep.mismatches, rep.mismatches
-    assert rep.composition_equal
     c = rep.counters
     # every step counts as low-margin (a step of a timeline rolled back already is dropped as stale)
     assert c["steps_fast"] == 0 < c["steps_verify"]
     assert c["steps_verify"] + c["mg_stale_steps_total"] == c["mg_deterministic_steps_total"]
-    assert c["mg_audit_mismatch_total"] == c["mg_rollbacks_total"]
+    assert c["mg_audit_mismatch_total"] == 0  # (no missed flip: every disagreement was rolled back)
 
 
 def test_mg_off_finds_mismatches(tmp_path, workload, prepared_model):

@@ -35,7 +35,7 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
     every step so), a disagreement rolled back in place before the answer leaves. Seeded requests
     (temperature 0.8, which take the synchronous seam's path) also run beside the greedy ones on
     the lagged seam and must equal their verifier-alone samples."""
-    from mg_server.evaluation.determinism import DeterminismConfig, noop_processor, run
+    from mg_server.evaluation.determinism import DeterminismConfig, run
     from mg_server.verifier.reference import greedy_reference, load_engine
 
     prompts = json.loads((REPO / "benchmarks" / "data" / "gpu_prompts.json").read_text())
@@ -63,8 +63,7 @@ def test_graphs_and_overlap_on_every_step_seen_and_verified(model, tmp_path, sea
                     got = list(pool.map(lambda a: sample(srv.url, a[0], a[1], max_new=24), zip(det[:4], seeds(4))))
                     assert got == [(r, "verified") for r in seeded]
                 assert [f.result() for f in greedy] == [(r, "verified") for r in refs[4:]]
-        rep = run(DeterminismConfig(url=srv.url, max_new=32, phases=("alone", "mixed")), det, refs, other,
-                  noop_processor())
+        rep = run(DeterminismConfig(url=srv.url, max_new=32, phases=("alone", "mixed")), det, refs, other)
     finally:
         srv.stop()
     errors = [ln for ln in srv.log_path.read_text().splitlines() if "mg:" in ln and ("failed" in ln or "Error" in ln)]

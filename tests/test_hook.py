@@ -9,8 +9,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mg_server.config import DETERMINISTIC_PARAM, HookConfig
+from mg_server.config import DETERMINISTIC_PARAM, MARK_PARAM, HookConfig
+from mg_server.env import MARK_VAR
 from mg_server.policy import Policy
+
+MARK = "the-servers-mark"  # what the front would set (seam/guard.py)
+
+
+@pytest.fixture(autouse=True)
+def marked_server(monkeypatch):
+    monkeypatch.setenv(MARK_VAR, MARK)
 
 
 @pytest.fixture(scope="module")
@@ -79,11 +87,12 @@ def entry(processor):
     return SimpleNamespace(processor=processor, rows=[], indices=None)
 
 
-def sampler_args(reqs_flags, logits, positions):
+def sampler_args(reqs_flags, logits, positions, mark=MARK):
     """The Sampler.forward positional args the seam reads: (logits_output, sampling_info, ..., positions)."""
     from mg_server.seam.processor import MgFlagProcessor
 
-    params = [({DETERMINISTIC_PARAM: flag, "__req__": req} if flag is not None else None) for req, flag in reqs_flags]
+    params = [({**(req.sampling_params.custom_params or {}), DETERMINISTIC_PARAM: flag, MARK_PARAM: mark,
+                "__req__": req} if flag is not None else None) for req, flag in reqs_flags]
     flagged = any(p is not None for p in params)
     info = SimpleNamespace(has_custom_logit_processor=flagged, custom_params=params,
                            custom_logit_processor={1: entry(MgFlagProcessor())} if flagged else None)
@@ -247,3 +256,25 @@ def test_top2_margin(hook_mod):
 def test_factory_refuses_to_attach_without_sglangs_model_runner_in_reach(hook_mod):
     with pytest.raises(RuntimeError, match="model runner in reach"):
         hook_mod.make_hook({"metrics_dir": "/tmp/x"})
+
+
+def test_a_flagged_row_without_the_servers_mark_is_plain(hook_mod, runner, tmp_path, monkeypatch):
+    """A client that smuggled mg's flag (or guessed at the mark) is not protected: no report, no edit."""
+    seam = make_seam(hook_mod, runner, tmp_path, monkeypatch)
+    for mark in ("", "guess", MARK[:-1]):
+        logits = torch.randn(1, VOCAB)
+        before = logits.clone()
+        seam(None, sampler_args([(FakeReq(f"x{mark}", [1, 2, 3]), True)], logits, [2], mark=mark))
+        assert torch.equal(logits, before)
+    assert seam.link.client.rows == [] and seam.link.tracked == {}
+
+
+def test_an_error_inside_the_seam_fails_its_rows_not_the_scheduler(hook_mod, runner, tmp_path, monkeypatch):
+    """Nothing a row carries raises out of the Sampler hook (that would stop SGLang's scheduler):
+    a malformed seed fails its own request with a reason."""
+    from mg_server.config import SEED_PARAM, TEMPERATURE_PARAM
+
+    seam = make_seam(hook_mod, runner, tmp_path, monkeypatch)
+    bad = FakeReq("bad", [1, 2, 3], custom_params={TEMPERATURE_PARAM: 0.8, SEED_PARAM: "abc"})
+    assert seam(None, sampler_args([(bad, True)], torch.randn(1, VOCAB), [2])) is None
+    assert bad.to_finish is not None and "deterministic decoding failed" in bad.to_finish.message

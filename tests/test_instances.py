@@ -13,7 +13,8 @@ import pytest
 import torch
 from starlette.testclient import TestClient
 
-from mg_server.config import DETERMINISTIC_PARAM, INSTANCE_PARAM, FrontConfig, HookConfig
+from mg_server.config import DETERMINISTIC_PARAM, INSTANCE_PARAM, MARK_PARAM, FrontConfig, HookConfig
+from mg_server.env import MARK_VAR
 from mg_server.front.middleware import DeterministicMiddleware
 from mg_server.policy import Policy
 from mg_server.wire import protocol as P
@@ -44,7 +45,11 @@ def front(tmp_path, monkeypatch):
     async def generate(request: Request):
         body = json.loads(await request.body())
         bodies.append(body)
-        return JSONResponse({"text": "", "meta_info": {"id": body["rid"], "finish_reason": {"type": "abort"}}})
+        def one(rid):
+            return {"text": "", "meta_info": {"id": rid, "completion_tokens": 0, "finish_reason": {"type": "abort"}}}
+
+        rid = body["rid"]
+        return JSONResponse([one(r) for r in rid] if isinstance(rid, list) else one(rid))
 
     app = Starlette(routes=[Route("/generate", generate, methods=["POST"])])
     app.add_middleware(DeterministicMiddleware, config=FrontConfig(
@@ -91,6 +96,7 @@ def hook_mod():
 
 def test_the_seam_keeps_two_instances_of_one_rid_apart(hook_mod, tmp_path, monkeypatch):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setenv(MARK_VAR, "mark")
     seam = hook_mod.StepSeam(HookConfig(metrics_dir=str(tmp_path)), None)
     rows = []
     client = SimpleNamespace(step=lambda rs: [P.StepDecision(rid=r.rid, token=r.fast_token) for r in rs],
@@ -100,11 +106,13 @@ def test_the_seam_keeps_two_instances_of_one_rid_apart(hook_mod, tmp_path, monke
     first, second = FakeReq("x", [1, 2, 3]), FakeReq("x", [1, 2, 3])  # the first is still held (no Finish yet)
     seam(None, (SimpleNamespace(next_token_logits=torch.randn(1, 20)),
                 SimpleNamespace(has_custom_logit_processor=True,
-                                custom_params=[{DETERMINISTIC_PARAM: True, INSTANCE_PARAM: "i1", "__req__": first}]),
+                                custom_params=[{DETERMINISTIC_PARAM: True, MARK_PARAM: "mark", INSTANCE_PARAM: "i1",
+                                                "__req__": first}]),
                 False, [], [], torch.tensor([2])))
     seam(None, (SimpleNamespace(next_token_logits=torch.randn(1, 20)),
                 SimpleNamespace(has_custom_logit_processor=True,
-                                custom_params=[{DETERMINISTIC_PARAM: True, INSTANCE_PARAM: "i2", "__req__": second}]),
+                                custom_params=[{DETERMINISTIC_PARAM: True, MARK_PARAM: "mark", INSTANCE_PARAM: "i2",
+                                                "__req__": second}]),
                 False, [], [], torch.tensor([2])))
     assert second.to_finish is None and first.to_finish is None
     assert [r.rid for r in rows] == ["x#i1", "x#i2"] and rows[1].prompt == [1, 2, 3]

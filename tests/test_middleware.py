@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from mg_server.config import DETERMINISTIC_PARAM, FrontConfig
+from mg_server.config import DETERMINISTIC_PARAM, MARK_PARAM, FrontConfig
 from mg_server.front.middleware import DeterministicMiddleware
 from mg_server.front.policy import BadRequest, parse_flag
 
@@ -41,9 +41,13 @@ def make_app(config: FrontConfig, extra_routes=()) -> TestClient:
     return TestClient(app)
 
 
+MARK = "m4rk"
+FLAGGED = {DETERMINISTIC_PARAM: True, MARK_PARAM: MARK}  # what the front writes into custom_params
+
+
 @pytest.fixture()
 def client(tmp_path):
-    return make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path)))
+    return make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path), request_mark=MARK))
 
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -55,20 +59,15 @@ def test_flag_values_reach_custom_params(client, value, flag):
     assert r.status_code == 200
     assert r.headers["x-deterministic"] == ("1" if flag else "0")
     body = r.json()["body"]
-    assert body["custom_params"] == {DETERMINISTIC_PARAM: flag}
+    assert body.get("custom_params") == (FLAGGED if flag else None)  # a plain request is not rewritten
     assert body.get("custom_logit_processor") == (NOOP if flag else None)
     assert body["messages"] == CHAT["messages"]
 
 
 def test_no_header_passes_body_through_untouched(client):
-    r = client.post("/v1/completions", json={"prompt": "x", "custom_params": {"a": 1}})
-    assert r.json()["body"] == {"prompt": "x", "custom_params": {"a": 1}}
-    assert "x-deterministic" not in r.headers
-
-
-def test_existing_custom_params_are_kept(client):
-    r = client.post("/v1/completions", json={"prompt": "x", "custom_params": {"a": 1}}, headers={"X-Deterministic": "1"})
-    assert r.json()["body"]["custom_params"] == {"a": 1, DETERMINISTIC_PARAM: True}
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    assert r.json()["body"] == {"prompt": "x", "max_tokens": 3}
+    assert "x-deterministic" not in r.headers and r.headers["x-mg-verdict"] == "unverified"
 
 
 def test_native_generate_single_and_batch(client):
@@ -76,7 +75,7 @@ def test_native_generate_single_and_batch(client):
     sent = json.loads(r.json()["raw"])
     sp = sent["sampling_params"]
     assert isinstance(sent["rid"], str) and sent["rid"].startswith("mg-")
-    assert sp["custom_params"] == {DETERMINISTIC_PARAM: True} and sp["temperature"] == 0.0 and sp["max_new_tokens"] == 4
+    assert sp["custom_params"] == FLAGGED and sp["temperature"] == 0.0 and sp["max_new_tokens"] == 4
     r = client.post("/generate", json={"text": ["a", "b"], "sampling_params": [{}, {"temperature": 0}]}, headers={"X-Deterministic": "1"})
     sent = json.loads(r.json()["raw"])
     assert isinstance(sent["rid"], list) and len(sent["rid"]) == 2
@@ -102,17 +101,80 @@ def test_sampling_without_seed_is_refused_and_unset_temperature_pinned_to_zero(c
     assert r.status_code == 200 and r.json()["body"]["temperature"] == 0.7
 
 
-def test_conflicting_custom_processor_and_bad_params_are_400(client):
-    r = client.post("/v1/completions", json={"prompt": "x", "custom_logit_processor": "other"}, headers={"X-Deterministic": "1"})
-    assert r.status_code == 400
-    r = client.post("/v1/completions", json={"prompt": "x", "custom_params": [1]}, headers={"X-Deterministic": "1"})
-    assert r.status_code == 400
+@pytest.mark.parametrize("header", [{}, {"X-Deterministic": "0"}, {"X-Deterministic": "1"}])
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "x", "custom_logit_processor": "other"}),
+    ("/v1/chat/completions", {**CHAT, "custom_params": {DETERMINISTIC_PARAM: True}}),
+    ("/generate", {"text": "x", "sampling_params": {"custom_params": {MARK_PARAM: "guess"}}}),
+    ("/generate", {"text": ["a", "b"], "custom_logit_processor": [None, "x"]}),
+    ("/v1/responses", {"input": "x", "custom_logit_processor": "x"}),  # any route: SGLang's later ones too
+    ("/other", {"instances": [{"text": "x"}], "parameters": {"custom_logit_processor": "x"}}),  # at any depth
+])
+def test_mgs_own_fields_are_refused_on_every_route_with_or_without_the_header(client, header, path, body):
+    r = client.post(path, json=body, headers=header)
+    assert r.status_code == 400 and "not accepted by this server" in r.json()["message"], r.text
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 200  # still serving
 
 
-def test_a_plain_requests_non_json_body_is_left_to_the_app(client):
-    # passed on byte for byte, for SGLang to answer with its own error; no crash, no hang
-    r = client.post("/generate", content=b"not json", headers={"X-Deterministic": "0"})
-    assert r.json()["raw"] == "not json" and r.headers["x-deterministic"] == "0"
+@pytest.mark.parametrize("header", [{}, {"X-Deterministic": "0"}])
+@pytest.mark.parametrize("body,words", [
+    (b"not json", "is not valid JSON"), (b"[]", "must be a JSON object"), (b'"str"', "must be a JSON object"),
+    (b"null", "must be a JSON object"), (b"[" * 1000 + b"]" * 1000, "nested too deeply")])
+def test_a_plain_requests_malformed_body_is_a_400(client, header, body, words):
+    for path in ("/generate", "/v1/chat/completions", "/other"):
+        r = client.post(path, content=body, headers=header)
+        assert r.status_code == 400 and words in r.json()["message"], (path, r.text)
+        assert r.json()["type"] == "BadRequestError"
+
+
+def test_a_compressed_body_is_refused_and_a_form_passes(client):
+    r = client.post("/generate", content=b"\x1f\x8b...", headers={"Content-Encoding": "gzip"})
+    assert r.status_code == 415 and "uncompressed" in r.json()["message"]
+    r = client.post("/generate", files={"file": ("a.wav", b"RIFF")})
+    assert r.status_code == 200 and "RIFF" in r.json()["raw"]
+
+
+@pytest.mark.parametrize("header", [{}, {"X-Deterministic": "1"}])
+def test_one_length_limit_reaches_sglang_and_the_newer_name_wins(client, header):
+    for sent, got in [({"max_completion_tokens": 0, "max_tokens": 12}, 0), ({"max_completion_tokens": 5}, 5),
+                      ({"max_tokens": 7}, 7), ({"max_completion_tokens": None, "max_tokens": 3}, 3)]:
+        body = client.post("/v1/chat/completions", json={**CHAT, **sent}, headers=header).json()["body"]
+        assert body.get("max_tokens") == got and "max_completion_tokens" not in body, (sent, body)
+    for bad in ("0", 1.0, -1, True, [3]):
+        r = client.post("/v1/completions", json={"prompt": "x", "max_completion_tokens": bad}, headers=header)
+        assert r.status_code == 400 and r.json()["param"] == "max_completion_tokens", (bad, r.text)
+
+
+def test_an_unknown_model_is_a_404(tmp_path):
+    client = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path), served_models=("/models/x",)))
+    for model in ("default", "/models/x", None):
+        assert client.post("/v1/chat/completions", json={**CHAT, "model": model}).status_code == 200
+    r = client.post("/v1/chat/completions", json={**CHAT, "model": "gpt-4o"}, headers={"X-Deterministic": "1"})
+    assert r.status_code == 404 and r.json()["code"] == "model_not_found" and "gpt-4o" in r.json()["message"]
+    assert r.headers["x-mg-verdict"] == "failed"
+
+
+def test_the_header_spelt_with_an_underscore_is_refused(client):
+    r = client.post("/v1/chat/completions", json=CHAT, headers={"X_Deterministic": "1"})
+    assert r.status_code == 400 and "dash" in r.json()["message"]
+
+
+def test_a_body_that_trickles_in_is_a_408(tmp_path):
+    import asyncio
+
+    app = DeterministicMiddleware(None, FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path),
+                                                    body_timeout_s=0.2))
+    sent = []
+
+    async def receive():
+        await asyncio.sleep(10)
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "path": "/generate", "method": "POST", "headers": []}
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), 5))
+    assert sent[0]["status"] == 408
 
 
 def _refused_as_failed(r, words: str) -> None:
@@ -210,7 +272,7 @@ def test_the_header_passes_on_read_only_endpoints_and_put_generate_is_served(cli
     assert r.status_code == 400 and "sampling_seed" in r.json()["message"]  # the same checks as POST
     r = client.put("/generate", json={"text": "x"}, headers={"X-Deterministic": "1"})
     sent = json.loads(r.json()["raw"])
-    assert sent["sampling_params"]["custom_params"] == {DETERMINISTIC_PARAM: True}
+    assert sent["sampling_params"]["custom_params"] == FLAGGED
     assert r.headers["x-mg-verdict"] == "unverified"  # mode off here: a verdict, never silence
 
 
@@ -325,23 +387,49 @@ def test_error_responses_are_failed_without_asking_the_controller(verified_clien
     assert '"states": ["verified"]' in r.text and len(asked) == 1
 
 
-def test_an_empty_answer_is_verified_without_the_controller(verified_client, monkeypatch, tmp_path):
+def test_an_empty_answer_is_verified_without_the_controller_only_if_it_is_empty(monkeypatch, tmp_path):
+    """max_tokens 0 (either name, on every endpoint): mg sees no step, so the front settles the
+    verdict; it says `verified` only for an answer that has no token (a length limit SGLang did not
+    honour was a false `verified`)."""
     from mg_server.front.verdict import RuntimeView
 
     async def never(self, rids, correct=False):
         raise AssertionError("asked the controller")
 
     monkeypatch.setattr(RuntimeView, "verdicts", never)
-    client, _ = verified_client
-    r = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0}}, headers={"X-Deterministic": "1"})
-    assert '"states": ["verified"]' in r.text
-    # the same on the OpenAI endpoints (the verdict was `unknown` there before)
-    for limit in ({"max_tokens": 0}, {"max_completion_tokens": 0}, {"max_tokens": 5, "max_completion_tokens": 0}):
-        r = client.post("/v1/completions", json={"prompt": "x", **limit}, headers={"X-Deterministic": "1"})
-        assert r.headers["x-mg-verdict"] == "failed"  # (this fixture's /v1/completions answers an error)
-    plain = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path)))
-    r = plain.post("/v1/chat/completions", json={**CHAT, "max_tokens": 0}, headers={"X-Deterministic": "1"})
-    assert r.status_code == 200 and r.headers["x-mg-verdict"] == "verified"
+    tokens = {"n": 0}  # how many tokens the fake SGLang answers with
+
+    async def openai(request: Request):
+        n = tokens["n"]
+        return JSONResponse({"choices": [{"index": 0, "text": "x" * n}], "usage": {
+            "prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}})
+
+    async def generate(request: Request):
+        body = await request.json()
+        one = {"text": "x" * tokens["n"], "meta_info": {"completion_tokens": tokens["n"]}}
+        return JSONResponse([one] * len(body["text"]) if isinstance(body["text"], list) else one)
+
+    async def stream(request: Request):
+        async def events():
+            yield b'data: {"choices": [{"index": 0, "delta": {"content": "' + b"x" * tokens["n"] + b'"}}]}\n\n'
+            yield b"data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    routes = [Route("/v1/completions", openai, methods=["POST"]), Route("/generate", generate, methods=["POST"]),
+              Route("/v1/chat/completions", stream, methods=["POST"])]
+    client = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path)), routes)
+    det = {"X-Deterministic": "1"}
+    for n, verdict in ((0, "verified"), (4, "failed")):
+        tokens["n"] = n
+        r = client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0}}, headers=det)
+        assert r.headers["x-mg-verdict"] == verdict
+        r = client.post("/generate", json={"text": ["x", "y"], "sampling_params": {"max_new_tokens": 0}}, headers=det)
+        assert r.headers["x-mg-verdict"] == verdict
+        for limit in ({"max_tokens": 0}, {"max_completion_tokens": 0}, {"max_tokens": 5, "max_completion_tokens": 0}):
+            r = client.post("/v1/completions", json={"prompt": "x", **limit}, headers=det)
+            assert r.headers["x-mg-verdict"] == verdict, (limit, r.text)
+        r = client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 0, "stream": True}, headers=det)
+        assert f'"verdict": "{verdict}"' in r.text
 
 
 # ---- health -----------------------------------------------------------------------------------
@@ -361,3 +449,8 @@ def test_health_is_503_while_mg_cannot_serve_deterministic_requests(tmp_path):
     r = client.get("/health", headers={"X-Deterministic": "1"})
     assert r.status_code == 503 and "controller is not responding" in r.json()["message"]
     assert client.post("/v1/completions", json={"prompt": "x"}).status_code == 200  # plain traffic goes on
+    # a deterministic request while a worker is down or restarting: a 503 with the reason at once
+    beat.write_text(f"{time.monotonic():.3f} verifier down: restarting after: the verifier process exited")
+    r = client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Deterministic": "1"})
+    assert r.status_code == 503 and "restarting after" in r.json()["message"]
+    assert r.headers["x-mg-verdict"] == "failed"

@@ -2,6 +2,8 @@
 internal state in error bodies, secrets in server info, /metrics without the API key. Driven
 through the real middleware on a small ASGI app (no SGLang)."""
 
+import json
+
 import pytest
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -95,3 +97,24 @@ def test_bodies_sglang_does_not_survive_are_refused():
     for ok in ({"input_ids": [[0, 99]], "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
                {"text": "ids in text: 500", "sampling_params": None}, {"prompt": "text"}, {"prompt": ["a", "b"]}):
         assert bad_token_ids(ok, "/generate" if "prompt" not in ok else "/v1/completions", 100) == ""
+
+
+def test_a_validation_error_echoes_no_input_and_no_secret():
+    """SGLang's 400 for a deterministic request echoed the body it got: mg's processor string, its
+    mark and instance id. The front keeps each error's place and message, and OpenAI's type name."""
+    from mg_server.front.redact import clean_error
+
+    body = {"object": "error", "type": "Bad Request", "param": None, "code": 400, "message": (
+        "2 validation errors:\n  {'type': 'int_parsing', 'loc': ('body', 'max_tokens'), 'msg': 'Input should be a "
+        "valid integer', 'input': {'custom_params': {'mg_mark': 'SECRET', 'mg_instance': 'i'}, "
+        "'custom_logit_processor': 'PROC'}}\n  {'type': 'x', 'loc': ('body', 'messages', 0, 'function-after[v()]', "
+        "'role'), 'msg': 'bad role', 'input': 'SECRET'}")}
+    mark, proc = "S" * 32, '{"callable": "8004' + "0" * 20 + '"}'
+    body["message"] = body["message"].replace("SECRET", mark).replace("PROC", proc)
+    out = json.loads(clean_error(json.dumps(body).encode(), secrets=(mark, proc)))
+    assert out["type"] == "BadRequestError"
+    assert out["message"] == "2 validation errors:\n  max_tokens: Input should be a valid integer\n" \
+                             "  messages.0.role: bad role"
+    text = json.dumps({"message": f"the mark {mark} and {proc}", "type": "Not Found"}).encode()
+    plain = json.loads(clean_error(text, (mark, proc)))
+    assert plain == {"message": "the mark <mg> and <mg>", "type": "NotFoundError"}

@@ -9,28 +9,28 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from test_middleware import CHAT, NOOP, client, make_app  # noqa: F401 - client is a fixture
 
-from mg_server.config import DETERMINISTIC_PARAM, SEED_PARAM, TEMPERATURE_PARAM, FrontConfig
+from mg_server.config import DETERMINISTIC_PARAM, MARK_PARAM, SEED_PARAM, TEMPERATURE_PARAM, FrontConfig
 from mg_server.front.policy import BadRequest, rewrite_body
 
 DET = {"X-Deterministic": "1"}
 
 
 def test_seeded_request_moves_its_rule_into_custom_params_and_sglang_decodes_greedily():
-    out = rewrite_body({**CHAT, "temperature": 0.8, "seed": 42}, "/v1/chat/completions", True, NOOP)
+    out = rewrite_body({**CHAT, "temperature": 0.8, "seed": 42}, "/v1/chat/completions", NOOP, "mark")
     assert out["temperature"] == 0.0 and out["seed"] == 42
-    assert out["custom_params"] == {DETERMINISTIC_PARAM: True, TEMPERATURE_PARAM: 0.8, SEED_PARAM: 42}
-    out = rewrite_body({"text": "x", "sampling_params": {"temperature": 1, "sampling_seed": -1}}, "/generate", True,
-                       NOOP)
+    assert out["custom_params"] == {DETERMINISTIC_PARAM: True, MARK_PARAM: "mark", TEMPERATURE_PARAM: 0.8,
+                                    SEED_PARAM: 42}
+    out = rewrite_body({"text": "x", "sampling_params": {"temperature": 1, "sampling_seed": -1}}, "/generate", NOOP,
+                       "mark")
     assert out["sampling_params"]["custom_params"][SEED_PARAM] == 2 ** 64 - 1  # seeds are taken mod 2**64
-    # greedy stays greedy, and top_p/top_k/min_p are still fine at temperature 0; a client's own
-    # mg sampling keys never pass unchecked
-    out = rewrite_body({**CHAT, "temperature": 0, "top_p": 0.5, "seed": 3,
-                        "custom_params": {TEMPERATURE_PARAM: 2.0, SEED_PARAM: 1, "x": 1}}, "/v1/chat/completions", True,
-                       NOOP)
-    assert out["custom_params"] == {DETERMINISTIC_PARAM: True, "x": 1}
-    # plain requests keep SGLang's own sampling untouched
-    out = rewrite_body({**CHAT, "temperature": 0.8, "seed": 42}, "/v1/chat/completions", False, NOOP)
-    assert out["temperature"] == 0.8 and out["custom_params"] == {DETERMINISTIC_PARAM: False}
+    # greedy stays greedy, and top_p/top_k/min_p are still fine at temperature 0
+    out = rewrite_body({**CHAT, "temperature": 0, "top_p": 0.5, "seed": 3}, "/v1/chat/completions", NOOP, "mark")
+    assert out["custom_params"] == {DETERMINISTIC_PARAM: True, MARK_PARAM: "mark"}
+
+
+def test_plain_requests_keep_sglangs_own_sampling(client):  # noqa: F811 - the fixture
+    r = client.post("/v1/chat/completions", json={**CHAT, "temperature": 0.8, "seed": 42})
+    assert r.json()["body"] == {**CHAT, "temperature": 0.8, "seed": 42}
 
 
 @pytest.mark.parametrize("params,param", [
@@ -98,4 +98,68 @@ def test_openai_n_is_fanned_out_merged_and_fingerprinted(tmp_path):
 
 def test_policy_helpers_raise_bad_request():
     with pytest.raises(BadRequest):
-        rewrite_body({**CHAT, "temperature": float("inf"), "seed": 1}, "/v1/chat/completions", True, NOOP)
+        rewrite_body({**CHAT, "temperature": float("inf"), "seed": 1}, "/v1/chat/completions", NOOP, "m")
+
+
+def test_a_list_of_prompts_is_one_completion_each_with_a_verdict_each(tmp_path, monkeypatch):
+    """/v1/completions with several prompts (and seeded n): one request per completion, each asked
+    for its own verdict (SGLang gave them ids mg never saw: `unknown`); prompt-major choices."""
+    from mg_server.front.verdict import RuntimeView
+
+    asked = []
+
+    async def verdicts(self, rids, correct=False):
+        asked.extend(rids)
+        return [("verified", None)] * len(rids)
+
+    monkeypatch.setattr(RuntimeView, "verdicts", verdicts)
+
+    async def answer(request: Request):
+        body = await request.json()
+        seed = (body.get("custom_params") or {}).get(SEED_PARAM)
+        n = 0 if body.get("max_tokens") == 0 else 2
+        return JSONResponse({"choices": [{"index": 0, "text": f"{body['prompt']}:{seed}"}],
+                             "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}})
+
+    client = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path), max_deterministic=4,  # noqa: F811
+                                  controller_ipc=str(tmp_path / "c.sock")),
+                      [Route("/v1/completions", answer, methods=["POST"])])
+    r = client.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 4}, headers=DET)
+    assert r.status_code == 200 and r.headers["x-mg-verdict"] == "verified" and len(asked) == 3, r.text
+    assert [c["text"] for c in r.json()["choices"]] == ["a:None", "b:None", "c:None"]
+    assert r.json()["usage"] == {"prompt_tokens": 9, "completion_tokens": 6, "total_tokens": 15}
+    r = client.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "temperature": 0.5, "seed": 1}, headers=DET)
+    assert [c["text"] for c in r.json()["choices"]] == ["a:1", "a:2", "b:1", "b:2"]
+    assert r.json()["usage"]["prompt_tokens"] == 6  # each prompt once, whatever n
+    r = client.post("/v1/completions", json={"prompt": [[1, 2], [3]], "max_tokens": 4}, headers=DET)
+    assert len(r.json()["choices"]) == 2  # token-id prompts too; one list of ids is one prompt
+    # asking for no token: settled per completion (the verdict was `unknown` for seeded n)
+    asked.clear()
+    r = client.post("/v1/completions", json={"prompt": "a", "n": 3, "temperature": 0.5, "seed": 1, "max_tokens": 0},
+                    headers=DET)
+    assert r.headers["x-mg-verdict"] == "verified" and asked == []
+    r = client.post("/v1/completions", json={"prompt": ["a"] * 5}, headers=DET)  # more than the verifier holds
+    assert r.status_code == 400 and r.json()["param"] == "prompt"
+    r = client.post("/v1/completions", json={"prompt": ["a", "b"], "stream": True}, headers=DET)
+    assert r.status_code == 400 and r.json()["param"] == "prompt"
+
+
+def test_a_client_that_leaves_cancels_every_part():
+    """The parts of a fanned-out request see the client's disconnect (SGLang then aborts them):
+    before, `n: 64` samples ran on for minutes after the client had gone."""
+    import asyncio
+
+    from mg_server.front.samples import run_parts
+
+    seen = []
+
+    async def app(scope, receive, send):
+        await receive()  # the body
+        seen.append((await receive())["type"])  # SGLang's disconnect check
+
+    async def client_receive():
+        await asyncio.sleep(0.05)
+        return {"type": "http.disconnect"}
+
+    asyncio.run(asyncio.wait_for(run_parts(app, {"headers": []}, [b"{}"] * 3, client_receive), 5))
+    assert seen == ["http.disconnect"] * 3

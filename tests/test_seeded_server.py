@@ -7,8 +7,6 @@ kernels. CI-sized: one server. With mg off the same check finds mismatches (so i
 
 from __future__ import annotations
 
-import re
-
 import openai
 import pytest
 import requests
@@ -48,9 +46,8 @@ def test_same_seed_same_answer_alone_and_mixed_equal_to_the_reference(server, wo
     other_seed, _ = sample(server.url, ids[0], seeds(1)[0] + 1)
     assert other_seed != refs[0]  # another seed, another sample
     text = requests.get(server.url + "/metrics", timeout=10).text
-    # every disagreement the checks found was rolled back (none reached an answer), no call failed
-    counters = dict(re.findall(r"^(mg_audit_mismatch_total|mg_rollbacks_total) ([0-9.e+]+)$", text, re.M))
-    assert counters["mg_audit_mismatch_total"] == counters.get("mg_rollbacks_total", "0.0"), counters
+    # every disagreement the checks found was rolled back (no missed flip reached an answer), no call failed
+    assert "\nmg_audit_mismatch_total 0.0" in text
     assert "\nmg_verify_errors_total 0.0" in text
 
 

@@ -1,7 +1,7 @@
 """Stops of a real server: the documented SIGTERM, after requests SGLang never
 drains (a context-length 400, `n > 1`), ends within the drain bound, and a stop leaves no
-process, no /dev/shm segment and no temp folder; so does SIGQUIT (what SGLang's parent gets
-when a child crashes)."""
+process, no /dev/shm segment and no temp folder; so does SGLang's own crash-stop (a crashed
+scheduler: SIGQUIT to the main process), which exits 1 saying what died."""
 
 import glob
 import os
@@ -68,9 +68,22 @@ def test_sigterm_after_undrained_requests_exits_within_the_bound(tmp_path, prepa
     assert took < DRAIN_S + 20
 
 
-def test_sigquit_leaves_nothing(tmp_path, prepared_model):
-    srv, kids = start(tmp_path, "sigquit")
-    stopped(srv, kids, signal.SIGQUIT, limit_s=20)
+def test_a_crashed_scheduler_stops_the_server_with_exit_code_1_and_leaves_nothing(tmp_path, prepared_model):
+    # SGLang's watchdog sees its scheduler die and SIGQUITs the main process (as a scheduler that
+    # raised does), whose handler ends with kill_process_tree. Before: "mg-server stopped cleanly", exit 0
+    srv, kids = start(tmp_path, "crash")
+    (scheduler,) = [pid for pid, title in titles(srv.proc.pid).items() if title.startswith("sglang::scheduler")]
+    os.kill(scheduler, signal.SIGKILL)
+    try:
+        code = srv.proc.wait(30)
+    finally:
+        srv.stop()
+    log = srv.log_path.read_text(errors="replace")
+    assert code == 1 and "stopped cleanly" not in log, srv.log_tail()
+    assert ("mg-server stopped after a failure: SGLang stopped the server after SIGQUIT: its scheduler_0 process "
+            "exited (code -9)") in log.rstrip().splitlines()[-1], srv.log_tail()
+    assert wait_until(lambda: not running(kids), 5), kids
+    assert leftovers(srv) == []
 
 
 def test_sigint_stops_like_sigterm_with_one_clean_line(tmp_path, prepared_model):

@@ -35,7 +35,6 @@ class AuditMixin:
         if not st.mismatches or pos < min(st.mismatches):
             st.flip_token = token
         st.mismatches.append(pos)
-        self.m.audit_mismatch.inc()
         i = pos + 1 - st.prompt_len  # the fast margin of the token the verifier overturned (tau's headroom)
         if 0 <= i < len(st.margins) and st.margins[i] >= 0:
             self.m.flip_margin.observe(st.margins[i])
@@ -125,7 +124,7 @@ class AuditMixin:
             for _, st, _ in todo:
                 st.error = "deterministic verifier is not running (final audit)"
             return
-        ready = []
+        ready, flipped = [], {id(st) for _, st, _ in todo if st.mismatches}  # (a stream's missed flip: counted)
         for rid, st, n in todo:
             st.error = self._catch_up(rid, st, n - 2)
             if not st.error:
@@ -138,6 +137,8 @@ class AuditMixin:
                     st.error = f"verifier (final audit): {VerifierError.of(res)}"
                 else:
                     self._audit_through(rid, st, n - 2, res, "final token")
+        # an answer whose end was never checked before it left: nothing can roll it back now
+        self.m.missed_flips.inc(sum(1 for _, st, _ in todo if st.mismatches and not st.error and id(st) not in flipped))
 
     def _verdict(self, rid: str, correct: bool = False) -> P.VerdictReply:
         if rid in self.pending:  # its response is waiting for this audit: run every pending one with it

@@ -1,24 +1,30 @@
 """Client of the controller, used by mg's forward hook (scheduler process) and the HTTP front.
 
 One client per thread: zmq sockets are not thread-safe. A call gives up as soon as the
-controller stops beating (wire.liveness), so a dead or stopped controller costs a caller
-seconds, not the call's timeout.
+controller stops beating, or once another controller beats in its place (wire.liveness
+`PeerWatch`: a restarted controller does not know the call's request), so a dead, stopped or
+restarted controller costs a caller seconds, not the call's timeout. The socket reconnects to a
+restarted controller by itself (the same ipc path).
 """
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable
 
 from mg_server.wire import protocol as P
 from mg_server.wire.channel import RpcClient, RpcError
-from mg_server.wire.liveness import beat_path, stale_reason
+from mg_server.wire.liveness import PeerWatch, beat_path
 
 
 class ControllerClient(RpcClient):
     def __init__(self, ipc_path: str, timeout_s: float = 60.0, client_name: str = "",
                  peer_check: Callable[[], str] | None = None):
-        super().__init__(ipc_path, timeout_s, client_name, peer_check or partial(stale_reason, beat_path(ipc_path)))
+        self.watch = PeerWatch(beat_path(ipc_path))
+        super().__init__(ipc_path, timeout_s, client_name, peer_check or self.watch)
+
+    def call(self, msg: P.Message, timeout_s: float | None = None) -> P.Message:
+        self.watch.reset()  # the controller serving this call is the one beating at its first look
+        return super().call(msg, timeout_s)
 
     def hello(self, timeout_s: float | None = None) -> P.ControllerInfo:
         info = self.call(P.ControllerHello(protocol_version=P.PROTOCOL_VERSION, client=self.client_name), timeout_s)

@@ -13,9 +13,10 @@ far; `Finish` audits the tail. A request's verdict is `verified` only when its a
 Faults: the controller beats and watches its parent from its first moment (wire.liveness).
 A verify call gives up as soon as the verifier process exits or stops beating; the rows of that
 call fail, later deterministic steps fail at once, plain traffic goes on, and the beat's status
-(read by the front's /health) and `mg_verifier_up` say the verifier is down. If the verifier
-cannot start, the controller answers the launcher's hello with the verifier's own error and
-exits.
+(read by the front's /health) and `mg_verifier_up` say the verifier is down. A verifier that
+exited or stays wedged is restarted, the requests it held failed (controller/worker.py). If the
+verifier cannot start at first, the controller answers the launcher's hello with the verifier's
+own error and exits (code 1); after too many failed restarts it exits with GAVE_UP_EXIT.
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ from mg_server.controller.window import WindowMixin
 from mg_server.controller.worker import WorkerMixin
 from mg_server.policy import Policy
 from mg_server.wire import protocol as P
-from mg_server.wire.liveness import Lifeline, beat_path, ignore_stop_signals
+from mg_server.wire.liveness import Lifeline, Restarts, beat_path, ignore_stop_signals
 
 log = logging.getLogger("mg.controller")
 
 CHECK_ITEMS = 64  # checks per verify call without a verifier config (VerifierConfig.n_slots, its default)
 IDLE_AUDITS = 8  # finished requests' tail audits per idle turn (one verify call; a Step waits at most that long)
+START_ERROR_LINGER_S = 30.0  # a verifier that did not start: how long its error waits for the launcher's hello
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ class ControllerConfig:
     verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept
     parent_pid: int = 0  # mg-server's pid: the controller exits once it is gone (0: no watch)
     window: int = 32  # a request's unchecked tokens are checked once this many wait (--mg-window)
+    # the beat's status until the first verifier is up (a restarted controller's says why: /health shows it)
+    start_status: str = "verifier starting"
 
 
 class Controller(AuditMixin, WindowMixin, WorkerMixin):
@@ -86,6 +90,12 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         self.down_reason = ""  # why the verifier is down ("" while it is up), as last reported
         self._beat_checked = 0.0  # monotonic time of the last look at the verifier's beat
         self._verifier_beat = ""  # the verifier's beat file (wire.liveness)
+        self._start = None  # a worker start in progress (worker.VerifierStart)
+        self._restart_at: float | None = None  # when the next start is due (a lost worker's backoff)
+        self._lost_at = 0.0  # when the last worker was lost
+        self.restarts = Restarts()
+        self.exit_code = 0  # the process's, once serve_forever returns
+        self.hellos: list[tuple[bytes, P.ControllerHello]] = []  # hellos waiting for the first start
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -179,6 +189,8 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         t0 = time.perf_counter()
         self._fresh_deadlines(items)
         try:
+            if self.vclient is None:  # lost during this turn (worker.py): no worker to ask
+                raise VerifierError(P.ErrorCode.PEER_DOWN, self.down_reason or "no verifier")
             results = self.vclient.verify_many(items)
         except VerifierError as e:
             results = [P.ErrorReply(code=e.code, message=e.message) for _ in items]
@@ -260,33 +272,48 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
                             deadline_ns=time.time_ns() + int(self.cfg.verify_timeout_s * 1e9))
 
     # ---- loop -----------------------------------------------------------------------------
-    def serve_forever(self, idle_exit_s: float = 0.0) -> None:
-        """Serve until Shutdown (or, if idle_exit_s, until that long without a message).
-        Orphaning is the lifeline's job: it exits the process whatever this loop is doing."""
-        last = time.monotonic()  # the last message's arrival
+    def serve_forever(self) -> None:
+        """Serve until Shutdown, a verifier that gave up, or (a verifier that did not start)
+        until the launcher has heard why (START_ERROR_LINGER_S at most). Orphaning is the
+        lifeline's job: it exits the process whatever this loop is doing."""
+        failed_at = None  # when the first start's error was known
         while self.running:
-            busy = self.pending or self._checks_due()  # idle work waits: no blocking poll
-            if not self.sock.poll(0 if busy else 200):
-                self._idle_turn()
-                if idle_exit_s and time.monotonic() - last > idle_exit_s:
-                    break
+            if self.hellos and not self.verifier_starting():  # the first start is over: say how
+                for ident, hello in self.hellos:
+                    self._reply(ident, hello)
+                self.hellos = []
                 continue
-            last = time.monotonic()
+            if self.start_error is not None:
+                failed_at = failed_at or time.monotonic()
+                if time.monotonic() - failed_at > START_ERROR_LINGER_S:
+                    break
+            busy = self.pending or self._checks_due()  # idle work waits: no blocking poll
+            # (a start in progress is looked at every 50 ms: the launcher's hello waits for it)
+            if not self.sock.poll(0 if busy else 50 if self._start is not None else 200):
+                self._idle_turn()
+                continue
             ident, data = self.sock.recv_multipart()
             try:
                 msg = P.decode(data)
             except Exception as e:  # noqa: BLE001 - a bad message gets a typed error
-                reply: P.Message = P.Error(error=P.ErrorReply(code=P.ErrorCode.BAD_REQUEST, message=str(e)))
-            else:
-                try:
-                    reply = self.handle(msg)
-                except Exception as e:  # noqa: BLE001 - the controller survives a bad request
-                    log.exception("controller error")
-                    reply = P.Error(error=P.ErrorReply(code=P.ErrorCode.INTERNAL, message=repr(e)))
-                if reply is None:  # a one-way report
-                    continue
-                reply.msg_id = msg.msg_id
-            self.sock.send_multipart([ident, P.encode(reply)])
+                self.sock.send_multipart([ident, P.encode(P.Error(error=P.ErrorReply(
+                    code=P.ErrorCode.BAD_REQUEST, message=str(e))))])
+                continue
+            if isinstance(msg, P.ControllerHello) and self.verifier_starting():
+                self.hellos.append((ident, msg))  # answered once the verifier is up (or did not start)
+                continue
+            self._reply(ident, msg)
+
+    def _reply(self, ident: bytes, msg: P.Message) -> None:
+        try:
+            reply = self.handle(msg)
+        except Exception as e:  # noqa: BLE001 - the controller survives a bad request
+            log.exception("controller error")
+            reply = P.Error(error=P.ErrorReply(code=P.ErrorCode.INTERNAL, message=repr(e)))
+        if reply is None:  # a one-way report
+            return
+        reply.msg_id = msg.msg_id
+        self.sock.send_multipart([ident, P.encode(reply)])
 
     def _idle_turn(self) -> None:
         if self._checks_due():  # idle: due checks first
@@ -295,7 +322,7 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
             self._run_checks()
         elif self.pending:  # idle: run deferred tail audits, a few at a time (a Step may come)
             self._complete(list(self.pending)[:IDLE_AUDITS])
-        else:  # idle: notice a dead verifier without traffic (health, metrics)
+        else:  # idle: notice a dead verifier without traffic (health, metrics), tend its restart
             self.verifier_up()
             self._count_live()
 
@@ -306,7 +333,7 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
 
 
 def run_controller(cfg: ControllerConfig) -> None:
-    from mg_server.wire.channel import RpcError, set_process_title
+    from mg_server.wire.channel import set_process_title
 
     ignore_stop_signals()  # a group's SIGINT/SIGTERM: the main process stops this one
     set_process_title("mg::controller")
@@ -316,21 +343,16 @@ def run_controller(cfg: ControllerConfig) -> None:
     from mg_server.wire.cleanup import remove_instance  # orphaned (kill -9): nobody else removes its files
     lifeline = Lifeline(beat_path(cfg.ipc_path), cfg.parent_pid, lambda: remove_instance(
         (os.path.dirname(cfg.ipc_path), cfg.metrics_dir), (cfg.verifier.shm_base,) if cfg.verifier else ()),
-        name="mg-controller-life").start()
+        name="mg-controller-life", status=cfg.start_status).start()
     ctl = Controller(cfg, lifeline)
     try:
-        try:
-            ctl.start_verifier()
-        except Exception as e:  # noqa: BLE001 - told to the launcher, which exits with it
-            code, message = (e.code, e.message) if isinstance(e, RpcError) else (P.ErrorCode.INTERNAL, str(e))
-            log.error("the deterministic verifier did not start: %s", message)
-            ctl.start_error = P.ErrorReply(code=code, message=f"the deterministic verifier did not start: {message}")
-            ctl.serve_forever(idle_exit_s=30.0)  # until the launcher has heard it
-            raise SystemExit(1) from None
+        ctl.start_verifier()  # in the background: the launcher's hello waits for it (serve_forever)
         ctl.serve_forever()
     finally:
         lifeline.stop()
         ctl.close()
+    if ctl.exit_code or ctl.start_error is not None:
+        raise SystemExit(ctl.exit_code or 1)
 
 
 def start_controller(cfg: ControllerConfig) -> mp.Process:

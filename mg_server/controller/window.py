@@ -93,6 +93,7 @@ class WindowMixin:
         log.warning("missed flip: request %s answer token %d left in a stream before its check and the verifier "
                     "disagrees (verdict mismatch)", rid, min(st.mismatches) + 1 - st.prompt_len)
         st.checked = UNHELD
+        self.m.missed_flips.inc()
 
     def _window_progress(self) -> dict[str, list[int]]:
         return {rid: [st.epoch, st.checked] for rid, st in self.reqs.items() if not st.finished_at and not st.error}

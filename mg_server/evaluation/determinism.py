@@ -5,9 +5,6 @@ later by calibration. The checks:
 - alone: each deterministic prompt sent by itself;
 - mixed: groups of deterministic prompts sent concurrently with other traffic (other prompts,
   other lengths, `X-Deterministic: 0` and no header);
-- composition: one batched /generate holding deterministic and plain rows, sent twice (rows
-  flagged, then unflagged): the plain rows must come out identical, i.e. mg's token forcing and
-  K/V repair touch only the rows they protect;
 - prefix: prompts that share a long prefix, sent concurrently after a plain request has put the
   prefix into SGLang's radix cache (deterministic rows start from shared cache slots, which mg
   must never repair), with plain requests of the same prefix alongside.
@@ -25,7 +22,6 @@ from dataclasses import asdict, dataclass, field
 
 import requests
 
-from mg_server.config import DETERMINISTIC_PARAM
 
 MG_COUNTERS = ("mg_deterministic_steps_total", "mg_verify_total", "mg_repair_total",
                "mg_audit_mismatch_total", "mg_verify_errors_total", "mg_lookahead_steps_total",
@@ -39,7 +35,7 @@ class DeterminismConfig:
     group: int = 4  # deterministic requests per mixed group
     others_per_group: int = 4
     timeout_s: float = 900.0
-    phases: tuple[str, ...] = ("alone", "mixed", "composition")  # also "prefix"
+    phases: tuple[str, ...] = ("alone", "mixed")  # also "prefix"
 
 
 @dataclass
@@ -55,7 +51,6 @@ class Outcome:
 @dataclass
 class Report:
     outcomes: list[Outcome] = field(default_factory=list)
-    composition_equal: bool | None = None
     det_tokens: int = 0  # tokens of every deterministic answer received (steps mg had to see)
     counters: dict = field(default_factory=dict)  # mg counter deltas over the run
     seconds: float = 0.0
@@ -116,7 +111,7 @@ def _compare(label: str, i: int, got: list[int], want: list[int], verdict: str) 
 
 
 def run(cfg: DeterminismConfig, det_prompts: list[list[int]], refs: list[list[int]],
-        other_prompts: list[list[int]], noop_processor: str, progress=print,
+        other_prompts: list[list[int]], progress=print,
         prefix_prompts: list[list[int]] = (), prefix_refs: list[list[int]] = ()) -> Report:
     """det_prompts[i]'s answer must equal refs[i] (max_new tokens) in every setting; the same for
     prefix_prompts / prefix_refs in the "prefix" phase."""
@@ -129,9 +124,6 @@ def run(cfg: DeterminismConfig, det_prompts: list[list[int]], refs: list[list[in
     if "mixed" in cfg.phases:
         _mixed(cfg, det_prompts, refs, other_prompts, rep)
         progress(f"mixed: {sum(o.match for o in rep.outcomes if o.label == 'mixed')}/{len(det_prompts)} equal")
-    if "composition" in cfg.phases:
-        rep.composition_equal = _composition(cfg, det_prompts[:2], other_prompts[:4], refs[:2], noop_processor, rep)
-        progress(f"composition: plain rows unchanged = {rep.composition_equal}")
     if "prefix" in cfg.phases and prefix_prompts:
         _prefix(cfg, list(prefix_prompts), list(prefix_refs), rep)
         progress(f"prefix: {sum(o.match for o in rep.outcomes if o.label == 'prefix')}/{len(prefix_prompts)} equal")
@@ -177,25 +169,6 @@ def _prefix(cfg, prompts, refs, rep: Report) -> None:
                 rep.outcomes.append(_compare("prefix", i, got, refs[i], verdict))
 
 
-def _composition(cfg, dets, others, refs, noop_processor, rep: Report) -> bool:
-    """One batched /generate (all rows enter the scheduler together), with and without flags."""
-    def batch(flagged: bool) -> list[list[int]]:
-        rows = dets + others
-        params = [{"max_new_tokens": cfg.max_new, "ignore_eos": True, "temperature": 0,
-                   "custom_params": {DETERMINISTIC_PARAM: flagged and i < len(dets)}} for i in range(len(rows))]
-        body = {"input_ids": rows, "sampling_params": params,
-                "custom_logit_processor": [noop_processor if flagged and i < len(dets) else None
-                                           for i in range(len(rows))]}
-        r = requests.post(cfg.url + "/generate", json=body, timeout=cfg.timeout_s)
-        r.raise_for_status()
-        return [o["output_ids"] for o in r.json()]
-
-    flagged, plain = batch(True), batch(False)
-    for i in range(len(dets)):
-        rep.outcomes.append(_compare("composition", i, flagged[i], refs[i], ""))
-    return flagged[len(dets):] == plain[len(dets):]
-
-
 @dataclass
 class Workload:
     det: list[list[int]]  # deterministic prompts (chat-templated token ids)
@@ -232,13 +205,3 @@ def build_workload(model_path: str, n_prompts: int, max_new: int, n_other: int =
     return Workload(det, other, [r.tokens for r in refs], [r.margins for r in refs])
 
 
-def noop_processor() -> str:
-    """The serialized no-op logit processor (as the front sends it), for hand-made bodies."""
-    import torch
-
-    from mg_server.launch.compat import detect_profile, install
-
-    install(detect_profile(cpu=not torch.cuda.is_available()))  # the processor's module imports SGLang
-    from mg_server.seam.processor import serialized
-
-    return serialized()

@@ -16,10 +16,17 @@
   serve deterministic requests (controller not beating, verifier down); otherwise SGLang answers.
 - Serves `GET /metrics` from the prometheus multiprocess folder (mg's and SGLang's metrics),
   behind the server's `--api-key` when it has one.
-- Errors get short messages and server info loses its secrets (front.redact); token ids
-  outside the vocabulary are a 400 for every request (front.tokens: one stopped the server).
-- Seeded n > 1 (front.samples): /generate bodies become a batch of single samples; an OpenAI
-  request is sent to SGLang as n single-sample requests, concurrently, and answered as one.
+- Every POST/PUT body, with the header or not, passes front.surface first (mg's own fields,
+  JSON objects only, one length limit, the served model, token ids); a body must arrive within
+  `body_timeout_s` (408). Errors get short messages without mg's injected fields and server
+  info loses its secrets (front.redact). With `--api-key`, mg checks the key of requests that
+  carry X-Deterministic and of /health_generate itself (the front is the outermost layer, so
+  its refusals carry the verdict headers).
+- A plain answer of a generation route says `X-MG-Verdict: unverified`. A header name that is
+  X-Deterministic misspelt with an underscore is a 400 (it would be served plain).
+- Several completions (front.samples): seeded /generate n becomes a batch of single samples;
+  an OpenAI request with seeded n or a list of prompts is sent to SGLang as single
+  completions, concurrently, and answered as one.
 - `system_fingerprint` (wire.fingerprint) on deterministic answers: the JSON field of an
   OpenAI answer and of each chunk of its stream, the `X-MG-System-Fingerprint` header on every one.
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from typing import Any, Awaitable, Callable
 
@@ -35,18 +43,20 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from mg_server import metrics
 from mg_server.config import DETERMINISTIC_PARAM, INSTANCE_PARAM, FrontConfig, instance_key
-from mg_server.front import admission
+from mg_server.front import admission, surface
 from mg_server.front.admission import Admission, Guard, Refused, refusal_body
-from mg_server.front.policy import OPENAI_PATHS, BadRequest, empty_answer_rids, parse_flag, rewrite_body, route
+from mg_server.front.policy import (GENERATE_ROUTES, OPENAI_PATHS, BadRequest, empty_answer_rids, parse_flag,
+                                    rewrite_body, route)
 from mg_server.front.redact import INFO_PATHS, bearer_ok, cleaning_sender
-from mg_server.front.samples import expand_generate, merge_openai, split_openai
-from mg_server.front.tokens import TOKEN_PATHS, bad_token_ids
-from mg_server.front.verdict import RuntimeView, verdict_sender
+from mg_server.front.samples import completions_per_prompt, expand_generate, merge_openai, run_parts, split_openai
+from mg_server.front.verdict import RuntimeView, answer_tokens, check_empty, verdict_sender
 from mg_server.wire.protocol import VerdictState
 
 HEADER = b"x-deterministic"
 HEALTH_PATHS = ("/health", "/health_generate")
+UNVERIFIED = (b"x-mg-verdict", VerdictState.UNVERIFIED.encode())
 
+log = logging.getLogger(__name__)
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -124,10 +134,30 @@ def _refusal_headers(raws: list[bytes]) -> list[tuple[bytes, bytes]]:
     return ([(HEADER, b"1")] if flag else []) + [(b"x-deterministic-verified", b"false"), (b"x-mg-verdict", b"failed")]
 
 
-def error_body(message: str, status: int = 400, param: str = "X-Deterministic") -> bytes:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 413: "BadRequestError"}.get(
-        status, "ServiceUnavailableError")
-    return json.dumps({"object": "error", "message": message, "type": kind, "param": param, "code": status}).encode()
+def error_body(message: str, status: int = 400, param: str = "X-Deterministic", code: str = "") -> bytes:
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "BadRequestError",
+            413: "BadRequestError", 415: "BadRequestError"}.get(status, "ServiceUnavailableError")
+    return json.dumps({"object": "error", "message": message, "type": kind, "param": param,
+                       "code": code or status}).encode()
+
+
+def _misspelt(headers: list[tuple[bytes, bytes]]) -> bool:
+    """X-Deterministic with an underscore (`X_Deterministic`): served plain, it would look served."""
+    return any(k != HEADER and k.replace(b"_", b"-") == HEADER for k, _ in headers)
+
+
+def _with_length(scope: Scope, body: bytes) -> Scope:
+    headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
+    return {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
+
+
+def _adding(send: Send, *extra: tuple[bytes, bytes]) -> Send:
+    async def send_with(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": list(message.get("headers", [])) + list(extra)}
+        await send(message)
+
+    return send_with
 
 
 class DeterministicMiddleware:
@@ -143,57 +173,59 @@ class DeterministicMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, method = scope["path"], scope["method"]
-        send = cleaning_sender(send, info=method == "GET" and path in INFO_PATHS)  # front.redact
+        path, method, cfg = scope["path"], scope["method"], self.config
+        send = cleaning_sender(send, info=method == "GET" and path in INFO_PATHS,
+                               secrets=(cfg.request_mark, cfg.noop_processor))  # front.redact
+        raws = [v for k, v in scope["headers"] if k == HEADER]
+        refused = _refusal_headers(raws) if raws else []  # on every refusal of mg's own
+
+        async def refuse(e: Exception, status: int = 400, param: str = "X-Deterministic", code: str = "") -> None:
+            param = getattr(e, "param", param)
+            await _respond(send, status, error_body(str(e), status, param, code), b"application/json", refused)
+
+        if _misspelt(scope["headers"]):
+            return await refuse(BadRequest("send the header as X-Deterministic (with a dash; an underscore is "
+                                           "not read)"), param="X_Deterministic")
+        keyed = not cfg.api_key or bearer_ok(scope["headers"], cfg.api_key)
         if path == "/metrics" and method == "GET":
-            if self.config.api_key and not bearer_ok(scope["headers"], self.config.api_key):
-                return await _respond(send, 401, error_body("/metrics needs the server's API key", 401,
-                                                            "Authorization"), b"application/json")
-            data = metrics.render(self.config.metrics_dir)
-            return await _respond(send, 200, data, CONTENT_TYPE_LATEST.encode())
+            if not keyed:
+                return await refuse(PermissionError("/metrics needs the server's API key"), 401, "Authorization")
+            return await _respond(send, 200, metrics.render(cfg.metrics_dir), CONTENT_TYPE_LATEST.encode())
+        if not keyed and (raws or path == "/health_generate"):  # (SGLang leaves its health paths open)
+            return await refuse(PermissionError("this request needs the server's API key (Authorization: Bearer)"),
+                                401, "Authorization")
         if path in HEALTH_PATHS and method == "GET":
             problem = "the server is shutting down" if self.admission and self.admission.stopping else \
                 self.runtime.problem()
             if problem:
                 return await _respond(send, 503, error_body(problem, 503, "mg"), b"application/json")
 
-        raws = [v for k, v in scope["headers"] if k == HEADER]
-        refused = _refusal_headers(raws) if raws else []  # on every refusal of mg's own
-        limit = self.config.max_body_bytes
-        if method in ("POST", "PUT") and limit:
-            async def too_big() -> None:
-                await _respond(send, 413, error_body(f"the request body is larger than {limit} bytes", 413, "body"),
-                               b"application/json", refused)
-
+        parsed = None
+        if method in ("POST", "PUT"):
+            limit = cfg.max_body_bytes
             length = dict(scope["headers"]).get(b"content-length", b"")
-            if length.isdigit() and int(length) > limit:  # refused before a byte of it is read
-                return await too_big()
+            too_big = RuntimeError(f"the request body is larger than {limit} bytes")
+            if limit and length.isdigit() and int(length) > limit:  # refused before a byte of it is read
+                return await refuse(too_big, 413, "body")
             try:
-                body = await _read_body(receive, limit)
+                body = await asyncio.wait_for(_read_body(receive, limit), cfg.body_timeout_s or None)
             except ConnectionError:
                 return
             except BodyTooLarge:  # (a chunked body names no length)
-                return await too_big()
-            receive = _replay(body, receive)
-        if path in TOKEN_PATHS and method in ("POST", "PUT") and self.config.vocab_size:
+                return await refuse(too_big, 413, "body")
+            except asyncio.TimeoutError:
+                return await refuse(RuntimeError(f"the request body did not arrive within {cfg.body_timeout_s:g} s"),
+                                    408, "body")
             try:
-                body = await _read_body(receive)
-            except ConnectionError:
-                return
-            try:
-                problem = bad_token_ids(json.loads(body), path, self.config.vocab_size)
-            except (ValueError, RecursionError):
-                problem = ""  # not JSON, or too deep for it: the checks below or SGLang answer it
-            if problem:
-                return await _respond(send, 400, error_body(problem, param=problem.partition(":")[0]),
-                                      b"application/json", refused)
+                parsed, new = surface.inspect(path, body, scope["headers"], cfg)
+            except surface.Refusal as e:
+                return await refuse(e, e.status, e.param, e.code)
+            if new is not body:
+                scope, body = _with_length(scope, new), new
             receive = _replay(body, receive)
+        generating = (method, path) in GENERATE_ROUTES
         if not raws:
-            return await self.app(scope, receive, send)
-
-        async def refuse(e: BadRequest) -> None:
-            await _respond(send, 400, error_body(str(e), param=e.param), b"application/json", refused)
-
+            return await self.app(scope, receive, _adding(send, UNVERIFIED) if generating else send)
         try:
             if len(raws) > 1:  # (two header lines would otherwise be read as the last one)
                 raise BadRequest(f"X-Deterministic was sent {len(raws)} times; send it once")
@@ -202,65 +234,46 @@ class DeterministicMiddleware:
         except BadRequest as e:
             return await refuse(e)
         echo = (HEADER, b"1" if flag else b"0")
-        rids: list[str] = []
+        if kind == "pass" or not flag:
+            return await self.app(scope, receive, _adding(send, echo, *([UNVERIFIED] if generating else [])))
+        if not isinstance(parsed, dict):
+            return await refuse(BadRequest("the request body must be a JSON object", param="body"))
+        if problem := self.runtime.problem():  # (a worker down or restarting: fail now, not after decoding)
+            return await refuse(RuntimeError(f"deterministic decoding is unavailable: {problem}"), 503, "mg")
         what = "batch"  # what the request asks for several of (a 400 names it when it asks too many)
-        settled: dict[str, str] = {}
-
-        if kind == "rewrite":
-            try:
-                body = await _read_body(receive)
-            except ConnectionError:
-                return
-            try:
-                parsed = json.loads(body) if body else None
-            except (ValueError, RecursionError) as e:
-                if flag:  # a deterministic request's refusal carries its verdict: mg answers it
-                    why = "is nested too deeply" if isinstance(e, RecursionError) else "is not valid JSON"
-                    return await refuse(BadRequest(f"the request body {why}", param="body"))
-                parsed = None  # a plain request: SGLang answers it with its own error
-            if flag and not isinstance(parsed, dict):
-                return await refuse(BadRequest("the request body must be a JSON object", param="body"))
-            if isinstance(parsed, dict):
-                parts = None
-                try:
-                    parts = split_openai(parsed) if flag and path in OPENAI_PATHS else None
-                    if parts is not None:
-                        parts = [rewrite_body(p, path, flag, self.config.noop_processor) for p in parts]
-                    else:
-                        if flag and (expanded := expand_generate(parsed)) is not parsed:
-                            parsed, what = expanded, "sampling_params.n"
-                        parsed = rewrite_body(parsed, path, flag, self.config.noop_processor)
-                except BadRequest as e:
-                    return await refuse(e)
-                if parts is not None:
-                    return await self._admitted(len(parts), "n", refused, send,
-                                                lambda s: self._fan_out(scope, parts, s, echo))
-                if flag:
-                    rid = parsed["rid"]
-                    rids = [rid] if isinstance(rid, str) else list(rid)
-                    if bad := next((r for r in rids if not _utf8(r)), None):
-                        return await refuse(BadRequest(f"rid {bad!r} is not valid UTF-8 text", param="rid"))
-                    empty = empty_answer_rids(parsed, rids)
-                    if self.config.controller_ipc:  # verdicts are asked per request instance
-                        inst = _stamp_instance(parsed)
-                        empty = {instance_key(r, inst) for r in empty}
-                        rids = [instance_key(r, inst) for r in rids]
-                    settled = dict.fromkeys(empty, VerdictState.VERIFIED)
-                body = json.dumps(parsed).encode()
-                headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
-                scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
-            receive = _replay(body, receive)
-
-        if not rids:
-            async def send_with_echo(message: dict) -> None:
-                if message["type"] == "http.response.start":
-                    message = {**message, "headers": list(message.get("headers", [])) + [echo]}
-                await send(message)
-
-            return await self.app(scope, receive, send_with_echo)
+        try:
+            parts = split_openai(parsed, path) if path in OPENAI_PATHS else None
+            if parts is not None:
+                parts = [rewrite_body(p, path, cfg.noop_processor, cfg.request_mark) for p in parts]
+            else:
+                if (expanded := expand_generate(parsed)) is not parsed:
+                    parsed, what = expanded, "sampling_params.n"
+                parsed = rewrite_body(parsed, path, cfg.noop_processor, cfg.request_mark)
+        except BadRequest as e:
+            return await refuse(e)
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:  # a shape no check above foresaw
+            log.warning("mg: a deterministic request's body could not be read: %r", e)
+            return await refuse(BadRequest(f"the request body has a field of the wrong type ({type(e).__name__}); "
+                                           "see the OpenAI or SGLang request schema", param="body"))
+        if parts is not None:
+            what = "n" if completions_per_prompt(parsed) > 1 else "prompt"
+            return await self._admitted(len(parts), what, refused, send,
+                                        lambda s: self._fan_out(scope, parts, s, echo, receive, parsed))
+        rid = parsed["rid"]
+        rids = [rid] if isinstance(rid, str) else list(rid)
+        if bad := next((r for r in rids if not _utf8(r)), None):
+            return await refuse(BadRequest(f"rid {bad!r} is not valid UTF-8 text", param="rid"))
+        empty = empty_answer_rids(parsed, rids)
+        if cfg.controller_ipc:  # verdicts are asked per request instance
+            inst = _stamp_instance(parsed)
+            empty = {instance_key(r, inst) for r in empty}
+            rids = [instance_key(r, inst) for r in rids]
+        settled = dict.fromkeys(empty, VerdictState.VERIFIED)
+        body = json.dumps(parsed).encode()
+        scope, receive = _with_length(scope, body), _replay(body, receive)
         await self._admitted(len(rids), what, refused, send, lambda s: self.app(scope, receive, verdict_sender(
-            s, echo, rids, self.runtime, self.config.kernel_config_id, settled, path=path,
-            fingerprint=self.config.system_fingerprint)))
+            s, echo, rids, self.runtime, cfg.kernel_config_id, settled, path=path,
+            fingerprint=cfg.system_fingerprint)))
 
     async def _admitted(self, slots: int, what: str, refused, send: Send, call) -> None:
         """Run `call(send)` once the verifier has room for `slots` more completions (front.admission):
@@ -287,44 +300,28 @@ class DeterministicMiddleware:
         finally:
             leave()
 
-    async def _fan_out(self, scope: Scope, bodies: list[dict], send: Send, echo) -> None:
-        """Seeded n > 1 (front.samples): each body is one sample; one merged answer, whose
-        verdict covers every sample (the first error answer, if any, is the response)."""
-        answers = await asyncio.gather(*(_capture(self.app, scope, json.dumps(b).encode()) for b in bodies))
+    async def _fan_out(self, scope: Scope, bodies: list[dict], send: Send, echo, receive: Receive,
+                       original: dict) -> None:
+        """Several completions (front.samples): each body is one; one merged answer, whose verdict
+        covers every part (the first error answer, if any, is the response)."""
+        rids, settled = [], {}
+        for b in bodies:
+            key = instance_key(b["rid"], _stamp_instance(b)) if self.config.controller_ipc else b["rid"]
+            rids.append(key)
+            if empty_answer_rids(b, [key]):
+                settled[key] = VerdictState.VERIFIED
+        answers = await run_parts(self.app, scope, [json.dumps(b).encode() for b in bodies], receive)
+        for key, (status, _, body) in zip(rids, answers):
+            settled = check_empty(settled, [key], answer_tokens(body, 1)) if key in settled else settled
         status, body = next(((s, b) for s, _, b in answers if s >= 400), (200, b""))
         if status < 400:
             try:
-                body = json.dumps(merge_openai([json.loads(b) for _, _, b in answers])).encode()
+                merged = merge_openai([json.loads(b) for _, _, b in answers], completions_per_prompt(original))
+                body = json.dumps(merged).encode()
             except (ValueError, KeyError, IndexError, TypeError) as e:
-                status, body = 500, error_body(f"mg could not merge the {len(bodies)} samples: {e!r}", 500, "n")
-        out = verdict_sender(send, echo, [b["rid"] for b in bodies], self.runtime, self.config.kernel_config_id,
-                             None, fingerprint=self.config.system_fingerprint)
+                status, body = 500, error_body(f"mg could not merge the {len(bodies)} completions: {e!r}", 500, "n")
+        out = verdict_sender(send, echo, rids, self.runtime, self.config.kernel_config_id, settled,
+                             fingerprint=self.config.system_fingerprint, checked=True)
         await out({"type": "http.response.start", "status": status, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await out({"type": "http.response.body", "body": body})
-
-
-async def _capture(app, scope: Scope, body: bytes) -> tuple[int, list, bytes]:
-    """Run one request through the app in-process -> (status, headers, body). Its receive never
-    reports a disconnect (the sub-request outlives nothing: the client waits for the answer)."""
-    headers = [(k, v) for k, v in scope["headers"] if k != b"content-length"]
-    sub = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
-    sent, status, out_headers, chunks = False, [500], [], []
-
-    async def receive() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # never set: cancelled by whoever polls for a disconnect
-        raise AssertionError("unreachable")
-
-    async def capture(message: dict) -> None:
-        if message["type"] == "http.response.start":
-            status[0] = message.get("status", 200)
-            out_headers.extend((k.lower(), v) for k, v in message.get("headers", []))
-        elif message["type"] == "http.response.body":
-            chunks.append(message.get("body", b""))
-
-    await app(sub, receive, capture)
-    return status[0], out_headers, b"".join(chunks)

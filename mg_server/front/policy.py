@@ -17,6 +17,7 @@
   structured outputs, LoRA adapters, non-text inputs), nor logprobs (mg forces each verified
   step's logits to the decided token, so SGLang's logprobs of those steps would be meaningless),
   nor hidden states or routed experts (the fast path's, of steps nobody sees too).
+  A request without the header (or with `X-Deterministic: 0`) is not rewritten: SGLang serves it.
   Each is a 400 naming the parameter. `top_p`, `top_k`, `min_p` and `seed` are accepted: at
   temperature 0 SGLang samples with top_k = 1, so they cannot change the token.
 """
@@ -27,7 +28,7 @@ import math
 import uuid
 from typing import Any
 
-from mg_server.config import DETERMINISTIC_PARAM, SEED_PARAM, TEMPERATURE_PARAM
+from mg_server.config import DETERMINISTIC_PARAM, MARK_PARAM, SEED_PARAM, TEMPERATURE_PARAM
 
 _VALUES = {"1": True, "true": True, "0": False, "false": False}
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -116,8 +117,10 @@ def check_params(params: dict, where: str) -> None:
     fmt = params.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise _refused("response_format", fmt, where, "structured outputs (grammar-constrained decoding)")
-    choice = params.get("tool_choice")
-    if params.get("tools") and (choice == "required" or isinstance(choice, dict)):
+    choice, tools = params.get("tool_choice"), params.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest(f"{where}tools must be a list (got {type(tools).__name__})", param=f"{where}tools")
+    if tools and (choice == "required" or isinstance(choice, dict)):
         raise _refused("tool_choice", choice, where, "forced tool calls (grammar-constrained decoding)")
     for i, tool in enumerate(params.get("tools") or ()):
         if isinstance(tool, dict) and isinstance(tool.get("function"), dict) and tool["function"].get("strict"):
@@ -137,29 +140,22 @@ def _check_native_top_level(body: dict) -> None:
             raise _refused(name, body[name], "", UNMODELLED[name])
 
 
-def _mark_params(params: Any, flag: bool, where: str) -> dict:
-    """Return a copy of a request's sampling parameters with the mg flag set."""
+def _mark_params(params: Any, where: str, mark: str) -> dict:
+    """A deterministic request's sampling parameters, checked, with mg's fields set (the client
+    cannot have set any: front.surface refuses custom_params)."""
     if params is None:
         params = {}
     if not isinstance(params, dict):
         raise BadRequest(f"{where or 'request'} must be an object", param=where.rstrip(".") or "body")
-    custom = params.get("custom_params")
-    if custom is None:
-        custom = {}
-    if not isinstance(custom, dict):
-        raise BadRequest(f"{where}custom_params must be an object", param=f"{where}custom_params")
     out = dict(params)
-    # mg's own keys come from the checked temperature and seed below, never from the client
-    custom = {k: v for k, v in custom.items() if k not in (TEMPERATURE_PARAM, SEED_PARAM)}
-    out["custom_params"] = {**custom, DETERMINISTIC_PARAM: flag}
-    if flag:
-        check_params(out, where)
-        # An unset temperature would default to SGLang's sampling, so it is pinned to 0; a
-        # seeded one moves into custom_params (mg samples, SGLang decodes greedily).
-        temperature, seed = sampling_rule(out, where)
-        out["temperature"] = 0.0
-        if temperature > 0:
-            out["custom_params"].update({TEMPERATURE_PARAM: temperature, SEED_PARAM: seed})
+    check_params(out, where)
+    # An unset temperature would default to SGLang's sampling, so it is pinned to 0; a seeded
+    # one moves into custom_params (mg samples, SGLang decodes greedily).
+    temperature, seed = sampling_rule(out, where)
+    out["temperature"] = 0.0
+    out["custom_params"] = {DETERMINISTIC_PARAM: True, MARK_PARAM: mark}
+    if temperature > 0:
+        out["custom_params"].update({TEMPERATURE_PARAM: temperature, SEED_PARAM: seed})
     return out
 
 
@@ -212,38 +208,32 @@ def _assign_rids(body: dict, path: str) -> list[str]:
 
 def empty_answer_rids(body: dict, rids: list[str]) -> set[str]:
     """The prompts of a deterministic body that ask for no token (/generate `max_new_tokens` 0,
-    OpenAI `max_tokens` or `max_completion_tokens` 0): SGLang only prefills them, so mg sees no
-    step; their empty answer is complete and has no token left unchecked, so their verdict is
-    `verified` without asking the controller, on every endpoint."""
-    if "sampling_params" not in body and ("max_tokens" in body or "max_completion_tokens" in body):
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))  # (OpenAI: the newer name wins)
+    OpenAI `max_tokens` 0; front.surface made it the one OpenAI limit): SGLang only prefills
+    them, so mg sees no step; their empty answer is complete and has no token left unchecked,
+    so their verdict is `verified` without asking the controller (front.verdict checks that the
+    answer has no token)."""
+    if "sampling_params" not in body:
+        limit = body.get("max_tokens")
         return set(rids) if limit == 0 and not isinstance(limit, bool) else set()
     params = body.get("sampling_params")
     per = params if isinstance(params, list) else [params] * len(rids)
-    return {rid for rid, p in zip(rids, per) if isinstance(p, dict) and p.get("max_new_tokens") == 0}
+    return {rid for rid, p in zip(rids, per) if isinstance(p, dict) and p.get("max_new_tokens") == 0
+            and not isinstance(p.get("max_new_tokens"), bool)}
 
 
-def rewrite_body(body: dict, path: str, flag: bool, noop_processor: str) -> dict:
-    """The request body as SGLang must see it for a request with X-Deterministic: flag."""
-    if flag:
-        existing = body.get("custom_logit_processor")
-        if existing not in (None, noop_processor):
-            raise BadRequest("X-Deterministic: 1 cannot be combined with a custom_logit_processor",
-                             param="custom_logit_processor")
+def rewrite_body(body: dict, path: str, noop_processor: str, mark: str) -> dict:
+    """The body SGLang gets for a request with X-Deterministic: 1: checked, mg's processor named,
+    each parameter set marked (config.MARK_PARAM), request ids assigned."""
     if path in OPENAI_PATHS:
-        out = _mark_params(body, flag, "")
+        out = _mark_params(body, "", mark)
     else:  # /generate: flags live in sampling_params, one dict or one per prompt
-        if flag:
-            _check_native_top_level(body)
+        _check_native_top_level(body)
         out = dict(body)
         params = body.get("sampling_params")
         if isinstance(params, list):
-            out["sampling_params"] = [
-                _mark_params(p, flag, f"sampling_params[{i}].") for i, p in enumerate(params)
-            ]
+            out["sampling_params"] = [_mark_params(p, f"sampling_params[{i}].", mark) for i, p in enumerate(params)]
         else:
-            out["sampling_params"] = _mark_params(params, flag, "sampling_params.")
-    if flag:
-        out["custom_logit_processor"] = noop_processor
-        _assign_rids(out, path)
+            out["sampling_params"] = _mark_params(params, "sampling_params.", mark)
+    out["custom_logit_processor"] = noop_processor
+    _assign_rids(out, path)
     return out

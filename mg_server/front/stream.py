@@ -21,6 +21,22 @@ _SEP = b"\n\n"  # SGLang ends every event with a blank line
 _CHUNK_KEYS = ("id", "object", "created", "model")  # copied from the stream's chunks onto the verdict's
 
 
+def carries_tokens(chunk: dict) -> bool:
+    """Whether a stream event carries answer tokens: /generate's meta_info count, OpenAI's usage,
+    or a choice with text, content, reasoning or tool calls."""
+    for counts in (chunk.get("meta_info"), chunk.get("usage")):
+        n = counts.get("completion_tokens") if isinstance(counts, dict) else None
+        if isinstance(n, int) and n > 0:
+            return True
+    for choice in chunk.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+        if choice.get("text") or any(delta.get(k) for k in ("content", "reasoning_content", "tool_calls")):
+            return True
+    return False
+
+
 class StreamEvents:
     """Per-event rewriting of one deterministic stream."""
 
@@ -28,6 +44,7 @@ class StreamEvents:
         self.openai = openai  # an OpenAI endpoint: chunks get `system_fingerprint`
         self.fingerprint = fingerprint
         self.error = False  # an error event passed (SGLang's `data: {"error": ...}`)
+        self.saw_tokens = False  # an event carried answer tokens (front.verdict.check_empty)
         self._pending = b""  # the start of an event whose end has not come yet
         self._chunk: dict = {}  # id/object/created/model of the last chunk
 
@@ -68,6 +85,7 @@ class StreamEvents:
         if "error" in chunk:  # (token text cannot make this key: it is the object's own)
             self.error = True
             return event
+        self.saw_tokens = self.saw_tokens or carries_tokens(chunk)
         if not self.openai:
             return event
         self._chunk = {k: chunk[k] for k in _CHUNK_KEYS if k in chunk}

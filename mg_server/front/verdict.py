@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 from typing import Awaitable, Callable
@@ -30,6 +31,7 @@ from mg_server.wire.protocol import Correction
 from mg_server.wire.protocol import VerdictState as S
 
 Send = Callable[[dict], Awaitable[None]]
+log = logging.getLogger(__name__)
 
 OPENAI_STREAM_PATHS = ("/v1/chat/completions", "/v1/completions")  # streams of OpenAI chunks
 UNREACHABLE, AUDIT_TIMEOUT = "controller-unreachable", "audit-timeout"
@@ -138,11 +140,39 @@ def with_fields(body: bytes, fields: dict) -> bytes:
     return json.dumps({**answer, **fields}).encode()
 
 
+def answer_tokens(body: bytes, n: int) -> list[int | None]:
+    """Completion tokens of each of the `n` answers in a non-streamed body (None where the body
+    does not say): OpenAI's usage, /generate's meta_info (a list for a batch)."""
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return [None] * n
+    items = answer if isinstance(answer, list) else [answer]
+    if isinstance(answer, dict) and "usage" in answer:
+        usage = answer.get("usage")
+        items = [{"meta_info": usage}] if isinstance(usage, dict) else [{}]
+    counts = [(it.get("meta_info") or {}).get("completion_tokens") if isinstance(it, dict) else None for it in items]
+    counts = [c if isinstance(c, int) and not isinstance(c, bool) else None for c in counts]
+    return counts if len(counts) == n else [None] * n
+
+
+def check_empty(settled: dict[str, str], rids: list[str], counts: list[int | None]) -> dict[str, str]:
+    """`settled` with every empty-answer verdict the answer contradicts made `failed`: a request
+    mg took for empty is `verified` only if its answer has no token (nothing went unchecked)."""
+    out = dict(settled)
+    for rid, n in zip(rids, counts):
+        if out.get(rid) == S.VERIFIED and n != 0:
+            log.error("mg: request %s asked for no token but its answer has %s; verdict failed", rid, n)
+            out[rid] = S.FAILED
+    return out
+
+
 def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view: RuntimeView,
                    kernel_config_id: str, settled: dict[str, str] | None = None, path: str = "",
-                   fingerprint: str = "") -> Send:
+                   fingerprint: str = "", checked: bool = False) -> Send:
     """Wrap `send` so the response of deterministic request(s) `rids` carries its verdict
-    (`settled`: verdicts known without the controller, e.g. empty answers) and `fingerprint`
+    (`settled`: verdicts known without the controller, e.g. empty answers, checked against the
+    answer here unless `checked` says the caller did) and `fingerprint`
     (OpenAI's system_fingerprint; "" for none). A non-streamed answer (one request, or each of
     a /generate batch) whose audit found a missed flip gets the corrected answer
     (front.correction) and the verdict `verified`, if its body can be rewritten: the verifier's
@@ -163,6 +193,9 @@ def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view:
         return [(settled[r], None) if r in settled else got[r] for r in rids]
 
     async def finish_held(body: bytes) -> tuple[dict, bytes]:
+        nonlocal settled
+        if settled and not checked:
+            settled = check_empty(settled, rids, answer_tokens(body, len(rids)))
         got = await states(correct=len(rids) == 1 or path == "/generate")
         extra: list[tuple[bytes, bytes]] = []
         if any(n is not None for _, n in got):
@@ -182,7 +215,7 @@ def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view:
         return {**held, "headers": headers}, body
 
     async def send_with_verdict(message: dict) -> None:
-        nonlocal held, stream, failed, done
+        nonlocal held, stream, failed, done, settled
         if message["type"] == "http.response.start":
             headers = list(message.get("headers", [])) + [echo]
             if fingerprint:
@@ -211,6 +244,8 @@ def verdict_sender(send: Send, echo: tuple[bytes, bytes], rids: list[str], view:
             if events:
                 await send({"type": "http.response.body", "body": events, "more_body": True})
             # a stream's tokens have left: a missed flip stays `mismatch`
+            if settled and not checked and stream.saw_tokens:
+                settled = check_empty(settled, rids, [None] * len(rids))
             got = [st for st, _ in await states()]
             event = stream.verdict_event(verdict_object(shown, got, kernel_config_id))
             return await send({**message, "body": event + tail})

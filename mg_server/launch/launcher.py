@@ -11,8 +11,8 @@ import atexit
 import json
 import logging
 import os
+import secrets
 import shutil
-import signal
 import threading
 from pathlib import Path
 
@@ -172,20 +172,19 @@ def verifier_pool_tokens(context_len: int) -> int:
 
 
 def start_runtime(cfg: ServeConfig, context_len: int = 4096):
-    """Start the controller (which starts the verifier) and wait until both report ready. The
-    verifier accepts sequences as long as SGLang's (`context_len`), its pool holds two of them.
+    """Start the controller (which starts the verifier), wait until both report ready, then
+    supervise it (launch.runtime: restarts). The verifier accepts sequences as long as SGLang's
+    (`context_len`), its pool holds two of them.
 
     Returns (controller ipc path, ControllerInfo), or ("", None) in mode "off".
     """
     if cfg.mg_mode == "off":
         return "", None
-    from mg_server.controller.client import ControllerClient
-    from mg_server.controller.server import ControllerConfig, start_controller
+    from mg_server.controller.server import ControllerConfig
+    from mg_server.launch.runtime import Runtime
     from mg_server.policy import resolve_tau
     from mg_server.verifier.server import VerifierConfig
-    from mg_server.wire.channel import RpcError
     from mg_server.wire.cleanup import shm_base
-    from mg_server.wire.liveness import beat_path, stale_reason
 
     tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile, "cpu" if cfg.cpu else "cuda")
     verifier = VerifierConfig(
@@ -198,27 +197,8 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
                             metrics_dir=cfg.metrics_dir, verifier=verifier, verify_timeout_s=cfg.verify_timeout_s,
                             catchup_chunk=cfg.catchup_chunk, window=cfg.window)
-    proc = start_controller(ccfg)
-
-    def controller_gone() -> str:  # a dead or stopped controller fails the start now, not after start_timeout_s
-        if not proc.is_alive():
-            return f"the mg controller exited during start-up (code {proc.exitcode})"
-        return stale_reason(beat_path(ccfg.ipc_path))
-
-    try:
-        with ControllerClient(ccfg.ipc_path, timeout_s=ccfg.start_timeout_s, client_name="launcher",
-                              peer_check=controller_gone) as client:
-            info = client.hello()
-        if not info.verifier_up:
-            raise RuntimeError("the deterministic verifier did not start")
-    except BaseException as e:
-        # a controller that answered (its verifier failed) exits by itself, stopping the verifier
-        proc.join(10 if isinstance(e, RpcError) else 0)
-        if proc.is_alive():
-            proc.kill()  # a live non-daemon child would keep this process from exiting
-        if isinstance(e, RpcError):
-            raise RuntimeError(e.message) from None
-        raise
+    runtime = Runtime(ccfg)
+    info = runtime.start()
     log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s, window %d", cfg.mg_mode, tau, source,
              info.kernel_config_id, cfg.window)
     log.info("mg verifier: device %s, K/V pool %d tokens, %s", info.verifier_device, info.verifier_pool_tokens,
@@ -226,34 +206,9 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
              + (f" (budget {cfg.verifier_memory_gb:g} GB)" if cfg.verifier_memory_gb else "")
              if info.verifier_memory_bytes else "host memory")
     # atexit runs last-registered first: the runtime stops, then its files go
-    atexit.register(_stop_runtime, proc, ccfg.ipc_path)
-    threading.Thread(target=_watch_runtime, args=(proc,), name="mg-runtime-watch", daemon=True).start()
+    atexit.register(runtime.stop)
+    threading.Thread(target=runtime.watch, name="mg-runtime-watch", daemon=True).start()
     return ccfg.ipc_path, info
-
-
-def _stop_runtime(proc, ipc_path: str) -> None:
-    from mg_server.controller.client import ControllerClient
-
-    if proc.is_alive():
-        try:
-            with ControllerClient(ipc_path, timeout_s=5, client_name="launcher") as client:
-                client.shutdown()
-        except Exception:  # noqa: BLE001 - it is killed below
-            pass
-        proc.join(10)
-    if proc.is_alive():
-        proc.kill()
-
-
-def _watch_runtime(proc) -> None:
-    """If the controller dies, stop the whole server: deterministic requests have no home."""
-    from mg_server.launch.shutdown import STOPPING
-
-    proc.join()
-    if STOPPING.is_set():  # a stop in progress ends it: not news
-        return
-    log.error("mg controller exited (code %s); shutting the server down", proc.exitcode)
-    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _instance_files(cfg: ServeConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -274,21 +229,42 @@ def _vocab_size(model_path: str) -> int:
     return size if isinstance(size, int) and size > 0 else 0
 
 
+class _SGLangFlags(argparse.ArgumentParser):
+    """SGLang's flags: an unknown or bad one is one line naming it (argparse's own error first
+    prints SGLang's whole usage, 500+ lines)."""
+
+    def error(self, message: str):
+        self.exit(2, f"mg-server serve: error: {message}\n(`mg-server serve --help` lists mg's flags; SGLang's "
+                     "are those of `python -m sglang.launch_server --help`)\n")
+
+
+def outermost(app, wrap) -> None:
+    """Make `wrap(stack)` the outermost layer of the Starlette `app`, outside every middleware,
+    SGLang's API-key check included (it adds that one at launch, after mg could add its own):
+    the front sees every request first, and its refusals carry the verdict headers."""
+    build = app.build_middleware_stack
+    app.build_middleware_stack = lambda: wrap(build())
+
+
 def serve(cfg: ServeConfig) -> None:
     from mg_server.launch import compat, leftovers
     from mg_server.wire.cleanup import remove_instance
 
     def cleanup() -> None:
-        from mg_server.launch.shutdown import STOPPING
+        from mg_server.launch.shutdown import STOPPING, failure
 
         remove_instance(*_instance_files(cfg))
         leftovers.remove()  # SGLang's own sockets and slot file of this instance
-        if STOPPING.is_set():  # a stop that was asked for, its drain done: say so, and end here
-            log.info("mg-server stopped cleanly")
+        if STOPPING.is_set():  # a stop, every child gone: say whether it was asked for, and end here
+            why = failure()  # (SGLang's own crash-stop, or a runtime that gave up: never "cleanly")
+            if why:
+                log.error("mg-server stopped after a failure: %s", why)
+            else:
+                log.info("mg-server stopped cleanly")
             logging.shutdown()
             # why os._exit: every child is gone and every file removed; the interpreter's own
             # finalization adds only third-party noise (Triton's nanobind reports ~50 "leaked" lines)
-            os._exit(0)
+            os._exit(1 if why else 0)
 
     atexit.register(cleanup)  # registered first, so it runs after the runtime has stopped
     # /health answers from mg's runtime state and SGLang's status at once; SGLang's one-token probe
@@ -314,7 +290,7 @@ def serve(cfg: ServeConfig) -> None:
     from sglang.srt.entrypoints.http_server import app, launch_server
     from sglang.srt.server_args import ServerArgs
 
-    parser = argparse.ArgumentParser(prog="mg-server serve (SGLang flags)")
+    parser = _SGLangFlags(prog="mg-server serve")
     ServerArgs.add_cli_args(parser)
     # Parsed once before mg's processes start, to refuse what mg cannot serve (hook: no controller yet).
     ns = parser.parse_args(sglang_argv(cfg, fp32_logits=fp32_logits))
@@ -327,12 +303,19 @@ def serve(cfg: ServeConfig) -> None:
     from mg_server.launch import shutdown
 
     shutdown.install(cleanup, cfg.drain_timeout_s, (admission.stop, admission.drained, admission.cut))
-    leftovers.track()
+    leftovers.track(cfg.run_dir)
     controller_ipc, info = start_runtime(cfg, context_len)
 
     from mg_server.front.middleware import DeterministicMiddleware
+    from mg_server.seam import guard
     from mg_server.seam.processor import serialized
     from mg_server.wire.fingerprint import system_fingerprint
+
+    # this start's mark of deterministic requests: the front sets it, SGLang's scheduler (which
+    # inherits the environment) runs mg's processor and the seam protects a row only with it
+    mark = secrets.token_hex(16)
+    os.environ[env.MARK_VAR] = mark
+    guard.install(mark)  # this process's SGLang too (its tokenizer manager deserializes processors)
 
     # The finish barrier may wait for a whole context's catch-up, one verify timeout per chunk (a dead or
     # stopped controller is noticed from its beat within seconds, whatever this bound).
@@ -341,15 +324,19 @@ def serve(cfg: ServeConfig) -> None:
                       step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
                       lagged_commit=cfg.lagged_commit)
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook, fp32_logits)))
-    app.add_middleware(
-        DeterministicMiddleware,
-        config=FrontConfig(noop_processor=serialized(), metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
-                           kernel_config_id=info.kernel_config_id if info else "", model_path=cfg.model_path,
-                           system_fingerprint=system_fingerprint(info.weights_digest, info.kernel_config_id)
-                           if info else "", api_key=server_args.api_key or "",
-                           verdict_wait_s=cfg.verdict_wait_s, vocab_size=_vocab_size(cfg.model_path),
-                           max_deterministic=info.verifier_max_requests if info else 0, queue_size=cfg.queue_size),
-    )
+    front = FrontConfig(noop_processor=serialized(), metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
+                        kernel_config_id=info.kernel_config_id if info else "", model_path=cfg.model_path,
+                        system_fingerprint=system_fingerprint(info.weights_digest, info.kernel_config_id)
+                        if info else "", api_key=server_args.api_key or "",
+                        verdict_wait_s=cfg.verdict_wait_s, vocab_size=_vocab_size(cfg.model_path),
+                        max_deterministic=info.verifier_max_requests if info else 0, queue_size=cfg.queue_size,
+                        request_mark=mark, served_models=tuple(dict.fromkeys(
+                            [server_args.served_model_name or cfg.model_path, cfg.model_path])),
+                        any_model=bool(server_args.enable_lora or server_args.lora_paths))
+    outermost(app, lambda inner: DeterministicMiddleware(inner, front))
+    from mg_server.launch import http_guard
+
+    http_guard.install()  # a request head arrives within a bound (the front bounds its body)
     # SGLang's own 20 kB server_args line is at debug (mg_server.logs): the settings mg's determinism
     # depends on, as SGLang resolved them, in one line
     log.info("mg-server: SGLang %s, model %s, http://%s:%d; cuda graph %s, overlap scheduler %s, attention %s",

@@ -142,6 +142,7 @@ def check(allow: str = "") -> str:
     from sglang.srt.managers.schedule_batch import Req, ReqKvInfo
     from sglang.srt.managers.scheduler_components import batch_result_processor
     from sglang.srt.model_executor import hook_manager
+    from sglang.srt.sampling import custom_logit_processor as clp
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.model_executor.model_runner_components import cuda_graph_setup
     from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
@@ -157,6 +158,8 @@ def check(allow: str = "") -> str:
         ("register_forward_hooks args", _params(hook_manager.register_forward_hooks), ["model", "hook_specs"]),
         ("launch_server first arg", _params(http_server.launch_server)[:1], ["server_args"]),
     ]
+    expect.append(("Req.__init__ first args", _positional(Req.__init__)[:5],
+                   ["self", "rid", "origin_input_text", "origin_input_ids", "sampling_params"]))
     for what, got, want in expect:
         if got != want:
             problems.append(f"{what}: expected {want}, found {got}")
@@ -183,6 +186,13 @@ def check(allow: str = "") -> str:
         ("Req.update_finish_state", Req.update_finish_state,
          ("iflen(self.output_ids)>=self.sampling_params.max_new_tokens:", "self._check_token_based_finish(",
           "self._check_str_based_finish(")),
+        # seam/guard.py: a Req takes (rid, text, ids, sampling params) first and keeps its processor;
+        # SGLang's one processor deserializer is the module global the guard replaces
+        ("Req.__init__ (processor)", Req.__init__, ("self.custom_logit_processor=custom_logit_processor",)),
+        ("Req.set_finish_with_abort", Req.set_finish_with_abort, ("self.to_finish=FINISH_ABORT(",)),
+        ("CustomLogitProcessor.from_str", CustomLogitProcessor.from_str, ("return_cache_from_str(json_str)()",)),
+        ("SamplingBatchInfo.from_schedule_batch", SamplingBatchInfo.from_schedule_batch,
+         ("processor=CustomLogitProcessor.from_str(processor_str)", "r.sampling_params.custom_paramsforrinreqs")),
         # the window commit's output hold sees each token as the scheduler adds it (rollback.HeldOutputs)
         ("batch_result_processor", batch_result_processor,
          ("req.output_ids.append(next_token_id)", "req.output_ids.extend(next_token_id)")),
@@ -207,6 +217,8 @@ def check(allow: str = "") -> str:
         problems += [f"{what} has no field {n!r}" for n in names if n not in have]
     if not callable(getattr(CustomLogitProcessor, "to_str", None)):
         problems.append("CustomLogitProcessor.to_str is missing")
+    if not callable(getattr(clp, "_cache_from_str", None)):
+        problems.append("sglang.srt.sampling.custom_logit_processor._cache_from_str is missing")
     from sglang.srt.managers.tokenizer_manager import SignalHandler
     from sglang.srt.utils import common
 

@@ -18,6 +18,10 @@ stream) and the server stops. SIGINT to the main process is the same stop (it be
 Ctrl-C in a terminal and a signal to the process group reach every process of the server: all but
 the main one ignore SIGINT and SIGTERM (SGLang's scheduler and detokenizer through `sglang_children`,
 mg's controller and verifier themselves), so the main process's stop above is the only one.
+
+How a stop ended (`failure()`): a stop that was asked for (SIGTERM, SIGINT) is clean, exit code 0;
+SGLang's own stop (SIGQUIT from a crashing child or its watchdog, a failed launch) and a stop mg
+asked for after a failure (`fail`: its runtime gave up) exit 1 with the reason.
 """
 
 from __future__ import annotations
@@ -45,8 +49,22 @@ CHILD_ENTRIES = ("run_scheduler_process_func", "run_detokenizer_process_func")
 
 # After the drain's bound: the cut answers' last bytes leave before the processes stop.
 CUT_FLUSH_S = 1.0
-# Set once a stop was asked for (SIGTERM, or SGLang's own stop): children that exit now are expected.
+# Set once a stop began (SIGTERM, or SGLang's own stop): children that exit now are expected.
 STOPPING = threading.Event()
+REQUESTED = threading.Event()  # set by SIGTERM/SIGINT: a stop that was asked for
+_failures: list[str] = []  # why the stop is a failure, the first reason first
+
+
+def fail(reason: str) -> None:
+    """The stop about to begin (or under way) is a failure: the server exits 1 with `reason`."""
+    _failures.append(reason)
+
+
+def failure() -> str:
+    """Why the stop is a failure ("" for a requested stop that met none)."""
+    if _failures:
+        return _failures[0]
+    return "" if REQUESTED.is_set() else "SGLang stopped the server (its log above says why)"
 
 
 def install(cleanup: Callable[[], None], drain_timeout_s: float, front: tuple[Callable, Callable, Callable]) -> None:
@@ -76,6 +94,14 @@ def install(cleanup: Callable[[], None], drain_timeout_s: float, front: tuple[Ca
                                "mg's shutdown clean-up would not run")
         mod.kill_process_tree = kill_process_tree
 
+    sigquit = getattr(SignalHandler, "running_phase_sigquit_handler", None)
+    if sigquit is not None:  # (SGLang's name for it; without it the stop's reason is the generic one)
+        def sigquit_fails(self, signum=None, frame=None):
+            fail(f"SGLang stopped the server after SIGQUIT: {_dead_children(self)}")
+            return sigquit(self, signum, frame)
+
+        SignalHandler.running_phase_sigquit_handler = sigquit_fails
+
     sigterm = SignalHandler.sigterm_handler
 
     stop_admitting, drained, cut = front
@@ -85,6 +111,7 @@ def install(cleanup: Callable[[], None], drain_timeout_s: float, front: tuple[Ca
         if started:  # a second SIGTERM: the drain runs already
             return
         started.append(time.monotonic())
+        REQUESTED.set()
         STOPPING.set()
         log.warning("mg: SIGTERM: draining (at most %.0fs); no new deterministic requests", drain_timeout_s)
         stop_admitting()
@@ -122,6 +149,15 @@ def install(cleanup: Callable[[], None], drain_timeout_s: float, front: tuple[Ca
         handle_exit(self, sig, frame)
 
     uvicorn.Server.handle_exit = sigint_drains
+
+
+def _dead_children(handler) -> str:
+    """What SGLang's subprocess watchdog (0.5.23) saw die, for the stop's reason."""
+    dog = getattr(getattr(handler, "tokenizer_manager", None), "_subprocess_watchdog", None)
+    dead = [f"its {name} process exited (code {p.exitcode})"
+            for p, name in zip(getattr(dog, "_processes", ()), getattr(dog, "_names", ()))
+            if p.exitcode not in (None, 0)]
+    return ", ".join(dead) or "a child process reported a failure (or the signal was sent to it)"
 
 
 def sglang_children(launch_server: Callable) -> dict[str, Callable]:

@@ -44,6 +44,7 @@ from torch import Tensor
 from mg_server import env, metrics
 from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig,
                               instance_key)
+from mg_server.seam import guard
 from mg_server.sampling import sampled_choice
 from mg_server.seam import rollback
 from mg_server.seam.link import ControllerLink, Tracked
@@ -61,14 +62,16 @@ def the_req(ref):
     return ref.finished.__self__ if isinstance(ref, weakref.ProxyTypes) else ref
 
 
-def protected_rows(sampling_info) -> list[tuple[int, object, str]]:
-    """(row, Req, instance key) of the batch's requests that carry mg's flag (cheap: CPU lists
-    only). The key (rid + the front's instance id) names the request in all of mg's bookkeeping."""
+def protected_rows(sampling_info, mark: str) -> list[tuple[int, object, str]]:
+    """(row, Req, instance key) of the batch's requests that carry mg's flag and the server's
+    mark (guard.py: only the front sets them) (cheap: CPU lists only). The key (rid + the
+    front's instance id) names the request in all of mg's bookkeeping."""
     if sampling_info is None or not sampling_info.has_custom_logit_processor:
         return []  # plain batches: mg's flag travels with a custom logit processor, so none here
     params = sampling_info.custom_params or ()
     return [(i, req, instance_key(req.rid, p.get(INSTANCE_PARAM)))
-            for i, p in enumerate(params) if p and p.get(DETERMINISTIC_PARAM) for req in [the_req(p["__req__"])]]
+            for i, p in enumerate(params) if p and p.get(DETERMINISTIC_PARAM) and guard.marked(p, mark)
+            for req in [the_req(p["__req__"])]]
 
 
 def only_mg_processors(sampling_info) -> bool:
@@ -128,6 +131,7 @@ class StepSeam(WindowSeam):
 
     def __init__(self, config: HookConfig, runner):
         self.config = config
+        self.mark = env.request_mark()  # the front's mark of deterministic requests (guard.py)
         self.faults = env.faults()  # test-only fault injection (env.Faults), never a production setting
         self.runner = runner
         self.steps, self.margin, self.control = metrics.hook_metrics(config.margin_buckets)
@@ -144,9 +148,19 @@ class StepSeam(WindowSeam):
     def __call__(self, module, args):
         # Sampler.forward(logits_output, sampling_info, return_logprob, top_logprobs_nums,
         #                 token_ids_logprobs, positions); checked by seams.check().
+        try:
+            return self._forward(args)
+        except Exception as e:  # noqa: BLE001 - why: a raise here would stop SGLang's scheduler, every request with it
+            log.exception("mg: step seam error; this forward's deterministic requests fail")
+            rows = protected_rows(args[1], self.mark)
+            if self.link is not None and rows:
+                self.fail([(req, key, f"mg step seam error: {e!r}") for _, req, key in rows])
+            return None
+
+    def _forward(self, args):
         if self.lagged is not None:
             self.lagged.drain(wait=True)  # earlier forwards first: their tokens set this one's positions
-        rows = protected_rows(args[1])
+        rows = protected_rows(args[1], self.mark)
         if self.lagged is not None:
             rollback.note_forward(args[0].next_token_logits.shape[0], rows)
         if not rows:
@@ -351,6 +365,7 @@ def make_hook(config: dict):
     runner = find_model_runner()
     check_runner(runner)
     seam = StepSeam(HookConfig.from_json_dict(config), runner)
+    guard.install(seam.mark)  # before the scheduler takes its first request
     if seam.link is not None and seam.link.info.shm is not None:
         check_dtype(runner, seam.link.info.shm.dtype)
     runner.sampler.register_forward_pre_hook(seam)

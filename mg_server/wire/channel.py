@@ -4,7 +4,8 @@ A DEALER socket tags each call with a msg_id; a reply that arrives after its cal
 recognised by its id and dropped, so a timeout never desynchronises later calls. A client may
 name a `peer_check` (see wire.liveness): while a call waits, it is asked every
 `CHECK_PERIOD_S` whether the serving process is still there, so a dead or stopped peer costs a
-caller about a second instead of the whole timeout.
+caller about a second instead of the whole timeout. The socket reconnects by itself to a peer
+that binds the same path again (a restarted one).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class RpcClient:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # no send limit: past zmq's default (1000 queued) a send blocks, and while a restarted peer
+        # loads (tens of seconds on a GPU) the seam's one-way Steps would stop SGLang's scheduler
+        # thread; the queue is bounded by the restart's length and goes to the new peer
+        self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.connect(self.endpoint)
         self._ids = itertools.count(1)
 

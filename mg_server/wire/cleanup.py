@@ -7,6 +7,8 @@ segments (`/dev/shm/mgv_PID_HASH` and `..._g`), PID being the mg-server process.
 removes them (atexit, SGLang's SIGTERM/SIGQUIT path via launch.shutdown, the controller's
 orphan watch after a kill -9); whatever a hard crash still leaves is swept by the next start,
 which removes only names whose owning pid is gone (another live server's are never touched).
+SGLang's own files of the instance (its socket files, its load-snapshot segment: launch.leftovers)
+are listed in the run folder (`SGLANG_FILES`), so whoever removes the folder removes them too.
 """
 
 from __future__ import annotations
@@ -49,10 +51,33 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+SGLANG_FILES = "sglang-files"  # in an instance's run folder: SGLang's files of it, one path a line
+# What such a listing may name (a stale or altered list never removes anything else): SGLang's
+# NamedTemporaryFile sockets and its load-snapshot segment.
+_SGLANG_FILE_RE = re.compile(r"^(?:/tmp/tmp[\w]+|/dev/shm/sglang_loads_[\w]+\.shm)$")
+
+
+def remove_listed(folder: str) -> None:
+    """Remove the SGLang files a run folder lists (SGLANG_FILES)."""
+    try:
+        with open(os.path.join(folder, SGLANG_FILES)) as f:
+            paths = f.read().split()
+    except OSError:
+        return
+    for path in paths:
+        if _SGLANG_FILE_RE.match(path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 def remove_instance(dirs: tuple[str, ...], shm_names: tuple[str, ...], shm_dir: str = SHM_DIR) -> None:
-    """Remove an instance's folders and segment names (idempotent; mappings stay valid)."""
+    """Remove an instance's folders (and the SGLang files they list) and segment names
+    (idempotent; mappings stay valid)."""
     for d in dirs:
         if d:
+            remove_listed(d)
             shutil.rmtree(d, ignore_errors=True)
     for name in shm_names:
         for n in (name, name + "_g") if name else ():
@@ -77,6 +102,8 @@ def sweep_stale(tmp_dir: str | None = None, shm_dir: str = SHM_DIR) -> list[str]
             if m is None or pid_alive(int(m.group(1))):
                 continue
             path = os.path.join(root, name)
+            if is_dir:
+                remove_listed(path)
             try:
                 shutil.rmtree(path) if is_dir else os.unlink(path)
                 removed.append(path)
