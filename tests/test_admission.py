@@ -142,6 +142,8 @@ def test_a_streams_slots_come_back_at_its_last_message_not_when_the_app_call_ret
         return [("verified", None)] * len(rids)
 
     monkeypatch.setattr(RuntimeView, "verdicts", verified)
+
+    monkeypatch.setattr(RuntimeView, "problem", lambda self: "")  # a runtime that is up
     background = asyncio.Event()  # set: the first request's background part may end
 
     async def app(scope, receive, send):

@@ -42,6 +42,8 @@ def front(tmp_path, monkeypatch):
 
     monkeypatch.setattr(RuntimeView, "verdicts", verdicts)
 
+    monkeypatch.setattr(RuntimeView, "problem", lambda self: "")  # a runtime that is up
+
     async def generate(request: Request):
         body = json.loads(await request.body())
         bodies.append(body)

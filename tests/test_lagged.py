@@ -12,7 +12,7 @@ import torch
 from mg_server.policy import Policy
 from mg_server.seam import link as link_mod
 from mg_server.wire import protocol as P
-from test_hook import VOCAB, FakeReq, entry, hook_mod, make_seam, runner, sampler_args  # noqa: F401 - fixtures
+from test_hook import VOCAB, FakeReq, entry, hook_mod, make_seam, marked_server, runner, sampler_args  # noqa: F401 - fixtures
 
 
 class Slots:

@@ -114,6 +114,8 @@ def test_a_list_of_prompts_is_one_completion_each_with_a_verdict_each(tmp_path, 
 
     monkeypatch.setattr(RuntimeView, "verdicts", verdicts)
 
+    monkeypatch.setattr(RuntimeView, "problem", lambda self: "")  # a runtime that is up
+
     async def answer(request: Request):
         body = await request.json()
         seed = (body.get("custom_params") or {}).get(SEED_PARAM)

@@ -28,9 +28,17 @@ def client(server):
 
 
 def steps_total(server) -> float:
+    """Steps mg decided for answer tokens: all it saw, less those of a timeline already cut
+    (stale), those a rollback dropped (decoded again after a flip) and the look-ahead steps after
+    an answer's end."""
     text = requests.get(server.url + "/metrics", timeout=10).text
-    m = re.search(r"^mg_deterministic_steps_total ([0-9.e+]+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+
+    def get(name: str) -> float:
+        m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    return get("mg_deterministic_steps_total") - get("mg_stale_steps_total") - \
+        get("mg_rollback_dropped_steps_total") - get("mg_lookahead_steps_total")
 
 
 def test_health_and_models(server):
