@@ -95,7 +95,15 @@ def _mutate(rng: random.Random, body: dict) -> dict:
             target.pop(rng.choice(list(target)))
         else:
             target[rng.choice(NAMES)] = _value(rng)
-    for where in (body, body.get("sampling_params")):  # keep most answers short: the run is bounded in time
+    # every answer bounded: the run is bounded in time (an unbounded plain answer on a CPU runs to the
+    # 8k context, minutes: not a hang, but it would read as one here)
+    if "messages" in body or "prompt" in body:
+        if not any(isinstance(body.get(k), int) for k in ("max_tokens", "max_completion_tokens")):
+            body["max_tokens"] = 16
+    elif isinstance(body.get("sampling_params"), dict) and not isinstance(
+            body["sampling_params"].get("max_new_tokens"), int):
+        body["sampling_params"]["max_new_tokens"] = 16
+    for where in (body, body.get("sampling_params")):  # keep most answers short
         if isinstance(where, dict):
             for k in ("max_tokens", "max_new_tokens", "max_completion_tokens"):
                 v = where.get(k)
