@@ -310,7 +310,10 @@ class DeterministicMiddleware:
             rids.append(key)
             if empty_answer_rids(b, [key]):
                 settled[key] = VerdictState.VERIFIED
-        answers = await run_parts(self.app, scope, [json.dumps(b).encode() for b in bodies], receive)
+        gone = asyncio.Event()
+        answers = await run_parts(self.app, scope, [json.dumps(b).encode() for b in bodies], receive, gone)
+        if gone.is_set():  # nobody to answer: no verdicts to wait for, the slots come back now
+            return
         for key, (status, _, body) in zip(rids, answers):
             settled = check_empty(settled, [key], answer_tokens(body, 1)) if key in settled else settled
         status, body = next(((s, b) for s, _, b in answers if s >= 400), (200, b""))

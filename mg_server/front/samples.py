@@ -133,9 +133,11 @@ async def capture(app, scope: dict, body: bytes, gone: asyncio.Event) -> tuple[i
     return status[0], out_headers, b"".join(chunks)
 
 
-async def run_parts(app, scope: dict, bodies: list[bytes], receive) -> list[tuple[int, list, bytes]]:
-    """Every part through the app concurrently; a disconnect of the client (`receive`) reaches each."""
-    gone = asyncio.Event()
+async def run_parts(app, scope: dict, bodies: list[bytes], receive,
+                    gone: asyncio.Event | None = None) -> list[tuple[int, list, bytes]]:
+    """Every part through the app concurrently; a disconnect of the client (`receive`) reaches each
+    (and sets `gone`)."""
+    gone = gone or asyncio.Event()
 
     async def watch() -> None:
         while (await receive())["type"] != "http.disconnect":
