@@ -103,6 +103,9 @@ class ControllerMetrics:
                                          "started again after one exited or stopped beating (each start counts, a "
                                          "failed one too)")
         self.verify_errors = Counter("mg_verify_errors", "Verify calls that failed (timeout, verifier down, rejected)")
+        self.recomputes = Counter("mg_verifier_recomputes", "Requests whose shadow K/V the verifier evicted for "
+                                  "others' (its pool is sized to the deterministic load) and that were computed "
+                                  "again from position 0")
         self.verify_seconds = Histogram(
             "mg_verify_seconds", "Latency of one verify call (a check's, a catch-up chunk's or a tail audit's: "
             "one verifier forward), seconds",

@@ -199,16 +199,37 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         if ok := [r for r in results if not isinstance(r, P.ErrorReply)]:  # one forward served them all
             self.m.verifier_forward_seconds.observe(ok[0].forward_ms / 1e3)
             self.m.verify_rows.observe(ok[0].batch_rows)
+        for k, (it, res) in enumerate(zip(items, results)):
+            if isinstance(res, P.ErrorReply) and res.code == P.ErrorCode.UNKNOWN_REQUEST and it.rid in self.reqs:
+                results[k] = self._recompute(it)
         return results
+
+    def _recompute(self, it: P.VerifyItem) -> P.VerifyResult | P.ErrorReply:
+        """The verifier evicted this request's shadow K/V for others' (its pool is sized to the
+        deterministic load, not to every request's whole length): compute it again from position
+        0, in chunks, then the item's position. The same bits as the first time: a token's K/V and
+        logits depend only on the tokens before it (batch- and chunk-invariant kernels)."""
+        st = self.reqs[it.rid]
+        self.m.recomputes.inc()
+        st.verifier_len, st.rewind = 0, False
+        if err := self._catch_up(it.rid, st, it.pos):
+            return P.ErrorReply(code=P.ErrorCode.INTERNAL, rid=it.rid, message=err)
+        (res,) = self._call_verifier([self._item(it.rid, st, it.pos)])
+        return res
 
     def _run_checks(self) -> None:
         """Check the resumable requests that committed low-margin steps (module doc), in one call."""
         todo, self.checks = self.checks, {}
-        batch = []
+        batch, held = [], 0  # held: the K/V tokens of this call's requests in the verifier's pool
+        room = self.vinfo.pool_tokens if self.vinfo else 0
         for rid, positions in todo.items():
             st = self.reqs.get(rid)
             if st is None or st.error or st.finished_at or st.mismatches:
                 continue  # gone, failed, diverged already, or finished (its tail audit covers it)
+            if room and batch and held + len(st.tokens) > room:
+                self.checks[rid] = positions  # next turn: together they would evict each other in the pool
+                continue
+            held += len(st.tokens)
             pos = len(st.tokens) - 2  # up to the latest decided token t_{pos+1}
             if not self.verifier_up():
                 st.error = "deterministic verifier is not running"

@@ -32,11 +32,26 @@ SHAPES = {  # Llama-family configs; head_dim = hidden / heads
 #               logit ~ 0.2 * sqrt(hidden) * cos ~ 9, the random logits' maximum ~2.3)
 PLANTED = {"llama8b-planted": dict(base="llama8b", embed_gain=180.0, share=0.9, strength=0.2)}
 SHAPES.update({name: SHAPES[p["base"]] for name, p in PLANTED.items()})
+# Published configs of real models (their config.json's fields that shape the model and its
+# memory: context, rope scaling, q/k norms), for memory and serving runs with random weights.
+REAL = {
+    "llama31-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
+                       intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                       vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False,
+                       max_position_embeddings=131072, rms_norm_eps=1e-5,
+                       rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 8192, "rope_type": "llama3"}),
+    "qwen3-8b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=4096,
+                     intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, vocab_size=151936, rope_theta=1000000.0, tie_word_embeddings=False,
+                     max_position_embeddings=40960, rms_norm_eps=1e-6),
+}
+SHAPES.update(REAL)
 
 
 def write_model(name: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
-    """A random-weight Llama checkpoint of SHAPES[name] (bf16 safetensors, fixed seed), with a
-    planted next-token map where PLANTED names it."""
+    """A random-weight checkpoint of SHAPES[name] (bf16 safetensors, fixed seed; Llama, or a real
+    config of REAL), with a planted next-token map where PLANTED names it."""
     import torch
     from safetensors.torch import save_file
 
@@ -58,11 +73,12 @@ def write_model(name: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
     t0 = time.monotonic()
     h, inter, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
     heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
-    d = h // heads
+    d = shape.get("head_dim") or h // heads
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
               "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
               "bos_token_id": 1, "eos_token_id": 2, "head_dim": d, "attention_bias": False, "mlp_bias": False,
               **shape}
+    qk_norm = config["model_type"] == "qwen3"
     (out / "config.json").write_text(json.dumps(config, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
@@ -97,6 +113,8 @@ def write_model(name: str, out: Path, tokenizer: Path, seed: int = 0) -> Path:
             p + "mlp.down_proj.weight": rand(h, inter),
             p + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
             p + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+            **({p + "self_attn.q_norm.weight": torch.ones(d, dtype=torch.bfloat16),
+                p + "self_attn.k_norm.weight": torch.ones(d, dtype=torch.bfloat16)} if qk_norm else {}),
         })
         flush()
     tensors["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)

@@ -70,12 +70,15 @@ class StepOutput:
 class VerifierEngine:
     def __init__(self, model: VerifierModel, max_requests: int, pool_tokens: int, max_seq_len: int,
                  evict_idle_s: float = float("inf"), cuda_graphs: bool = True,
-                 graph_buckets: tuple[int, ...] | None = None):
+                 graph_buckets: tuple[int, ...] | None = None, pool: KVPool | None = None):
+        """pool: one allocated already (the worker's, before SGLang started: verifier.budget);
+        else one of pool_tokens."""
         self.model = model
         self.evict_idle_s = evict_idle_s  # when full, requests idle this long are dropped (LRU first)
         self.max_requests = max_requests
         self.max_seq_len = min(max_seq_len, model.max_positions)
-        self.pool = KVPool(model.spec, pool_tokens, model.dtype, model.device)
+        self.pool = pool or KVPool(model.spec, pool_tokens, model.dtype, model.device)
+        pool_tokens = self.pool.n_tokens
         scratch = pool_tokens - 1  # the padding rows of a CUDA graph read and write only this slot
         self._free: list[int] = list(range(scratch - 1, -1, -1))  # stack of free slots
         # Slot of every position of every request, on the device: attention reads a request's

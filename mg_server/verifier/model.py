@@ -145,42 +145,77 @@ class Segment:
     kv_indices: Tensor  # [q_start+n_rows] int64 pool slots of positions 0..q_start+n_rows-1
 
 
+def fused_checkpoint(tensors: dict[str, Tensor], spec: ModelSpec) -> dict[str, Tensor]:
+    """A Hugging Face checkpoint's tensors in the layout SGLang holds them (`sglang_names`): q, k, v
+    rows fused in that order (and their biases), gate rows then up rows; the rest as they are."""
+    out = {k: tensors[k] for k in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight") if k in tensors}
+    for i in range(spec.n_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        if a + "o_proj.bias" in tensors:
+            raise ValueError("an o_proj bias (attention_bias) is not supported by the verifier")
+        out[a + "qkv_proj.weight"] = torch.cat([tensors[a + n + "_proj.weight"] for n in "qkv"])
+        if a + "q_proj.bias" in tensors:
+            out[a + "qkv_proj.bias"] = torch.cat([tensors[a + n + "_proj.bias"] for n in "qkv"])
+        out[p + "mlp.gate_up_proj.weight"] = torch.cat([tensors[p + "mlp.gate_proj.weight"],
+                                                        tensors[p + "mlp.up_proj.weight"]])
+        for k in ("self_attn.o_proj.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+                  "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"):
+            if p + k in tensors:
+                out[p + k] = tensors[p + k]
+    return out
+
+
+def sglang_names(spec: ModelSpec, tied: bool) -> list[str]:
+    """The tensors the verifier computes on, by their names in SGLang's model (`runner.model`)."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"] + ([] if tied else ["lm_head.weight"])
+    for i in range(spec.n_layers):
+        p = f"model.layers.{i}."
+        names += [p + k for k in ("self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
+                                  "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight")]
+        names += [p + "self_attn.qkv_proj.bias"] if spec.family == "qwen2" else []
+        names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"] if spec.family == "qwen3" else []
+    return names
+
+
 class VerifierModel:
+    """The batch-invariant decoder over weights in SGLang's layout (`fused_checkpoint`,
+    `sglang_names`). On CUDA those are SGLang's own tensors, mapped from its scheduler process
+    (seam/export.py): `.to()` and `prepare_weight` return them as they are, so nothing is copied;
+    the vocabulary's padding rows (SGLang pads to a multiple of 64, with zeros) are cut by a view."""
+
     def __init__(self, spec: ModelSpec, tensors: dict[str, Tensor], dtype: torch.dtype,
                  device: torch.device, max_positions: int):
         self.spec, self.dtype, self.device = spec, dtype, device
         s = spec
 
         def t(name: str) -> Tensor:
-            return tensors[name].to(device=device, dtype=dtype)
+            w = tensors[name]
+            if w.device != device or w.dtype != dtype:
+                w = w.to(device=device, dtype=dtype)
+            return w
 
         def opt(name: str) -> Tensor | None:
             return t(name) if name in tensors else None
 
-        self.embed = t("model.embed_tokens.weight")  # [V, H] dtype
+        self.embed = t("model.embed_tokens.weight")[: s.vocab]  # [V, H] dtype
         self.final_norm = t("model.norm.weight")  # [H] dtype
-        lm = tensors.get("lm_head.weight")
-        if lm is None or s.tie_embeddings:
-            lm = tensors["model.embed_tokens.weight"]
+        lm = "lm_head.weight" if "lm_head.weight" in tensors and not s.tie_embeddings else "model.embed_tokens.weight"
         # Logits in fp32 (fp32 output of an fp32 accumulator): margins are not quantised to bf16
         # steps of ~0.1. The weight stays in the model dtype: an fp32 copy holds the same values
         # (twice the bytes, and no tensor cores on the GPU).
-        self.lm_head = ops.prepare_weight(lm.to(device=device, dtype=dtype))  # [V, H]
+        self.lm_head = ops.prepare_weight(t(lm)[: s.vocab])  # [V, H]
         self.layers: list[Layer] = []
         for i in range(s.n_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            wqkv = torch.cat([t(a + "q_proj.weight"), t(a + "k_proj.weight"), t(a + "v_proj.weight")])
-            bias = [opt(a + n + "_proj.bias") for n in "qkv"]
-            bqkv = torch.cat(bias) if bias[0] is not None else None
-            w_gu = torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")])
             self.layers.append(Layer(
                 ln1=t(p + "input_layernorm.weight"),
-                wqkv=ops.prepare_weight(wqkv), bqkv=bqkv,
+                wqkv=ops.prepare_weight(t(a + "qkv_proj.weight")), bqkv=opt(a + "qkv_proj.bias"),
                 q_norm=opt(a + "q_norm.weight"), k_norm=opt(a + "k_norm.weight"),
                 wo=ops.prepare_weight(t(a + "o_proj.weight")),
                 ln2=t(p + "post_attention_layernorm.weight"),
-                w_gate_up=ops.prepare_weight(w_gu),
+                w_gate_up=ops.prepare_weight(t(p + "mlp.gate_up_proj.weight")),
                 w_down=ops.prepare_weight(t(p + "mlp.down_proj.weight")),
             ))
         if s.family == "qwen3" and self.layers[0].q_norm is None:
@@ -202,6 +237,7 @@ class VerifierModel:
     @classmethod
     def load(cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
              max_positions: int) -> "VerifierModel":
+        """From a checkpoint folder (its tensors fused into SGLang's layout on the way)."""
         from safetensors import safe_open
 
         d = Path(model_dir)
@@ -214,7 +250,21 @@ class VerifierModel:
             with safe_open(str(f), framework="pt") as sf:
                 for k in sf.keys():
                     tensors[k] = sf.get_tensor(k)
-        return cls(spec, tensors, dtype, torch.device(device), max_positions)
+        return cls(spec, fused_checkpoint(tensors, spec), dtype, torch.device(device), max_positions)
+
+    @classmethod
+    def shared(cls, model_dir: str | Path, tensors: dict[str, Tensor], dtype: torch.dtype,
+               max_positions: int) -> "VerifierModel":
+        """On SGLang's own tensors (seam/export.py), the spec from the checkpoint's config."""
+        spec = ModelSpec.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+        if any(n.endswith("o_proj.bias") for n in tensors):
+            raise ValueError("an o_proj bias (attention_bias) is not supported by the verifier")
+        missing = [n for n in sglang_names(spec, spec.tie_embeddings) if n not in tensors]
+        if missing:
+            raise ValueError(f"SGLang's model holds none of {missing[:3]} ({len(missing)} missing): not the layout "
+                             "the verifier computes on")
+        device = tensors["model.embed_tokens.weight"].device
+        return cls(spec, tensors, dtype, device, max_positions)
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor, out_slots: Tensor, segments: list[Segment],

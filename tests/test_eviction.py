@@ -1,0 +1,61 @@
+"""The verifier's K/V pool is sized to the deterministic load: a request whose shadow K/V it
+evicted for others' is computed again from position 0 by the controller (fake verifier), with
+the same answer; a check of more requests than the pool holds goes in turns."""
+
+from test_controller import FakeVerifier, _due_check_calls, _window_row, make_ctl, ref_next  # noqa: F401
+
+from mg_server.wire import protocol as P
+
+
+class EvictingVerifier(FakeVerifier):
+    """Forgets the requests named in `evict` (what the engine does to idle ones when it is full)."""
+
+    def __init__(self):
+        super().__init__()
+        self.evict: set[str] = set()
+
+    def verify_many(self, items, timeout_s=None):
+        out = []
+        for it in items:
+            if it.rid in self.evict:
+                self.evict.discard(it.rid)
+                self.seen.pop(it.rid, None)
+            if it.rid not in self.seen and it.pos + 1 - len(it.tokens) != 0:
+                out.append(P.ErrorReply(code=P.ErrorCode.UNKNOWN_REQUEST, message="evicted", rid=it.rid))
+            else:
+                out += super().verify_many([it], timeout_s)
+        return out
+
+
+def test_an_evicted_request_is_computed_again_from_position_0(make_ctl):  # noqa: F811 - the fixture
+    ctl = make_ctl("margin", 0.5)
+    ctl.vclient = fake = EvictingVerifier()
+    toks = {"a": [1, 2, 3, 4], "b": [5, 6, 7]}
+    _due_check_calls(ctl, toks, 3)
+    assert ctl.reqs["a"].checked == 3 and ctl.m.recomputes._value.get() == 0
+    fake.evict.add("a")
+    for _ in range(2):  # two more low-margin steps each, then the due check
+        for rid, t in toks.items():
+            ctl._step([_window_row(t, 1, ref_next(t), 0.1, rid=rid)])
+            t.append(ref_next(t))
+    ctl.forwards = ctl.window_due
+    ctl._idle_turn()
+    st = ctl.reqs["a"]
+    assert not st.error and st.checked == 5 and ctl.m.recomputes._value.get() == 1
+    assert fake.seen["a"] == toks["a"][:-1]  # every token seen again, from position 0
+    emitted = toks["a"]
+    ctl._finish(P.Finish(rid="a", output=emitted[4:]))
+    assert ctl._verdict("a").state == "verified"
+
+
+def test_a_check_of_more_requests_than_the_pool_holds_goes_in_turns(make_ctl):  # noqa: F811
+    from types import SimpleNamespace
+
+    ctl = make_ctl("margin", 0.5)
+    ctl.vinfo = SimpleNamespace(pool_tokens=20)
+    toks = {r: [1 + k, 2, 3, 4, 5, 6] for k, r in enumerate("abcde")}  # 5 requests of ~8 tokens: 2 a turn
+    calls = _due_check_calls(ctl, toks, 2)
+    assert max(len(c) for c in calls) <= 2 and set(ctl.checks)  # the others wait for the next turn
+    while ctl.checks:
+        ctl._run_checks()
+    assert all(ctl.reqs[r].checked == 2 and not ctl.reqs[r].error for r in toks)
