@@ -101,7 +101,7 @@ def main() -> int:
         import gpu_e2e as E
 
         srv = E.start(args.checkpoint, "smol", "margin", args.out.parent,
-                      ["--mg-tau", str(args.tau), "--mg-seam", "lagged", *E.mem_flags("smol")], "cuda")
+                      ["--mg-tau", str(args.tau), *E.mem_flags("smol")], "cuda")
     try:
         res = run(srv.url if srv else args.url, prompts, args.tokens, args.reps)
     finally:

@@ -231,9 +231,8 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
     mem = E.mem_flags(name)
     res = {"model": name, "shape": E.SHAPES[name], "weights": str(mdir) if name in args.checkpoint else "random",
            "batches": args.batches, "decode_tokens": args.decode_tokens,
-           "reps": args.reps, "short_tokens": args.short_tokens, "stream_interval": args.stream_interval, "mixed_share": MIXED, "seam": args.seam,
+           "reps": args.reps, "short_tokens": args.short_tokens, "stream_interval": args.stream_interval, "mixed_share": MIXED,
            "tau_margins": args.tau_margins, "configs": []}
-    seam = ["--mg-seam", args.seam]
     path = out / f"gpu_sweep-{name}.json"
     base = E.start(mdir, name, "off", out, mem, args.device)
     others = prompts["other"]
@@ -263,7 +262,7 @@ def run_model(name: str, args, prompts: dict, out: Path) -> dict:
                 tau = tau_for_rate(margins, float(rate))
             flags = (([] if always else ["--mg-tau", f"{tau:.6g}"])
                      + (["--mg-window", str(window)] if window is not None else []))
-            srv = E.start(mdir, name, "always" if always else "margin", out, [*flags, *seam, *mem], args.device)
+            srv = E.start(mdir, name, "always" if always else "margin", out, [*flags, *mem], args.device)
             srv.name = f"{name}/{rate}" + (f"/w{window}" if window is not None else "")
             try:
                 cfg = {"target": rate, "tau": tau, "commit": "window", "window": window, "expected_trigger": expected,
@@ -323,7 +322,7 @@ def summarize(r: dict) -> str:
     how = (f"streamed answers, a chunk every {r['stream_interval']} tokens" if r.get("stream_interval")
            else f"time of {r['decode_tokens']} tokens - time of {r.get('short_tokens', 2)}")
     weights = "" if r.get("weights", "random") == "random" else ", real weights"
-    lines = [f"## {r['model']}{weights} (mg seam: {r.get('seam', 'sync')}): ms per decode step (overhead vs plain SGLang "
+    lines = [f"## {r['model']}{weights}: ms per decode step (overhead vs plain SGLang "
              f"timed alternately in the same minutes; {how}; [min..max] over the reps)", "",
              "| config | tau | trigger (measured) | repair | rollbacks | verdicts | verify call ms | "
              + " | ".join(f"bs {b} all det." for b in r["batches"]) + " | "
@@ -453,8 +452,6 @@ def main() -> int:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--sglang-det", action="store_true", help="also time SGLang's --enable-deterministic-inference")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    ap.add_argument("--seam", choices=["sync", "lagged"], default="lagged",
-                    help="mg's control path (serve --mg-seam): lagged (default) or sync (margins read before sampling)")
     ap.add_argument("--configs", default="",
                     help="RATE[:wW],... to time instead of every --rates value (e.g. 0.1,0.1:w8,t0.5,always; "
                          "tX: tau X itself, e.g. a shipped profile's; wW: serve --mg-window W)")

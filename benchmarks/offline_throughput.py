@@ -224,7 +224,6 @@ def main() -> int:
     ap.add_argument("--stream-taus", default="target,0", help="'target' (--tau-rate's tau) and/or numbers; '' skips")
     ap.add_argument("--sglang-det", action="store_true",
                     help="also time SGLang's --enable-deterministic-inference (mg off) on the same requests")
-    ap.add_argument("--verifier-memory-gb", type=float, default=22.0)
     ap.add_argument("--ab-tree", type=Path, help="time a second mg from this checkout in the same reps (module doc)")
     ap.add_argument("--stacks", type=Path, help="sample the servers' stacks into this folder (module doc)")
     args = ap.parse_args()
@@ -255,8 +254,7 @@ def main() -> int:
     from mg_server.evaluation.determinism import scrape
 
     def mg(tau_value: float, tree: Path | None = None):
-        return E.start(mdir, name, "margin", args.out, ["--mg-tau", f"{tau_value:.6g}", "--mg-verifier-memory-gb",
-                                                       str(args.verifier_memory_gb), *mem], "cuda", graph_bs, tree)
+        return E.start(mdir, name, "margin", args.out, ["--mg-tau", f"{tau_value:.6g}", *mem], "cuda", graph_bs, tree)
 
     # CUDA graphs up to the concurrency: past them SGLang's bare-host eager decode of the 8B shape
     # ran at ~80 ms a step (730 tokens/s at 60 requests), which would hide any verifier cost

@@ -51,9 +51,6 @@ class HookConfig:
     margin_buckets: tuple[float, ...] = MARGIN_BUCKETS
     controller_ipc: str = ""  # "" = no controller: only count steps and margins
     step_timeout_s: float = 60.0  # the longest wait for the controller (the finish barrier's check of a request)
-    # CUDA with the overlap scheduler: read each forward's rows one forward late, without a host
-    # sync (seam/lagged.py); False: read the margins before sampling (--mg-seam sync)
-    lagged_commit: bool = True
 
     def to_json_dict(self) -> dict:
         return asdict(self)
@@ -103,12 +100,11 @@ class ServeConfig:
     mg_tau: float | None = None  # None: from tau_profile, else the model's shipped profile
     tau_profile: str | None = None  # a tau profile file (`serve --profile`, written by `mg-server calibrate`)
     run_dir: str = ""  # ipc sockets of this instance's controller and verifier
-    verifier_memory_gb: float | None = None  # CUDA memory budget of the verifier worker
+    kv_budget_gb: float | None = None  # CUDA: the verifier's K/V pool in GB (None: verifier.budget's default)
     drain_timeout_s: float = 30.0  # SIGTERM: the longest wait for requests to drain before stopping
     verify_timeout_s: float = 30.0  # one verifier call (a catch-up chunk or a verify step)
     catchup_chunk: int = 256  # tokens per verifier call when it catches up
     verdict_wait_s: float = 120.0  # a response's longest wait for its verdict
-    lagged_commit: bool = True  # CUDA + overlap: the one-forward-late seam (seam/lagged.py; --mg-seam)
     window: int = 32  # unchecked tokens a deterministic request may run ahead of its checks (--mg-window)
     queue_size: int = 256  # deterministic requests that wait for the verifier before a 429 (--mg-queue)
     allow_sglang: str = ""  # an untested SGLang version the user accepts (--mg-allow-sglang; seams.check)

@@ -42,17 +42,12 @@ def ref_next(prefix: list[int]) -> int:
 class FakeVerifier:
     """Follows the protocol: catch-up from the known length, audit of t_{q+1} for q in [start-1, pos-1]."""
 
-    def __init__(self, n_slots: int = 64):
+    def __init__(self):
         self.seen: dict[str, list[int]] = {}
         self.prompt_len: dict[str, int] = {}
         self.items: list[P.VerifyItem] = []
         self.calls: list[list[str]] = []  # the rids of each verify_many call
         self.released: list[str] = []
-        self.n_slots, self.last_gen = n_slots, 0  # each result takes the next slot of a ring (gen = count)
-
-    def _slot(self) -> dict:
-        self.last_gen += 1
-        return {"slot": self.last_gen % self.n_slots, "gen": self.last_gen}
 
     def verify_many(self, items, timeout_s=None):
         out = []
@@ -72,7 +67,7 @@ class FakeVerifier:
             lo = max(start - 1, self.prompt_len[it.rid] - 1, 0)
             first = next((q for q in range(lo, it.pos) if ref_next(hist[: q + 1]) != hist[q + 1]), -1)
             audit = [ref_next(hist[: q + 1]) for q in range(start, it.pos)]  # predictions at start .. pos-1
-            out.append(P.VerifyResult(rid=it.rid, pos=it.pos, token=ref_next(hist), margin=1.0, **self._slot(),
+            out.append(P.VerifyResult(rid=it.rid, pos=it.pos, token=ref_next(hist), margin=1.0,
                                       audit_tokens=audit, first_mismatch=first))
         return out
 
@@ -437,7 +432,7 @@ def test_a_prompt_that_fits_a_call_goes_in_its_checks_own_item(make_ctl):
     from types import SimpleNamespace
 
     ctl = make_ctl("margin", 0.5)
-    ctl.cfg = replace(ctl.cfg, catchup_chunk=8, verifier=SimpleNamespace(n_slots=64, device="cuda"))  # 128 rows a call
+    ctl.cfg = replace(ctl.cfg, catchup_chunk=8, verifier=SimpleNamespace(max_batch_items=64, device="cuda"))  # 128 rows a call
     prompts = {"a": [(3 * i) % 50 + 1 for i in range(60)], "b": [(7 * i) % 50 + 1 for i in range(60)],
                "c": [(5 * i) % 50 + 1 for i in range(60)], "long": [(11 * i) % 50 + 1 for i in range(300)]}
     toks = {rid: list(p) for rid, p in prompts.items()}

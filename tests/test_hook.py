@@ -56,7 +56,7 @@ class FakeReq:
         self.sampling_params = SimpleNamespace(**{**dict(frequency_penalty=0.0, presence_penalty=0.0,
                                                          repetition_penalty=1.0, min_new_tokens=0,
                                                          logit_bias=None, custom_params=None, watermark=None,
-                                                         beam_width=None), **sampling})
+                                                         beam_width=None, max_new_tokens=16), **sampling})
 
     def finished(self):
         return False
@@ -74,11 +74,12 @@ class ScriptedClient:
         self.rows += rows
 
 
-def make_seam(hook_mod, runner, tmp_path, monkeypatch, policy=Policy("always", 0.0)):
+def make_seam(hook_mod, runner, tmp_path, monkeypatch, policy=Policy("always", 0.0), pool_tokens=1024):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     seam = hook_mod.StepSeam(HookConfig(metrics_dir=str(tmp_path)), runner)
     seam.link = SimpleNamespace(client=ScriptedClient(), tracked={}, lock=threading.Lock(), published_tracked=-1,
-                                rpc_lock=threading.Lock(), policy=policy)
+                                rpc_lock=threading.Lock(), policy=policy,
+                                info=SimpleNamespace(verifier_pool_tokens=pool_tokens))
     return seam
 
 
@@ -278,3 +279,14 @@ def test_an_error_inside_the_seam_fails_its_rows_not_the_scheduler(hook_mod, run
     bad = FakeReq("bad", [1, 2, 3], custom_params={TEMPERATURE_PARAM: 0.8, SEED_PARAM: "abc"})
     assert seam(None, sampler_args([(bad, True)], torch.randn(1, VOCAB), [2])) is None
     assert bad.to_finish is not None and "deterministic decoding failed" in bad.to_finish.message
+
+
+def test_a_request_longer_than_the_verifiers_pool_is_refused_with_a_400(hook_mod, runner, tmp_path, monkeypatch):
+    """Prompt + length limit over the verifier's whole K/V pool: a 400 naming the budget flag at the
+    first step (no report, so no check that could only be evicted again); one that fits is reported."""
+    seam = make_seam(hook_mod, runner, tmp_path, monkeypatch, pool_tokens=20)
+    long, fits = FakeReq("long", [1, 2, 3], max_new_tokens=18), FakeReq("fits", [1, 2, 3], max_new_tokens=17)
+    seam(None, sampler_args([(long, True), (fits, True)], torch.randn(2, VOCAB), [2, 2]))
+    assert long.to_finish is not None and long.to_finish.status_code == 400
+    assert "--mg-kv-budget-gb" in long.to_finish.message and "21 tokens" in long.to_finish.message
+    assert fits.to_finish is None and [r.rid for r in seam.link.client.rows] == ["fits"]

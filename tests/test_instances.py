@@ -104,7 +104,7 @@ def test_the_seam_keeps_two_instances_of_one_rid_apart(hook_mod, tmp_path, monke
     client = SimpleNamespace(step=lambda rs: [P.StepDecision(rid=r.rid, token=r.fast_token) for r in rs],
                              report=rows.extend)
     seam.link = SimpleNamespace(client=client, tracked={}, lock=threading.Lock(), rpc_lock=threading.Lock(),
-                                policy=Policy("margin", 0.0))
+                                policy=Policy("margin", 0.0), info=SimpleNamespace(verifier_pool_tokens=0))
     first, second = FakeReq("x", [1, 2, 3]), FakeReq("x", [1, 2, 3])  # the first is still held (no Finish yet)
     seam(None, (SimpleNamespace(next_token_logits=torch.randn(1, 20)),
                 SimpleNamespace(has_custom_logit_processor=True,

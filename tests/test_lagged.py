@@ -2,8 +2,8 @@
 """The lagged control path's host logic (mg_server/seam/lagged.py) on CPU tensors: what the
 device is told (every row a window row: the gate never holds), what the host does one forward
 later (reports, the tokens committed, failures), and which forwards take the synchronous path
-instead. The device gate is seam.gate's CPU reference here (its CUDA kernel is checked
-against that reference in tests/test_gate_gpu.py)."""
+instead. The device publisher is seam.publish's CPU reference here (its CUDA kernel is checked
+against that reference in tests/test_publish_gpu.py)."""
 
 from types import SimpleNamespace
 
@@ -15,30 +15,20 @@ from mg_server.wire import protocol as P
 from test_hook import VOCAB, FakeReq, entry, hook_mod, make_seam, marked_server, runner, sampler_args  # noqa: F401 - fixtures
 
 
-class Slots:
-    """The verifier's slot buffer as the lagged path's gate takes it: data [n, L, 2, Hkv, D]."""
-
-    def __init__(self):
-        from test_hook import DIM, HEADS, LAYERS
-
-        self.data = torch.zeros(8, LAYERS, 2, HEADS, DIM, dtype=torch.bfloat16)
-
-
 def lagged_seam(hook_mod, runner, tmp_path, monkeypatch, policy):
-    """A seam on the lagged path with the CPU reference gate, its launches recorded in
+    """A seam on the lagged path with the CPU reference publisher, its launches recorded in
     seam.gates = SimpleNamespace(gates=[(need_any, target)])."""
     from mg_server.seam.lagged import LaggedControl
 
     seam = make_seam(hook_mod, runner, tmp_path, monkeypatch, policy=policy)
-    seam.link.slots = Slots()
     seam.lagged = LaggedControl(seam, torch.device("cpu"))
     log = seam.gates = SimpleNamespace(gates=[])
     gate = seam.lagged.gate
     launch = gate.launch
 
-    def rec_launch(margin, fast, pos, need, chosen, target):
+    def rec_launch(margin, fast, pos, need, target):
         log.gates.append((int((need != 0).any()), target))
-        launch(margin, fast, pos, need, chosen, target)
+        launch(margin, fast, pos, need, target)
 
     monkeypatch.setattr(gate, "launch", rec_launch)
     return seam
@@ -63,7 +53,7 @@ def test_steps_are_reported_one_forward_late_and_never_gate_whatever_their_margi
     low = logits_with(11, 0.1)  # below tau: committed fast all the same (checked behind)
     seam(None, sampler_args([(req, True)], low, [3]))  # the next forward drains the first
     assert [(r.pos, r.prompt, r.fast_token) for r in client.rows] == [(2, [1, 2, 3], 7)]
-    assert int(low[0].argmax()) == 11 and gates.gates[-1] == (0, 2) and seam.lagged.gate.acked(2) is not None
+    assert int(low[0].argmax()) == 11 and gates.gates[-1] == (0, 2) and seam.lagged.gate.published(2, 1)
     seam.lagged.drain(wait=True)
     assert [r.pos for r in client.rows] == [2, 3] and seam.link.tracked["f"].tokens == [1, 2, 3, 7, 11]
     assert req.to_finish is None and seam.link.tracked["f"].hold is not None
@@ -209,9 +199,9 @@ def test_a_forward_is_pending_before_its_gate_is_enqueued(hook_mod, runner, tmp_
     gate = seam.lagged.gate
     launch, seen = gate.launch, []
 
-    def check(margin, fast, pos, need, chosen, target):
+    def check(margin, fast, pos, need, target):
         seen.append([f.target for f in seam.lagged.pending])
-        launch(margin, fast, pos, need, chosen, target)
+        launch(margin, fast, pos, need, target)
 
     monkeypatch.setattr(gate, "launch", check)
     seam(None, sampler_args([(FakeReq("p", [4, 5]), True)], logits_with(20, 0.1), [1]))
@@ -232,6 +222,6 @@ def test_a_host_failure_fails_the_forwards_rows(hook_mod, runner, tmp_path, monk
                             [1, 1]))
     monkeypatch.setattr(seam, "report", lambda *a: (_ for _ in ()).throw(RuntimeError("controller link broke")))
     seam.lagged.drain(wait=True)
-    assert not seam.lagged.pending and seam.lagged.chosen[:2].tolist() == [20, 30]  # the fast tokens
+    assert not seam.lagged.pending and seam.lagged.fast[:2].tolist() == [20, 30]  # the fast tokens
     assert a.to_finish is not None and b.to_finish is not None  # both aborted, loudly
     assert not {"x", "y"} & set(seam.link.tracked)  # never committed: nothing to mark

@@ -53,9 +53,9 @@ def test_a_new_key_goes_through_the_jit_and_keeps_what_it_compiled():
 
 
 def test_the_launchers_know_their_kernels_constexprs():
-    from mg_server.seam import decide, gate
+    from mg_server.seam import decide, publish
 
-    for launcher in (decide._DECIDE, decide._FORCE, gate._PUBLISH, gate._APPLY):
+    for launcher in (decide._DECIDE, decide._FORCE, publish._PUBLISH):
         params = launcher.kernel.params
         assert [p.is_constexpr for p in params].count(True) == launcher.constexprs > 0
     try:

@@ -454,3 +454,12 @@ def test_health_is_503_while_mg_cannot_serve_deterministic_requests(tmp_path):
     r = client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Deterministic": "1"})
     assert r.status_code == 503 and "restarting after" in r.json()["message"]
     assert r.headers["x-mg-verdict"] == "failed"
+
+
+def test_weight_updates_are_refused_while_mg_is_on(tmp_path):
+    on = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path), controller_ipc=str(tmp_path / "c")))
+    for path in ("/update_weights_from_disk", "/update_weights_from_tensor", "/release_memory_occupation"):
+        r = on.post(path, json={})
+        assert r.status_code == 403 and "--mg-mode off" in r.json()["message"], r.text
+    off = make_app(FrontConfig(noop_processor=NOOP, metrics_dir=str(tmp_path)))  # mode off: SGLang's
+    assert off.post("/update_weights_from_disk", json={}).status_code == 404  # (no such route in this app)

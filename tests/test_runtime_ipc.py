@@ -17,7 +17,6 @@ from mg_server.verifier.client import VerifierClient, VerifierError
 from mg_server.verifier.server import VerifierConfig, start_verifier
 from mg_server.wire import protocol as P
 from mg_server.wire.liveness import beat_path
-from mg_server.wire.shm import StaleSlot
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 
@@ -27,7 +26,7 @@ def worker(tmp_path_factory):
     d, _ = make_tiny("llama", tmp_path_factory.mktemp("tiny"), dtype=torch.bfloat16)
     ipc = f"/tmp/mgv-test-{uuid.uuid4().hex[:8]}.sock"
     cfg = VerifierConfig(model_path=str(d), ipc_path=ipc, max_seq_len=64, max_requests=4, pool_tokens=256,
-                         n_slots=5, max_batch_items=5, num_threads=1)
+                         max_batch_items=5, num_threads=1)
     proc = start_verifier(cfg)
     client = VerifierClient(ipc, timeout_s=60)
     info = client.connect()
@@ -55,24 +54,18 @@ def test_hello_reports_identity(worker):
     assert info.model_id == model_identity(cfg.model_path, torch.bfloat16)
     assert info.kernel_config_id == kernel_config_id("cpu")
     assert (info.family, info.n_layers, info.n_kv_heads, info.head_dim) == ("llama", 2, 2, 16)
-    assert info.shm.shape == [5, 2, 2, 2, 16] and info.shm.kind == "cpu"
+    assert info.pool_tokens == 256 and info.ready and not info.shared_weights  # a CPU worker loads its own copy
 
 
-def test_verify_and_kv_column_roundtrip(worker):
+def test_verify_roundtrip_and_rewind(worker):
     _, c, _ = worker
-    r = c.verify("a", len(PROMPT) - 1, PROMPT, want_digest=True, want_column=True)
-    kv = c.kv_column(r)
-    assert kv.shape == (2, 2, 2, 16) and kv.dtype == torch.bfloat16
+    r = c.verify("a", len(PROMPT) - 1, PROMPT, want_digest=True)
     assert len(r.audit_tokens) == len(PROMPT) - 1 and len(r.digest) == 16
     r2 = c.verify("a", len(PROMPT), [r.token])
     assert r2.first_mismatch == -1 and r2.audit_tokens == []
-    assert r2.slot == -1  # no column unless asked for
-    with pytest.raises(ValueError, match="no K/V column"):
-        c.kv_column(r2)
-    # rewind to the first step: same answer, same column
-    r3 = c.verify("a", len(PROMPT) - 1, PROMPT[-3:], rewind=True, want_digest=True, want_column=True)
+    # rewind to the first step: the same answer
+    r3 = c.verify("a", len(PROMPT) - 1, PROMPT[-3:], rewind=True, want_digest=True)
     assert (r3.token, r3.margin, r3.digest) == (r.token, r.margin, r.digest)
-    assert torch.equal(c.kv_column(r3), kv)
     assert c.release(["a"]) == 1 and c.release(["a"]) == 0
 
 
@@ -81,18 +74,15 @@ def test_batched_message_equals_separate_calls(worker):
     prompts = {f"b{i}": [(7 * i + j) % 200 for j in range(5 + 3 * i)] for i in range(3)}
     alone = {}
     for rid, p in prompts.items():
-        alone[rid] = c.verify(rid, len(p) - 1, p, want_digest=True, want_column=True)
-        alone[rid] = (alone[rid], c.kv_column(alone[rid]))
+        alone[rid] = c.verify(rid, len(p) - 1, p, want_digest=True)
     c.release(list(prompts))
-    items = [P.VerifyItem(rid=rid, pos=len(p) - 1, tokens=p, want_digest=True, want_column=True)
-             for rid, p in prompts.items()]
+    items = [P.VerifyItem(rid=rid, pos=len(p) - 1, tokens=p, want_digest=True) for rid, p in prompts.items()]
     res = c.verify_many(items)
     for r in res:
-        a, kv = alone[r.rid]
+        a = alone[r.rid]
         assert r.batch_requests == 3 and r.batch_rows == sum(len(p) for p in prompts.values())
         assert (r.token, r.margin, r.digest, r.audit_tokens, r.audit_margins) == (
             a.token, a.margin, a.digest, a.audit_tokens, a.audit_margins)
-        assert torch.equal(c.kv_column(r), kv)
     c.release(list(prompts))
 
 
@@ -174,25 +164,18 @@ def test_model_mismatch_at_hello(worker):
         with pytest.raises(VerifierError) as e:
             c.connect(expect_kernel_config_id="cpu-000000000000")
         assert e.value.code == P.ErrorCode.MODEL_MISMATCH
-        assert c.connect(expect_model_id=info.model_id, expect_kernel_config_id=info.kernel_config_id,
-                         attach_slots=False)
-        assert c.slots is None and c.verify("relay", 1, [1, 2]).slot == -1  # the controller's form: no column
+        assert c.connect(expect_model_id=info.model_id, expect_kernel_config_id=info.kernel_config_id)
+        c.verify("relay", 1, [1, 2])
         c.release(["relay"])
 
 
-def test_deadline_and_stale_slot(worker):
+def test_deadline_and_items_per_message(worker):
     _, c, _ = worker
     res = c.verify_many([P.VerifyItem(rid="late", pos=1, tokens=[1, 2], deadline_ns=time.time_ns() - 1)])
     assert res[0].code == P.ErrorCode.DEADLINE
-    with pytest.raises(VerifierError) as e:  # more results than slots in one message
+    with pytest.raises(VerifierError) as e:  # more items than one message may carry
         c.verify_many([P.VerifyItem(rid=f"m{i}", pos=0, tokens=[1]) for i in range(6)])
     assert e.value.code == P.ErrorCode.BAD_REQUEST
-    first = c.verify("st", len(PROMPT) - 1, PROMPT, want_column=True)
-    for i in range(5):  # n_slots = 5: the sixth column asked for reuses the first one's slot
-        c.verify("st", len(PROMPT) + i, [1], want_column=True)
-    with pytest.raises(StaleSlot):
-        c.kv_column(first)
-    c.release(["st"])
 
 
 def test_client_timeout_without_worker(tmp_path):
@@ -216,15 +199,18 @@ def test_worker_with_unloadable_model_answers_errors(tmp_path):
 
 
 @pytest.mark.gpu
-def test_cuda_workers_match_in_process_reference(tmp_path):
-    """Two CUDA worker processes: K/V columns come through CUDA IPC slots and equal (bitwise) the
-    in-process engine's, as do tokens, margins and logits digests."""
+def test_cuda_workers_on_shared_weights_match_the_in_process_reference(tmp_path):
+    """Two CUDA worker processes computing on weights another process holds (shared over CUDA IPC
+    as mg's seam shares SGLang's): tokens, margins and logits digests equal (bitwise) the
+    in-process engine's on its own copy of the checkpoint."""
     import hashlib
+    import json
 
     from verifier_helpers import drive, smollm2_shaped
 
+    from mg_server.seam.export import export_tensors
     from mg_server.verifier.engine import VerifierEngine
-    from mg_server.verifier.model import VerifierModel
+    from mg_server.verifier.model import ModelSpec, VerifierModel, fused_checkpoint
 
     d = smollm2_shaped(tmp_path / "m")
     prompt = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -232,18 +218,26 @@ def test_cuda_workers_match_in_process_reference(tmp_path):
     engine = VerifierEngine(VerifierModel.load(d, torch.bfloat16, "cuda", 128), 2, 256, 128)
     ref, seq = drive(engine, "r", prompt, list(range(len(prompt) - 1, len(prompt) + n_gen - 1)))
     del engine
+    from safetensors.torch import load_file
+
+    spec = ModelSpec.from_hf_config(json.loads((d / "config.json").read_text()))
+    held = {k: v.cuda() for k, v in fused_checkpoint(load_file(str(d / "model.safetensors")), spec).items()}
     for k in range(2):
-        ipc = str(tmp_path / f"cuda{k}.sock")
-        proc = start_verifier(VerifierConfig(model_path=str(d), ipc_path=ipc, device="cuda", max_seq_len=128))
+        run = tmp_path / f"run{k}"
+        run.mkdir()
+        export_tensors(held, str(run))
+        ipc = str(run / "verifier.sock")
+        proc = start_verifier(VerifierConfig(model_path=str(d), ipc_path=ipc, device="cuda", max_seq_len=128,
+                                             pool_tokens=4096))
         with VerifierClient(ipc, timeout_s=300) as c:
             try:
-                assert c.connect().shm.kind == "cuda"
+                first = c.connect()
+                assert first.shared_weights and not first.ready and first.pool_tokens == 4096
+                assert c.connect().ready  # the second hello: once it computes on the shared weights
                 s = list(prompt)
                 for i in range(n_gen):
                     p = len(s) - 1
-                    r = c.verify("r", p, s if i == 0 else s[-1:], want_digest=True, want_column=True)
-                    kv = c.kv_column(r)
-                    assert kv.is_cuda and torch.equal(kv.cpu(), ref.kv[p])
+                    r = c.verify("r", p, s if i == 0 else s[-1:], want_digest=True)
                     assert (r.token, r.margin) == ref.pred[p]
                     want = hashlib.blake2b(ref.logits[p].numpy().tobytes(), digest_size=16).digest()
                     assert r.digest == want
@@ -255,24 +249,6 @@ def test_cuda_workers_match_in_process_reference(tmp_path):
         assert proc.exitcode == 0
 
 
-def test_slot_buffer_recreated_over_a_stale_segment():
-    from multiprocessing import resource_tracker, shared_memory
-
-    from mg_server.wire.shm import SlotBuffer
-
-    name = f"mgv_stale_{uuid.uuid4().hex[:8]}"
-    stale = shared_memory.SharedMemory(name=name, create=True, size=16)  # a crashed owner's leftover
-    stale.close()
-    resource_tracker.unregister(stale._name, "shared_memory")  # as if its process had died
-    buf = SlotBuffer.create(name, 2, 3, 2, 4, torch.bfloat16, "cpu")
-    reader = SlotBuffer.attach(buf.spec)
-    col = torch.randn(3, 2, 2, 4).to(torch.bfloat16)
-    buf.write(1, col, 9)
-    assert torch.equal(reader.read(1, 9), col)
-    reader.close()
-    buf.close()
-
-
 def test_bench_smoke(tmp_path):
     """The benchmark script runs end to end (tiny shape, CPU) and writes its JSON."""
     import json
@@ -282,4 +258,4 @@ def test_bench_smoke(tmp_path):
     out = tmp_path / "b.json"
     res = bench.main(["--models", "tiny", "--device", "cpu", "--ctx", "16", "--iters", "1", "--out", str(out)])
     assert json.loads(out.read_text())["models"]["tiny"]["verify_gap64_x8_ms"] > 0
-    assert res["ipc"]["shm_kind"] == "cpu" and res["shm"]["llama-8b_column_bytes"] == 32 * 2 * 8 * 128 * 2
+    assert res["ipc"]["model"] == "tiny" and res["ipc"]["ipc_verify_gap0_ms"] > 0

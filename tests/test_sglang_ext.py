@@ -281,7 +281,8 @@ def test_argv_refuses_owned_flags(flag):
 def _args(**over):
     base = dict(speculative_algorithm=None, tp_size=1, pp_size=1, dp_size=1, attn_dp_size=None, attn_cp_size=None,
                 dcp_size=None, enable_dp_attention=False, kv_cache_dtype="auto", dtype="auto",
-                enable_hierarchical_cache=False)
+                enable_hierarchical_cache=False, startup_weight_load_mode="serial", enable_memory_saver=False,
+                weight_cache_mode="off", cpu_offload_gb=0, quantization=None, enable_lora=False, lora_paths=None)
     return SimpleNamespace(**{**base, **over})
 
 
@@ -293,6 +294,11 @@ def _args(**over):
     (dict(kv_cache_dtype="fp8_e4m3"), "kv-cache-dtype"),
     (dict(dtype="float16"), "--dtype"),
     (dict(enable_hierarchical_cache=True), "hierarchical"),
+    (dict(enable_memory_saver=True), "memory-saver"),
+    (dict(cpu_offload_gb=4), "cpu-offload"),
+    (dict(quantization="fp8"), "quantization"),
+    (dict(lora_paths=["a"]), "lora"),
+    (dict(weight_cache_mode="host"), "weight-cache"),
 ])
 def test_unsupported_configurations_are_refused_unless_mg_is_off(over, needle):
     from mg_server.launch.launcher import refuse_unsupported

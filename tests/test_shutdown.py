@@ -24,8 +24,7 @@ DRAIN_S = 4
 
 def leftovers(srv: ServerProcess) -> list[str]:
     pid = srv.proc.pid
-    return (glob.glob(f"/dev/shm/mgv_{pid}_*")
-            + glob.glob(os.path.join(tempfile.gettempdir(), f"mg-*-{srv.port}-{pid}-*")))
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"mg-*-{srv.port}-{pid}-*"))
 
 
 def start(tmp_path, name: str) -> tuple[ServerProcess, list[int]]:

@@ -316,3 +316,24 @@ def test_items_that_fit_the_pool_alone_but_not_together_get_no_capacity(setup):
     assert [type(o).__name__ for o in out] == ["StepOutput", "StepOutput", "ErrorReply"]
     assert out[2].code == ErrorCode.NO_CAPACITY and set(small.seqs) == {"a", "b"} and small.pool_used == 24
     assert out[0].token == solo.step([items[0]])[0].token  # served as it would be alone
+
+
+def test_a_request_whose_slots_were_reused_is_refused_then_computed_again(setup):
+    """Isolation in the verifier's own pool: once an idle request is evicted and another's K/V
+    is written into its slots, its next item gets UNKNOWN_REQUEST (never a forward over the
+    other's K/V), and computed again from position 0 it gets the tokens a fresh engine gives."""
+    _, engine, _, seq, _ = setup
+    small = VerifierEngine(engine.model, max_requests=2, pool_tokens=40, max_seq_len=64, evict_idle_s=0.0)
+    fresh = VerifierEngine(engine.model, max_requests=2, pool_tokens=40, max_seq_len=64)
+    a = seq[:30]
+    first = small.step([VerifyItem(rid="a", pos=29, tokens=a)])[0]
+    slots_a = set(small.seqs["a"].slots)
+    small.step([VerifyItem(rid="b", pos=29, tokens=seq[1:31])])  # needs a's slots: a is evicted
+    assert "a" not in small.seqs and slots_a & set(small.seqs["b"].slots)
+    out = small.step([VerifyItem(rid="a", pos=30, tokens=seq[30:31])])[0]
+    assert isinstance(out, ErrorReply) and out.code == ErrorCode.UNKNOWN_REQUEST
+    again = small.step([VerifyItem(rid="a", pos=30, tokens=seq[:31])])[0]  # b evicted in turn
+    ref = [fresh.step([VerifyItem(rid="a", pos=29, tokens=a)])[0], fresh.step([VerifyItem(rid="a", pos=30,
+                                                                                         tokens=seq[30:31])])[0]]
+    assert (first.token, first.margin) == (ref[0].token, ref[0].margin)
+    assert (again.token, again.margin) == (ref[1].token, ref[1].margin)

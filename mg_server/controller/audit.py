@@ -20,7 +20,7 @@ log = logging.getLogger("mg.controller")
 
 # Tail audits per verify call: finished requests' tails go to the verifier together (one batched
 # forward; on the H100 8 requests' step costs 1.61 ms where one costs 1.36), bounded well below
-# the verifier's slots per message (VerifierConfig.n_slots, 64).
+# the verifier's items per message (VerifierConfig.max_batch_items, 64).
 AUDIT_ITEMS = 32
 # A missed flip's completion runs in slices of about this long, one per verdict ask (the front
 # asks every 10 ms while it reads `running`): Steps are served in between (correct.AnswerCompletion).

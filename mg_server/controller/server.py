@@ -41,7 +41,7 @@ from mg_server.wire.liveness import Lifeline, Restarts, beat_path, ignore_stop_s
 
 log = logging.getLogger("mg.controller")
 
-CHECK_ITEMS = 64  # checks per verify call without a verifier config (VerifierConfig.n_slots, its default)
+CHECK_ITEMS = 64  # checks per verify call without a verifier config (VerifierConfig.max_batch_items, its default)
 IDLE_AUDITS = 8  # finished requests' tail audits per idle turn (one verify call; a Step waits at most that long)
 START_ERROR_LINGER_S = 30.0  # a verifier that did not start: how long its error waits for the launcher's hello
 
@@ -122,18 +122,14 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         if isinstance(msg, P.CheckTail):
             return self._check_tail(msg.rid)
         if isinstance(msg, P.ControllerHello):
-            up = self.verifier_up()
+            up, f = self.verifier_up(), self.verifier_facts()
             return P.ControllerInfo(
                 protocol_version=P.PROTOCOL_VERSION, mode=self.cfg.mode, tau=self.cfg.tau,
                 verifier_up=up,
-                kernel_config_id=self.vinfo.kernel_config_id if self.vinfo else "",
-                model_id=self.vinfo.model_id if self.vinfo else "",
-                weights_digest=self.vinfo.weights_digest if self.vinfo else "",
-                shm=self.vinfo.shm if self.vinfo else None,
-                verifier_device=self.vinfo.device if self.vinfo else "",
-                verifier_pool_tokens=self.vinfo.pool_tokens if self.vinfo else 0,
-                verifier_max_requests=self.vinfo.max_requests if self.vinfo else 0,
-                verifier_memory_bytes=self.vinfo.memory_bytes if self.vinfo else 0,
+                kernel_config_id=f.kernel_config_id if f else "", model_id=f.model_id if f else "",
+                weights_digest=f.weights_digest if f else "", verifier_device=f.device if f else "",
+                verifier_dtype=f.dtype if f else "", verifier_pool_tokens=f.pool_tokens if f else 0,
+                verifier_max_requests=f.max_requests if f else 0, verifier_memory_bytes=f.memory_bytes if f else 0,
             )
         if isinstance(msg, P.Shutdown):
             self.running = False
@@ -221,7 +217,7 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         """Check the resumable requests that committed low-margin steps (module doc), in one call."""
         todo, self.checks = self.checks, {}
         batch, held = [], 0  # held: the K/V tokens of this call's requests in the verifier's pool
-        room = self.vinfo.pool_tokens if self.vinfo else 0
+        room = (f := self.verifier_facts()) and f.pool_tokens or 0
         for rid, positions in todo.items():
             st = self.reqs.get(rid)
             if st is None or st.error or st.finished_at or st.mismatches:
@@ -262,10 +258,10 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
             it.deadline_ns = deadline
 
     def _calls(self, items: list[P.VerifyItem]) -> list[list[P.VerifyItem]]:
-        """Items in verify calls of at most the verifier's items per message (its n_slots) and, beyond
+        """Items in verify calls of at most the verifier's items per message (max_batch_items) and, beyond
         one item, at most `_rows_per_call` rows: the verify timeout bounds a call whatever the
         number of requests checked."""
-        slots = self.cfg.verifier.n_slots if self.cfg.verifier else CHECK_ITEMS
+        slots = self.cfg.verifier.max_batch_items if self.cfg.verifier else CHECK_ITEMS
         budget = self._rows_per_call()
         calls: list[list[P.VerifyItem]] = []
         rows = 0
@@ -363,7 +359,7 @@ def run_controller(cfg: ControllerConfig) -> None:
     # Orphaned (mg-server killed): exit; the verifier's own lifeline then stops it.
     from mg_server.wire.cleanup import remove_instance  # orphaned (kill -9): nobody else removes its files
     lifeline = Lifeline(beat_path(cfg.ipc_path), cfg.parent_pid, lambda: remove_instance(
-        (os.path.dirname(cfg.ipc_path), cfg.metrics_dir), (cfg.verifier.shm_base,) if cfg.verifier else ()),
+        (os.path.dirname(cfg.ipc_path), cfg.metrics_dir)),
         name="mg-controller-life", status=cfg.start_status).start()
     ctl = Controller(cfg, lifeline)
     try:

@@ -11,12 +11,11 @@ fail) and up again if it beats again; one that exited, or has not beaten for
 liveness.WEDGED_AFTER_S, is lost: killed, and every request whose state it held fails (its shadow
 K/V is gone: live requests and finished ones still waiting for their tail audit; finished ones
 with a verdict keep it, their tokens were all checked). A new worker starts after
-liveness.Restarts' backoff; it must be the same verifier (model, kernels, weights, slot buffer's
-name and layout: the front and the seam keep the first one's), else the start counts as failed.
-Why the slot buffer may be a new one: the seam attaches the first worker's at its start and never
-again; on CUDA its step gate takes that buffer's address as a base pointer but reads columns from
-it only for repairs, which the window commit never makes (gate.StepGate.release has no caller). A
-seam that reads verifier columns would have to attach again after a restart (a new hello).
+liveness.Restarts' backoff; it must be the same verifier (model, kernels, weights, K/V pool: the
+front and the seam keep the first one's), else the start counts as failed.
+On CUDA a start has two stages (verifier.server): the worker's first hello comes once its K/V
+pool is allocated (`reserved`: the facts the launcher needs to start SGLang, whose weights the
+worker then waits for), its second once it computes on them (`info`).
 Restarts.limit failures in a row stop the controller with GAVE_UP_EXIT, its beat saying why: the
 launcher then stops the server. The beat's status line says all of this to /health.
 """
@@ -26,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 
 from mg_server.wire import protocol as P
 from mg_server.wire.liveness import (GAVE_UP_EXIT, WEDGED_AFTER_S, beat_path, exit_reason, read_beat, stale_reason,
@@ -45,6 +45,7 @@ class VerifierStart:
     def __init__(self, cfg, expect: P.HelloReply | None, predecessor: int = 0):
         self.cfg, self.expect = cfg, expect  # the ControllerConfig; the first worker's hello (None: this is it)
         self.proc = self.client = self.info = None
+        self.reserved: P.HelloReply | None = None  # the first hello's facts (stage 1)
         self.error: P.ErrorReply | None = None
         self.began = time.monotonic()
         self._thread = threading.Thread(target=self._run, args=(predecessor,), name="mg-verifier-start", daemon=True)
@@ -65,10 +66,15 @@ class VerifierStart:
             self.proc = start_verifier(vcfg)
             self.client = VerifierClient(vcfg.ipc_path, timeout_s=self.cfg.verify_timeout_s, client_name="controller",
                                          peer_check=self._gone)
-            # attach_slots=False: on CUDA attaching would open a CUDA context here for nothing.
-            self.info = self.client.connect(timeout_s=self.cfg.start_timeout_s, attach_slots=False,
-                                            expect_model_id=e0.model_id if e0 else "",
-                                            expect_kernel_config_id=e0.kernel_config_id if e0 else "")
+            expect = dict(expect_model_id=e0.model_id if e0 else "",
+                          expect_kernel_config_id=e0.kernel_config_id if e0 else "")
+            info = self.client.connect(timeout_s=self.cfg.start_timeout_s, **expect)
+            if not info.ready:  # stage 1 done: SGLang may start; the next hello waits for stage 2
+                self.reserved = info
+                vcfg = self.cfg.verifier
+                info = self.client.connect(timeout_s=getattr(vcfg, "weights_timeout_s", 0) + self.cfg.start_timeout_s,
+                                           **expect)
+            self.info = info
             if e0 is not None and (why := differs(e0, self.info)):
                 self.error = P.ErrorReply(code=P.ErrorCode.MODEL_MISMATCH, message=why)
         except Exception as e:  # noqa: BLE001 - the controller decides (module doc)
@@ -93,17 +99,11 @@ class VerifierStart:
 def differs(first: P.HelloReply, new: P.HelloReply) -> str:
     """Why a restarted worker is not the verifier the front and the seam hold ("" if it is)."""
     for what, a, b in (("weights digest", first.weights_digest, new.weights_digest),
-                       ("slot buffer", slot_layout(first.shm), slot_layout(new.shm)),
                        ("K/V pool", (first.pool_tokens, first.max_requests, first.max_seq_len),
                         (new.pool_tokens, new.max_requests, new.max_seq_len))):
         if a != b:
             return f"the restarted verifier's {what} differs from the first one's ({b} != {a})"
     return ""
-
-
-def slot_layout(s: P.ShmSpec | None) -> tuple:
-    """A slot buffer's name and layout (not a CUDA allocation's IPC handle, new in each worker)."""
-    return () if s is None else (s.kind, s.name, s.n_slots, tuple(s.shape), s.dtype, s.cuda_device)
 
 
 class WorkerMixin:
@@ -123,8 +123,12 @@ class WorkerMixin:
         return VerifierStart(self.cfg, self.vinfo, predecessor)
 
     def verifier_starting(self) -> bool:
-        """The first start runs (the launcher's hello waits for it)."""
-        return self.cfg.verifier is not None and self.vinfo is None and self.start_error is None
+        """The first start runs and has no facts yet (the launcher's hello waits for them)."""
+        return self.cfg.verifier is not None and self.verifier_facts() is None and self.start_error is None
+
+    def verifier_facts(self) -> P.HelloReply | None:
+        """The verifier's hello: the worker's, or a first start's stage 1 (its pool, its kernels)."""
+        return self.vinfo or (self._start.reserved if self._start is not None else None)
 
     def _verifier_gone(self) -> str:
         """Why the verifier cannot answer ("" while it runs and beats)."""
@@ -217,6 +221,8 @@ class WorkerMixin:
             return
         job.client.peer_check = self._verifier_gone
         first = self.vinfo is None
+        if first:  # a restarted worker gets this one's pool (verifier.server: VerifierConfig.pool_tokens)
+            self.cfg = replace(self.cfg, verifier=replace(self.cfg.verifier, pool_tokens=job.info.pool_tokens))
         self.verifier_proc, self.vclient, self.vinfo = job.proc, job.client, job.info
         now = time.monotonic()
         self.restarts.up(now)

@@ -54,6 +54,10 @@ from mg_server.wire.protocol import VerdictState
 
 HEADER = b"x-deterministic"
 HEALTH_PATHS = ("/health", "/health_generate")
+# SGLang's endpoints that replace, release or reload the weights in place: with mg on, the verifier
+# computes on those very tensors (seam/export.py), so the reference would change under running requests
+WEIGHT_PATHS = ("/update_weights", "/release_memory_occupation", "/resume_memory_occupation",
+                "/init_weights_update_group", "/update_weight_version", "/begin_weight_update", "/end_weight_update")
 UNVERIFIED = (b"x-mg-verdict", VerdictState.UNVERIFIED.encode())
 
 log = logging.getLogger(__name__)
@@ -135,7 +139,8 @@ def _refusal_headers(raws: list[bytes]) -> list[tuple[bytes, bytes]]:
 
 
 def error_body(message: str, status: int = 400, param: str = "X-Deterministic", code: str = "") -> bytes:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 408: "BadRequestError",
+    kind = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
+            408: "BadRequestError",
             413: "BadRequestError", 415: "BadRequestError"}.get(status, "ServiceUnavailableError")
     return json.dumps({"object": "error", "message": message, "type": kind, "param": param,
                        "code": code or status}).encode()
@@ -194,6 +199,10 @@ class DeterministicMiddleware:
         if not keyed and (raws or path == "/health_generate"):  # (SGLang leaves its health paths open)
             return await refuse(PermissionError("this request needs the server's API key (Authorization: Bearer)"),
                                 401, "Authorization")
+        if cfg.controller_ipc and path.startswith(WEIGHT_PATHS):
+            return await refuse(PermissionError(f"{path} is refused while mg serves deterministic requests: its "
+                                                "verifier computes on SGLang's weights (serve with --mg-mode off to "
+                                                "update them)"), 403, "path")
         if path in HEALTH_PATHS and method == "GET":
             problem = "the server is shutting down" if self.admission and self.admission.stopping else \
                 self.runtime.problem()

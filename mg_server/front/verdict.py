@@ -117,7 +117,7 @@ class RuntimeView:
             return "mg controller is not running"
         if beat.age_s > STALE_AFTER_S:
             return f"mg controller is not responding (no heartbeat for {beat.age_s:.0f}s)"
-        if beat.status.startswith("verifier down"):
+        if beat.status != "verifier up":  # down, restarting, or starting (on CUDA: waiting for SGLang's weights)
             return f"mg {beat.status}"
         # The seam's finish watcher (scheduler process): without it no verdict completes.
         seam = read_beat(seam_beat_path(self.config.controller_ipc))

@@ -51,17 +51,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="margin threshold (default: the model's profile, else 0: checks by window only)")
     s.add_argument("--profile", dest="tau_profile", metavar="FILE",
                    help="tau profile JSON (written by `mg-server calibrate`); default: the model's shipped one")
-    s.add_argument("--mg-verifier-memory-gb", type=float,
-                   help="CUDA memory the verifier worker may hold (its weights, K/V pool and workspace); "
-                        "default: weights plus a 16384-token pool. SGLang sizes its own pool from what is left")
+    s.add_argument("--mg-kv-budget-gb", type=float, metavar="G",
+                   help="CUDA: the verifier's K/V pool for deterministic requests, in GB (it computes on SGLang's "
+                        "weights); default: 2 %% of what SGLang's K/V would be without mg. SGLang sizes its own "
+                        "pool around it"),
     s.add_argument("--mg-drain-timeout", type=float, default=30.0, metavar="S",
                    help="after SIGTERM, wait at most S seconds for requests to drain, then stop (default 30)")
     s.add_argument("--mg-verify-timeout", type=float, default=30.0, metavar="S",
                    help="longest wait for one verifier call (one catch-up chunk or one check; default 30)")
-    # Tuning kept out of --help (docs/operations.md lists them): the catch-up's chunk, and the seam's
-    # synchronous read on CUDA (slower; CPU and no-overlap runs always use it; the GPU tests run both)
+    # Tuning kept out of --help (docs/operations.md lists it): the catch-up's chunk
     s.add_argument("--mg-catchup-chunk", type=int, default=256, metavar="N", help=argparse.SUPPRESS)
-    s.add_argument("--mg-seam", choices=["lagged", "sync"], default="lagged", help=argparse.SUPPRESS)
     s.add_argument("--mg-window", type=int, default=32, metavar="W",
                    help="the unchecked tokens a deterministic request may run ahead of the verifier's checks "
                         "(default 32)")
@@ -190,15 +189,15 @@ def _main(argv: list[str] | None) -> int:
         _parser().error(f"--mg-queue must be >= 0, got {args.mg_queue}")
     if args.mg_window < 1:
         _parser().error(f"--mg-window must be >= 1, got {args.mg_window}")
-    if args.mg_verifier_memory_gb is not None and not args.mg_verifier_memory_gb > 0:
-        _parser().error("--mg-verifier-memory-gb must be > 0")
+    if args.mg_kv_budget_gb is not None and not args.mg_kv_budget_gb > 0:
+        _parser().error("--mg-kv-budget-gb must be > 0")
     try:
         profile = _profile(args.device)
     except ValueError as e:
         print(f"mg-server: {e}", file=sys.stderr)
         return 2
-    if profile == "cpu" and args.mg_verifier_memory_gb is not None:
-        _parser().error("--mg-verifier-memory-gb applies to CUDA devices only")
+    if profile == "cpu" and args.mg_kv_budget_gb is not None:
+        _parser().error("--mg-kv-budget-gb applies to CUDA devices only")
     from mg_server.wire.cleanup import sweep_stale, temp_prefix
 
     if stale := sweep_stale():  # what servers that died before their clean-up left behind
@@ -219,10 +218,9 @@ def _main(argv: list[str] | None) -> int:
         verify_timeout_s=args.mg_verify_timeout,
         catchup_chunk=args.mg_catchup_chunk,
         verdict_wait_s=args.mg_verdict_wait,
-        lagged_commit=args.mg_seam == "lagged",
         window=args.mg_window,
         queue_size=args.mg_queue,
-        verifier_memory_gb=args.mg_verifier_memory_gb,
+        kv_budget_gb=args.mg_kv_budget_gb,
         allow_sglang=args.mg_allow_sglang,
     )
     from mg_server.launch.launcher import serve

@@ -110,11 +110,18 @@ def refuse_unsupported(server_args, mode: str) -> None:
     if a.enable_dp_attention or any((getattr(a, n) or 1) > 1 for n in PARALLEL_SIZES):
         problems.append("tensor/pipeline/data/context parallelism: mg's seam runs in a single scheduler process")
     if a.kv_cache_dtype not in ("auto", "bfloat16"):
-        problems.append(f"--kv-cache-dtype {a.kv_cache_dtype}: the verifier's K/V columns are bfloat16")
+        problems.append(f"--kv-cache-dtype {a.kv_cache_dtype}: the τ profiles are measured on bfloat16 K/V")
     if a.dtype not in ("auto", "bfloat16"):
         problems.append(f"--dtype {a.dtype}: the verifier runs the model in bfloat16")
     if a.enable_hierarchical_cache:
-        problems.append("--enable-hierarchical-cache: offloaded K/V would bypass mg's column repairs")
+        problems.append("--enable-hierarchical-cache: mg's rollbacks are built and tested on device-resident K/V only")
+    # the verifier computes on SGLang's weight tensors where SGLang keeps them (seam/export.py)
+    shared = {"--startup-weight-load-mode": a.startup_weight_load_mode != "serial",
+              "--enable-memory-saver": a.enable_memory_saver, "--weight-cache-mode": a.weight_cache_mode != "off",
+              "--cpu-offload-gb": bool(a.cpu_offload_gb), "--quantization": bool(a.quantization),
+              "--enable-lora / --lora-paths": bool(a.enable_lora or a.lora_paths)}
+    problems += [f"{flag}: the verifier computes on SGLang's own weight tensors, which this moves, frees or "
+                 "changes" for flag, on in shared.items() if on]
     if problems:
         raise ValueError("unsupported with --mg-mode " + mode + " (serve with --mg-mode off, or drop the flag):\n  - "
                          + "\n  - ".join(problems))
@@ -167,14 +174,15 @@ def served_context(server_args, model_path: str) -> int:
 
 
 def verifier_pool_tokens(context_len: int) -> int:
-    """The verifier's K/V pool (tokens) when no memory budget sizes it: two longest sequences."""
+    """A CPU verifier's K/V pool (tokens): two longest sequences (host memory; on CUDA the pool
+    is sized to the deterministic load, verifier.budget)."""
     return max(16384, 2 * context_len)
 
 
-def start_runtime(cfg: ServeConfig, context_len: int = 4096):
-    """Start the controller (which starts the verifier), wait until both report ready, then
-    supervise it (launch.runtime: restarts). The verifier accepts sequences as long as SGLang's
-    (`context_len`), its pool holds two of them.
+def start_runtime(cfg: ServeConfig, context_len: int = 4096, sglang_fraction: float | None = None):
+    """Start the controller (which starts the verifier), wait until the verifier is up (CPU) or has
+    allocated its K/V pool (CUDA: it then waits for SGLang's weights), then supervise it
+    (launch.runtime: restarts). The verifier accepts sequences as long as SGLang's (`context_len`).
 
     Returns (controller ipc path, ControllerInfo), or ("", None) in mode "off".
     """
@@ -183,15 +191,16 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
     from mg_server.controller.server import ControllerConfig
     from mg_server.launch.runtime import Runtime
     from mg_server.policy import resolve_tau
+    from mg_server.verifier.budget import SGLANG_FRACTION, checkpoint_bytes
     from mg_server.verifier.server import VerifierConfig
-    from mg_server.wire.cleanup import shm_base
 
     tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile, "cpu" if cfg.cpu else "cuda")
     verifier = VerifierConfig(
         model_path=cfg.model_path, ipc_path=str(Path(cfg.run_dir) / "verifier.sock"),
-        shm_name=shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),
-        device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0,
-        memory_gb=cfg.verifier_memory_gb or 0.0, max_seq_len=context_len, pool_tokens=verifier_pool_tokens(context_len),
+        device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0, max_seq_len=context_len,
+        pool_tokens=verifier_pool_tokens(context_len) if cfg.cpu else 0, kv_budget_gb=cfg.kv_budget_gb or 0.0,
+        sglang_fraction=sglang_fraction or SGLANG_FRACTION,
+        weights_bytes=0 if cfg.cpu else checkpoint_bytes(cfg.model_path),
         trace_calls=env.trace_calls(),
     )
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
@@ -202,8 +211,8 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
     log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s, window %d", cfg.mg_mode, tau, source,
              info.kernel_config_id, cfg.window)
     log.info("mg verifier: device %s, K/V pool %d tokens, %s", info.verifier_device, info.verifier_pool_tokens,
-             f"{info.verifier_memory_bytes / (1 << 30):.2f} GB of device memory held"
-             + (f" (budget {cfg.verifier_memory_gb:g} GB)" if cfg.verifier_memory_gb else "")
+             f"{info.verifier_memory_bytes / (1 << 30):.2f} GB of device memory held (SGLang's weights are shared)"
+             + (f" (budget {cfg.kv_budget_gb:g} GB)" if cfg.kv_budget_gb else "")
              if info.verifier_memory_bytes else "host memory")
     # atexit runs last-registered first: the runtime stops, then its files go
     atexit.register(runtime.stop)
@@ -211,11 +220,9 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096):
     return ccfg.ipc_path, info
 
 
-def _instance_files(cfg: ServeConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(folders, shared-memory names) this server instance owns (wire.cleanup)."""
-    from mg_server.wire.cleanup import shm_base
-
-    return (cfg.run_dir, cfg.metrics_dir), (shm_base(os.getpid(), str(Path(cfg.run_dir) / "verifier.sock")),)
+def _instance_files(cfg: ServeConfig) -> tuple[str, ...]:
+    """The folders this server instance owns (wire.cleanup)."""
+    return cfg.run_dir, cfg.metrics_dir
 
 
 def _vocab_size(model_path: str) -> int:
@@ -253,7 +260,7 @@ def serve(cfg: ServeConfig) -> None:
     def cleanup() -> None:
         from mg_server.launch.shutdown import STOPPING, failure
 
-        remove_instance(*_instance_files(cfg))
+        remove_instance(_instance_files(cfg))
         leftovers.remove()  # SGLang's own sockets and slot file of this instance
         if STOPPING.is_set():  # a stop, every child gone: say whether it was asked for, and end here
             why = failure()  # (SGLang's own crash-stop, or a runtime that gave up: never "cleanly")
@@ -304,7 +311,7 @@ def serve(cfg: ServeConfig) -> None:
 
     shutdown.install(cleanup, cfg.drain_timeout_s, (admission.stop, admission.drained, admission.cut))
     leftovers.track(cfg.run_dir)
-    controller_ipc, info = start_runtime(cfg, context_len)
+    controller_ipc, info = start_runtime(cfg, context_len, parsed.mem_fraction_static)
 
     from mg_server.front.middleware import DeterministicMiddleware
     from mg_server.seam import guard
@@ -321,8 +328,7 @@ def serve(cfg: ServeConfig) -> None:
     # stopped controller is noticed from its beat within seconds, whatever this bound).
     chunks = -(-context_len // cfg.catchup_chunk) + 1
     hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
-                      step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s),
-                      lagged_commit=cfg.lagged_commit)
+                      step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s))
     server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook, fp32_logits)))
     front = FrontConfig(noop_processor=serialized(), metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
                         kernel_config_id=info.kernel_config_id if info else "", model_path=cfg.model_path,

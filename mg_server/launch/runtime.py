@@ -10,7 +10,7 @@ mg_verifier_up is 0 and mg_controller_restarts_total counts each start. The new 
 the same socket and beat file, so the seam's and the front's clients reach it by themselves. It
 knows none of its predecessor's requests: their later steps and ends fail there, and a verdict it
 never heard of is `unknown` (never `verified`). It must report the same verifier as the first
-(the front and the seam keep the first one's kernels, weights and slot buffer), else the start
+(the front and the seam keep the first one's kernels, weights and K/V pool), else the start
 counts as failed. A controller that gave up on its verifier (GAVE_UP_EXIT), or Restarts.limit
 failures in a row, stop the server: its drain, then exit code 1 with the reason (launch.shutdown).
 """
@@ -27,7 +27,6 @@ from dataclasses import replace
 from mg_server import metrics
 from mg_server.controller.client import ControllerClient
 from mg_server.controller.server import start_controller
-from mg_server.controller.worker import slot_layout
 from mg_server.launch import shutdown
 from mg_server.wire import protocol as P
 from mg_server.wire.channel import RpcError
@@ -54,6 +53,9 @@ class Runtime:
         """The first start: its ControllerInfo, or RuntimeError with the child's error."""
         metrics.controller_restarts()  # (0 until a restart: /metrics shows it from the start)
         self.info = self._start_one(None)
+        if self.cfg.verifier is not None:  # a restarted controller's verifier gets this one's pool
+            pool = self.info.verifier_pool_tokens
+            self.cfg = replace(self.cfg, verifier=replace(self.cfg.verifier, pool_tokens=pool))
         self.restarts.up(time.monotonic())
         return self.info
 
@@ -74,7 +76,7 @@ class Runtime:
             with ControllerClient(self.cfg.ipc_path, timeout_s=self.cfg.start_timeout_s, client_name="launcher",
                                   peer_check=controller_gone) as client:
                 info = client.hello()
-            if not info.verifier_up:
+            if not info.kernel_config_id:  # (up, or on CUDA its pool allocated: SGLang may start)
                 raise RuntimeError("the deterministic verifier did not start")
         except BaseException as e:
             # a controller that answered (its verifier failed) exits by itself, stopping the verifier
@@ -200,7 +202,7 @@ def differs(first: P.ControllerInfo, new: P.ControllerInfo) -> str:
     """Why a restarted controller's verifier is not the one the front and the seam hold ("" if it is)."""
     for what, a, b in (("kernel configuration", first.kernel_config_id, new.kernel_config_id),
                        ("model", first.model_id, new.model_id), ("weights", first.weights_digest, new.weights_digest),
-                       ("slot buffer", slot_layout(first.shm), slot_layout(new.shm)),
+                       ("K/V pool", first.verifier_pool_tokens, new.verifier_pool_tokens),
                        ("capacity", first.verifier_max_requests, new.verifier_max_requests)):
         if a != b:
             return f"the restarted controller's verifier has another {what} ({b} != {a})"

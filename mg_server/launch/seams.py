@@ -211,7 +211,9 @@ def check(allow: str = "") -> str:
         ("ServerArgs", {f.name for f in record_fields(ServerArgs)},
          ("forward_hooks", "enable_custom_logit_processor", "speculative_algorithm", "tp_size", "pp_size", "dp_size",
           "attn_dp_size", "attn_cp_size", "dcp_size", "enable_dp_attention", "kv_cache_dtype", "dtype",
-          "enable_hierarchical_cache", "grammar_backend", "device", "context_length", "api_key")),
+          "enable_hierarchical_cache", "grammar_backend", "device", "context_length", "api_key",
+          "startup_weight_load_mode", "enable_memory_saver", "weight_cache_mode", "cpu_offload_gb", "enable_lora",
+          "lora_paths", "quantization", "mem_fraction_static", "served_model_name")),
     ]
     for what, have, names in fields:
         problems += [f"{what} has no field {n!r}" for n in names if n not in have]

@@ -39,13 +39,18 @@ def select(model) -> dict:
 
 
 def export(model, run_dir: str) -> str:
-    """Write the IPC handles of `model`'s weights to run_dir/WEIGHTS_FILE (atomically); the path."""
+    """Write the IPC handles of `model`'s weights to the run folder's weights file; its path."""
+    return export_tensors(select(model), run_dir)
+
+
+def export_tensors(tensors: dict, run_dir: str) -> str:
+    """Write the IPC handles of `tensors` (name -> CUDA tensor) to the run folder's weights file
+    (atomically); its path."""
     import torch
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing  # noqa: F401 - registers torch's CUDA reductions with ForkingPickler
 
-    tensors = select(model)
     if not tensors or any(not t.is_cuda for t in tensors.values()):
         raise RuntimeError("mg: SGLang's model weights are not all in CUDA memory; the verifier cannot share them")
     torch.cuda.synchronize()  # (the handles' events order only the current stream)

@@ -33,6 +33,7 @@ logits mg forces to the decided token.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 import weakref
@@ -48,7 +49,7 @@ from mg_server.seam import guard
 from mg_server.sampling import sampled_choice
 from mg_server.seam import rollback
 from mg_server.seam.link import ControllerLink, Tracked
-from mg_server.seam.reasons import public_reason, unmodelled
+from mg_server.seam.reasons import over_budget, public_reason, unmodelled
 from mg_server.seam.window import WindowSeam
 from mg_server.wire import protocol as P
 
@@ -239,7 +240,7 @@ class StepSeam(WindowSeam):
             n = len(t.tokens) if t is not None else len(req.origin_input_ids)
             if pos < n - 1:
                 continue  # a non-final prefill chunk: SGLang discards this row's token
-            why = unmodelled(req) if t is None else ""
+            why = (unmodelled(req) or over_budget(req, self.link.info.verifier_pool_tokens)) if t is None else ""
             if why:
                 fails.append((req, key, why))
                 continue
@@ -333,8 +334,10 @@ class StepSeam(WindowSeam):
         # state (positions, token counts, controller and verifier errors) stays in the log.
         public = public_reason(why)
         if req.to_finish is None:  # the first reason is the one the client gets
-            req.to_finish = FINISH_ABORT(f"deterministic decoding failed: {public}", HTTPStatus.SERVICE_UNAVAILABLE,
-                                         "ServiceUnavailable")
+            bad = public.startswith("this request may reach ")  # the client's to fix: a 400
+            req.to_finish = FINISH_ABORT(f"deterministic decoding failed: {public}",
+                                         HTTPStatus.BAD_REQUEST if bad else HTTPStatus.SERVICE_UNAVAILABLE,
+                                         "BadRequest" if bad else "ServiceUnavailable")
 
 
 def check_runner(runner) -> None:
@@ -364,10 +367,15 @@ def make_hook(config: dict):
     """Factory named in SGLang's --forward-hooks spec: attaches the seam, registers no module hook."""
     runner = find_model_runner()
     check_runner(runner)
-    seam = StepSeam(HookConfig.from_json_dict(config), runner)
+    cfg = HookConfig.from_json_dict(config)
+    if cfg.controller_ipc and str(runner.device).startswith("cuda"):  # before the link's hello, which waits for it
+        from mg_server.seam.export import export
+
+        export(runner.model, os.path.dirname(cfg.controller_ipc))
+    seam = StepSeam(cfg, runner)
     guard.install(seam.mark)  # before the scheduler takes its first request
-    if seam.link is not None and seam.link.info.shm is not None:
-        check_dtype(runner, seam.link.info.shm.dtype)
+    if seam.link is not None and seam.link.info.verifier_dtype:
+        check_dtype(runner, seam.link.info.verifier_dtype)
     runner.sampler.register_forward_pre_hook(seam)
     log.info("mg: step seam attached to %s.sampler (controller: %s); no module hook is needed",
              type(runner).__name__, config.get("controller_ipc") or "none")

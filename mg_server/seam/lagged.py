@@ -1,6 +1,7 @@
 """One-forward-late reading of deterministic rows on CUDA: the fast path never waits for the GPU.
 
-Status: the default on CUDA with the overlap scheduler (`serve --mg-seam sync` turns it off).
+Status: the one path on CUDA with the overlap scheduler (x86-64); a start where it cannot attach
+fails with the reason (`attach`).
 
 Why: the synchronous seam (hook.StepSeam._control) reads every deterministic forward's margins
 on the host before sampling. That read waits for the GPU to finish the forward, so the overlap
@@ -10,11 +11,10 @@ pays SGLang's whole CPU step on top of its GPU step (+70-290 % measured on an H1
 Here the work is split between the device and the host:
 - at the sampler (`launch`, no host sync): the device computes each protected row's margin and
   fast token and whether the row is a step (its position equals the one mg expects: the host's
-  token count, current because every earlier forward was processed first). The step gate
-  (seam.gate.StepGate: a publish kernel, a stream wait, an apply kernel) publishes those
-  values to page-locked host memory. Every row is a window row (seam.decide's mode LAZY:
-  committed fast, checked behind), so no row needs the verifier before sampling and the gate
-  opens itself; every protected row's logits are forced to its fast token.
+  token count, current because every earlier forward was processed first). The step publisher
+  (seam.publish: one kernel) writes those values to page-locked host memory. Every row is a
+  window row (seam.decide's mode LAZY: committed fast, checked behind), so no row needs the
+  verifier before sampling; every protected row's logits are forced to its fast token.
 - one forward later (`drain`: from the next sampler call, or from the finish watcher thread
   every 5 ms while the scheduler is busy elsewhere): the host reads those values (by then the
   GPU has the next forward queued, so this wait leaves no bubble) and reports the steps to the
@@ -40,7 +40,7 @@ from torch import Tensor
 
 from mg_server import env
 from mg_server.seam.decide import LAZY, decide, force
-from mg_server.seam.gate import ReferenceStepGate, StepGate
+from mg_server.seam.publish import ReferencePublisher, StepPublisher
 
 log = logging.getLogger(__name__)
 
@@ -68,22 +68,15 @@ def _wait(cond, what: str) -> None:
 
 class LaggedControl:
     """The seam's control path on CUDA (see module doc). `seam` is the hook's StepSeam; on a CPU
-    device (unit tests) the gate is seam.gate.ReferenceStepGate."""
+    device (unit tests) the publisher is seam.publish.ReferencePublisher."""
 
     def __init__(self, seam, device: torch.device, inline: bool = False):
         self.seam = seam
         self.link = seam.link
         self.device = device
-        runner = seam.runner
-        pool, r2t = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+        r2t = seam.runner.req_to_token_pool.req_to_token
         self.capacity = r2t.shape[0]  # rows of one forward <= requests SGLang can hold
-        slots = getattr(self.link.slots, "data", None)  # [n, L, 2, Hkv, D] the verifier's columns
-        if device.type == "cuda":
-            if slots is None or not slots.is_cuda:
-                raise RuntimeError("mg's lagged commit needs the verifier's K/V slots in CUDA memory")
-            self.gate = StepGate(self.capacity, pool.k_buffer, pool.v_buffer, slots, r2t)
-        else:
-            self.gate = ReferenceStepGate(self.capacity, pool.k_buffer, pool.v_buffer, slots, r2t)
+        self.gate = StepPublisher(self.capacity, device) if device.type == "cuda" else ReferencePublisher(self.capacity)
         pinned = device.type == "cuda"
         # [3 * cap] int64: n batch rows, n expected positions, n row modes (contiguous for n < cap);
         # page-locked on CUDA: seam.decide reads it through UVA (no copy op), before the forward's
@@ -96,16 +89,15 @@ class LaggedControl:
         self.pos = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap] positions
         self.need = torch.zeros(cap, dtype=torch.int32, device=device)  # [cap] 0: every row is a window row
         self.rows = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap] batch rows (for force)
-        self.chosen = torch.zeros(cap, dtype=torch.int64, device=device)  # [cap] the gate's tokens
         self._meta_np, self._tau_np = self.meta_host.numpy(), self.tau_host.numpy()  # host views of both
         self._views: dict[int, tuple[Tensor, ...]] = {}  # n -> the buffers' [:n] views
-        if device.type == "cuda":  # compile and load decide/force now (StepGate's construction says why)
+        if device.type == "cuda":  # compile and load decide/force now (not at a first serving forward)
             lg = torch.zeros(1, 16, dtype=torch.float32, device=device)  # SGLang's logits are fp32
             decide(lg, self.pos[:1], self.meta_host, self.tau_host, seam.link.policy.mode == "always",
                    self.margin[:1], self.fast[:1], self.pos[:1], self.need[:1], self.rows[:1])
-            force(lg, self.rows[:1], self.chosen[:1])
+            force(lg, self.rows[:1], self.fast[:1])
             torch.cuda.synchronize(device)
-        self.last_target = 0
+        self.last_target = 0  # the publisher's tag of the last forward launched
         self.pending: deque[Forward] = deque()
         self.lock = threading.Lock()  # processing order; taken before the link's locks
         self.inline = inline  # CPU server (tests): the fault is injected into the logits (inject_fault)
@@ -123,7 +115,7 @@ class LaggedControl:
     def launch(self, logits: Tensor, positions: Tensor, rows: list[tuple[int, object, str]]) -> None:
         """At the sampler: enqueue this forward's decision and gate; no host sync (module doc).
         The caller drained every earlier forward first, so `expected` and the reused buffers
-        (meta_host, chosen, the gate's mailboxes) are free."""
+        (meta_host, the publisher's mailbox) are free."""
         link, n = self.link, len(rows)
         if self.inline and self.seam.faults.missed_flip >= 0:
             self.inject_fault(logits, positions, rows)
@@ -134,9 +126,8 @@ class LaggedControl:
         self._tau_np[0] = link.policy.tau
         views = self._views.get(n)
         if views is None:  # (a slice costs ~2-4 us of host time: made once per row count)
-            views = self._views[n] = tuple(t[:n] for t in (self.margin, self.fast, self.pos, self.need, self.rows,
-                                                           self.chosen))
-        margin, fast, pos, need, rows_dev, chosen = views
+            views = self._views[n] = tuple(t[:n] for t in (self.margin, self.fast, self.pos, self.need, self.rows))
+        margin, fast, pos, need, rows_dev = views
         # one kernel: each row's margin and argmax, its position, whether it is the step mg expects
         # (seam.decide says more)
         decide(logits, positions.to(logits.device), self.meta_host, self.tau_host, link.policy.mode == "always",
@@ -147,13 +138,12 @@ class LaggedControl:
         with self.lock:
             self.pending.append(f)
         try:
-            self.gate.launch(margin, fast, pos, need, chosen, f.target)
+            self.gate.launch(margin, fast, pos, need, f.target)
         except BaseException:
-            self.gate.open(f.target)  # whatever part of the gate was enqueued must not hold
             with self.lock:
                 self.pending.remove(f)
             raise
-        force(logits, rows_dev, chosen)  # every protected row samples its chosen token
+        force(logits, rows_dev, fast)  # every protected row samples its fast token
 
     def inject_fault(self, logits, positions, rows) -> None:
         """Tests only (env.Faults.missed_flip = k, the CPU lagged seam): the k-th answer
@@ -205,23 +195,27 @@ class LaggedControl:
 
 
 def attach(seam, config, runner) -> LaggedControl | None:
-    """The seam's lagged control path, or None where it does not apply (then the synchronous seam
-    decides every deterministic row; the reason is logged)."""
+    """The seam's lagged control path, or None where it does not apply by design (then the
+    synchronous seam decides every deterministic row; logged with why). Where it applies, a
+    LaggedControl that cannot be built stops the start (no silent fallback to a path 70-290 %
+    slower on a GPU)."""
     # Without the overlap scheduler the lagged path gains nothing (SGLang reads each forward's
     # tokens before preparing the next one).
     overlap = not getattr(getattr(runner, "server_args", None), "disable_overlap_schedule", True)
     cuda = str(getattr(runner, "device", "cpu")).startswith("cuda")
-    lagged = None
     # x86-64 only: the host's reads rely on the device's stores reaching it in program order
-    if config.lagged_commit and overlap and platform.machine() == "x86_64" and (cuda or env.faults().lagged_on_cpu):
-        try:
-            dev = torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)) if cuda else torch.device("cpu")
-            lagged = LaggedControl(seam, dev, inline=not cuda)
-        except Exception as e:  # noqa: BLE001 - e.g. a driver without stream memory operations
-            log.warning("mg: lagged commit unavailable (%s: %s); deterministic rows use the synchronous seam",
-                        type(e).__name__, e)
-    if lagged is None:
+    why_not = ("a CPU device" if not (cuda or env.faults().lagged_on_cpu) else
+               "--disable-overlap-schedule" if not overlap else
+               f"a {platform.machine()} host (x86-64 only)" if platform.machine() != "x86_64" else "")
+    if why_not:
+        log.info("mg: the synchronous seam decides deterministic rows (%s)", why_not)
         return None
+    dev = torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)) if cuda else torch.device("cpu")
+    try:
+        lagged = LaggedControl(seam, dev, inline=not cuda)
+    except Exception as e:
+        raise RuntimeError(f"mg: the lagged seam could not attach ({type(e).__name__}: {e}); serve with "
+                           "--disable-overlap-schedule for the synchronous seam, or --mg-mode off") from e
     seam.link.before_finish = lagged.drain
     # held ends (rollback.py): a request's end is checked beside SGLang's forwards, not blocking them
     from mg_server.seam import rollback
@@ -230,7 +224,7 @@ def attach(seam, config, runner) -> LaggedControl | None:
     pool = getattr(runner, "effective_logical_max_total_num_tokens", None)  # SGLang's max_req_len bound
     rollback.seq_limit = min(int(r2t.shape[1]), int(runner.model_config.context_len), int(pool or r2t.shape[1]))
     rollback.hold_ends = True
-    log.warning("mg: lagged commit on (step gate capacity %d rows)", lagged.capacity)
+    log.warning("mg: lagged commit on (step publisher capacity %d rows)", lagged.capacity)
     return lagged
 
 

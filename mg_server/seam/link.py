@@ -72,7 +72,6 @@ class ControllerLink:
     def __init__(self, config: HookConfig):
         from mg_server.controller.client import ControllerClient
         from mg_server.policy import Policy
-        from mg_server.wire.shm import SlotBuffer
 
         self.config = config
         if env.stacks_on_usr1():
@@ -83,7 +82,6 @@ class ControllerLink:
         self.client = ControllerClient(config.controller_ipc, timeout_s=config.step_timeout_s, client_name="hook")
         self.info = self.client.hello()
         self.policy = Policy(self.info.mode, self.info.tau)  # the controller's own policy (pure)
-        self.slots = SlotBuffer.attach(self.info.shm) if self.info.shm is not None else None
         self.tracked: dict[str, Tracked] = {}  # instance key -> state, until its Finish is sent
         self.lock = threading.Lock()  # guards `tracked`
         self.rpc_lock = threading.Lock()  # guards `client`

@@ -46,8 +46,21 @@ def unmodelled(req) -> str:
     return ""
 
 
+BUDGET_FLAG = "--mg-kv-budget-gb"
+
+
+def over_budget(req, pool_tokens: int) -> str:
+    """Why this request cannot fit the verifier's K/V pool alone ("" if it can): its prompt and
+    its length limit together exceed the pool's tokens (the client's to act on: a 400)."""
+    need = len(req.origin_input_ids) + int(req.sampling_params.max_new_tokens or 0)
+    if not pool_tokens or need <= pool_tokens:
+        return ""
+    return (f"this request may reach {need} tokens (prompt and max_tokens) but the deterministic verifier's "
+            f"K/V pool holds {pool_tokens}; send a shorter request or raise {BUDGET_FLAG}")
+
+
 def public_reason(why: str) -> str:
     """The client's form of an internal failure reason (module doc)."""
-    if why in PUBLIC_REASONS or why.startswith("request id "):
+    if why in PUBLIC_REASONS or why.startswith(("request id ", "this request may reach ")):
         return why
     return next((short for prefix, short in PUBLIC_PREFIXES if why.startswith(prefix)), INTERNAL_REASON)

@@ -20,9 +20,8 @@ import torch
 
 from mg_server.verifier import ops
 from mg_server.verifier.engine import VerifierEngine
-from mg_server.verifier.model import ModelSpec, VerifierModel
+from mg_server.verifier.model import ModelSpec, VerifierModel, fused_checkpoint
 from mg_server.wire.protocol import VerifyItem
-from mg_server.wire.shm import SlotBuffer
 
 SHAPES = {
     "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -84,7 +83,8 @@ def _timed(fn, device, iters: int) -> float:
 def bench_model(name: str, device: str, ctx: int, iters: int, profile: bool = False, profile_gap: int = 0) -> dict:
     cfg = SHAPES[name]
     dtype = torch.bfloat16
-    model = VerifierModel(ModelSpec.from_hf_config(cfg), random_tensors(cfg, device, dtype), dtype,
+    spec = ModelSpec.from_hf_config(cfg)
+    model = VerifierModel(spec, fused_checkpoint(random_tensors(cfg, device, dtype), spec), dtype,
                           torch.device(device), max_positions=ctx + 128)
     dev = model.device
     engine = VerifierEngine(model, max_requests=16, pool_tokens=16 * (ctx + 128), max_seq_len=ctx + 128)
@@ -140,8 +140,9 @@ def bench_model(name: str, device: str, ctx: int, iters: int, profile: bool = Fa
     return out
 
 
-def bench_ipc(name: str, device: str, ctx: int, iters: int, tmp: Path) -> dict:
-    """A worker process of shape `name`: verify (1 step after `ctx` tokens) through zmq + shared slot."""
+def bench_ipc(name: str, ctx: int, iters: int, tmp: Path) -> dict:
+    """A CPU worker process of shape `name`: verify (1 step after `ctx` tokens) through zmq (a CUDA
+    worker computes on a server's SGLang weights: it has none here)."""
     from mg_server.verifier.client import VerifierClient
     from mg_server.verifier.server import VerifierConfig, start_verifier
 
@@ -154,18 +155,17 @@ def bench_ipc(name: str, device: str, ctx: int, iters: int, tmp: Path) -> dict:
               str(d / "model.safetensors"))
     (d / "config.json").write_text(json.dumps(cfg))
     ipc = str(tmp / f"bench-{uuid.uuid4().hex[:6]}.sock")
-    proc = start_verifier(VerifierConfig(model_path=str(d), ipc_path=ipc, device=device, max_seq_len=ctx + 16))
+    proc = start_verifier(VerifierConfig(model_path=str(d), ipc_path=ipc, device="cpu", max_seq_len=ctx + 16))
     out = {}
     try:
         with VerifierClient(ipc, timeout_s=300) as c:
-            info = c.connect()
-            out["model"], out["shm_kind"] = name, info.shm.kind
+            c.connect()
+            out["model"] = name
             c.verify("r", ctx - 1, [1 + i % (cfg["vocab_size"] - 1) for i in range(ctx)])  # ids < vocab
             c.verify("r", ctx, [7])
 
             def one():
-                r = c.verify("r", ctx, [7], rewind=True, want_column=True)
-                c.kv_column(r)
+                c.verify("r", ctx, [7], rewind=True)
 
             out["ipc_verify_gap0_ms"] = _timed(one, torch.device("cpu"), iters)
             out["ipc_stats_roundtrip_ms"] = _timed(lambda: c.stats(), torch.device("cpu"), iters)
@@ -174,25 +174,6 @@ def bench_ipc(name: str, device: str, ctx: int, iters: int, tmp: Path) -> dict:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    return out
-
-
-def bench_shm(device: str, iters: int) -> dict:
-    """Write (copy + sync + stamp) and read (copy + check) of one K/V column, both shapes."""
-    out = {}
-    for name, (layers, hkv, d) in {"smollm2-135m": (30, 3, 64), "llama-8b": (32, 8, 128)}.items():
-        buf = SlotBuffer.create(f"mgv_bench_{uuid.uuid4().hex[:8]}", 8, layers, hkv, d, torch.bfloat16, device)
-        col = torch.randn(layers, 2, hkv, d, device=device).to(torch.bfloat16)
-        gen = [0]
-
-        def rt():
-            gen[0] += 1
-            buf.write(gen[0] % 8, col, gen[0])
-            buf.read(gen[0] % 8, gen[0])
-
-        out[f"{name}_column_bytes"] = col.numel() * 2
-        out[f"{name}_write_read_us"] = _timed(rt, torch.device(device), iters * 10) * 1e3
-        buf.close()
     return out
 
 
@@ -221,15 +202,13 @@ def main(argv: list[str] | None = None) -> dict:
         res["models"][m] = bench_model(m, args.device, args.ctx, args.iters, args.profile, args.profile_gap)
         print(m, json.dumps(res["models"][m]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        res["ipc"] = bench_ipc(models[0], args.device, args.ctx, args.iters, Path(tmp))
-    res["shm"] = bench_shm(args.device, args.iters)
+        res["ipc"] = bench_ipc(models[0], args.ctx, args.iters, Path(tmp))
     print(f"\nverifier latency, {res['device']}, context {args.ctx}, median ms ({res['kernel_config_id']})")
     print(f"{'model':14s} {'prefill':>9s} " + " ".join(f"{'g=' + str(g):>8s} {'x8':>8s}" for g in GAPS))
     for m, r in res["models"].items():
         print(f"{m:14s} {r[f'prefill_{args.ctx}_ms']:9.2f} "
               + " ".join(f"{r[f'verify_gap{g}_ms']:8.2f} {r[f'verify_gap{g}_x8_ms']:8.2f}" for g in GAPS))
     print("ipc:", json.dumps(res["ipc"]))
-    print("shm:", json.dumps(res["shm"]))
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     return res
 

@@ -57,59 +57,16 @@ def greedy_reference(engine, prompts: list[list[int]], max_new: int, stop_ids: t
     return refs
 
 
-# GPU memory kept free for one verify forward's activations and fp32 logits rows (the
-# catch-up of a 512-token prompt on a 128k vocabulary alone is 0.26 GB of logits).
-WORKSPACE_BYTES = 3 << 30
-
-
-def checkpoint_bytes(model_path: str, dtype_bytes: int = 2) -> tuple[int, int]:
-    """(weight bytes, K/V bytes per token) of a checkpoint in a `dtype_bytes` dtype, counted from
-    config.json's dimensions (before anything loads: the launcher leaves room for an in-process
-    verifier, and checks SGLang's own copy still fits)."""
-    import json
-    from pathlib import Path
-
-    from mg_server.verifier.model import ModelSpec
-
-    s = ModelSpec.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
-    q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
-    layer = s.hidden * (q + 2 * kv) + q * s.hidden + 3 * s.hidden * s.intermediate + 2 * s.hidden
-    params = s.n_layers * layer + s.vocab * s.hidden * (1 if s.tie_embeddings else 2) + s.hidden
-    return params * dtype_bytes, 2 * s.n_layers * kv * dtype_bytes
-
-
-def pool_tokens_for_budget(model, memory_gb: float, max_seq_len: int, cap: int = 1 << 18) -> int:
-    """K/V pool tokens that fit a CUDA memory budget next to the loaded weights and a workspace."""
-    import torch
-
-    weights = torch.cuda.memory_allocated(model.device)
-    s = model.spec
-    per_token = 2 * s.n_layers * s.n_kv_heads * s.head_dim * model.dtype.itemsize
-    tokens = min(cap, (int(memory_gb * (1 << 30)) - weights - WORKSPACE_BYTES) // per_token)
-    if tokens < max_seq_len:
-        raise ValueError(
-            f"verifier memory budget {memory_gb:g} GB is too small: weights take {weights / (1 << 30):.2f} GB, "
-            f"the workspace {WORKSPACE_BYTES / (1 << 30):.1f} GB, and one {max_seq_len}-token request needs "
-            f"{max_seq_len * per_token / (1 << 30):.2f} GB of K/V")
-    return int(tokens)
-
-
 def load_engine(model_path: str, dtype: str = "bfloat16", device: str = "cpu", max_seq_len: int = 4096,
                 max_requests: int = 64, pool_tokens: int = 32768, evict_idle_s: float = float("inf"),
-                memory_gb: float = 0.0, cuda_graphs: bool = True):
-    """A verifier engine: the worker process builds its own with this too.
-
-    memory_gb > 0 (CUDA only): size the K/V pool from that budget instead of `pool_tokens`.
-    cuda_graphs (CUDA only): replay captured graphs for forwards of up to 128 rows.
-    """
+                cuda_graphs: bool = True):
+    """A verifier engine on a checkpoint (the reference: the worker computes the same on SGLang's
+    tensors, tests/test_shared_weights.py). cuda_graphs (CUDA only): replay captured graphs for
+    forwards of up to 128 rows."""
     import torch
 
     from mg_server.verifier.engine import VerifierEngine
     from mg_server.verifier.model import VerifierModel
 
     model = VerifierModel.load(model_path, getattr(torch, dtype), device, max_seq_len)
-    if memory_gb > 0:
-        if model.device.type != "cuda":
-            raise ValueError("a verifier memory budget applies to CUDA devices only")
-        pool_tokens = pool_tokens_for_budget(model, memory_gb, max_seq_len)
     return VerifierEngine(model, max_requests, pool_tokens, max_seq_len, evict_idle_s, cuda_graphs)

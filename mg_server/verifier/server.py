@@ -1,10 +1,17 @@
-"""The verifier worker process: zmq ROUTER on an ipc:// path, shared slot buffer for K/V columns.
+"""The verifier worker process: zmq ROUTER on an ipc:// path.
 
 Entry point: `run_verifier(cfg)` (in the child) or `start_verifier(cfg)` (spawns it). The worker
-binds before loading the model, so a client's hello simply waits in the queue; if loading fails,
-the worker stays up and answers every message with a typed error (`load_failed`, naming the
-cause) instead of vanishing. From its first moment it beats and watches the process that
-started it (wire.liveness): if that one dies, the worker removes its shared memory and exits.
+binds before it loads, so a client's hello simply waits in the queue; if loading fails, the
+worker stays up and answers every message with a typed error (`load_failed`, naming the cause)
+instead of vanishing. From its first moment it beats and watches the process that started it
+(wire.liveness): if that one dies, the worker exits.
+
+On CUDA it starts in two stages, because it computes on SGLang's weights, which SGLang loads
+after it: (1) its K/V pool (verifier.budget) is allocated and its first hello answered (`ready`
+false) before SGLang starts, so SGLang sizes its own K/V around it; (2) it waits for the weights
+SGLang's scheduler shares (wire.weights), builds its model on them and warms its kernels up;
+every message that came meanwhile waits, and later hellos say `ready`. On a CPU it loads the
+checkpoint itself (a copy is small there) and is ready at its first hello.
 Messages are served in arrival order; consecutive Verify messages are coalesced into one batched
 step (batch-invariant kernels make that safe); control messages flush pending verifies first.
 """
@@ -12,7 +19,6 @@ step (batch-invariant kernels make that safe); control messages flush pending ve
 from __future__ import annotations
 
 import gc
-import hashlib
 import multiprocessing as mp
 import os
 import threading
@@ -24,40 +30,35 @@ import torch
 import zmq
 
 from mg_server.wire import protocol as P
-from mg_server.wire.shm import SlotBuffer
 
 
 @dataclass(frozen=True)
 class VerifierConfig:
     model_path: str  # Hugging Face checkpoint folder (config.json + *.safetensors)
-    ipc_path: str  # filesystem path of the ipc:// socket, unique per worker instance
+    ipc_path: str  # filesystem path of the ipc:// socket, unique per worker instance (its folder: the run folder)
     dtype: str = "bfloat16"  # model dtype (weights, activations, K/V); logits are fp32
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
-    n_slots: int = 64  # K/V-column slots in the shared buffer (reused round-robin)
     max_seq_len: int = 4096  # longest request (positions) the verifier accepts
     max_requests: int = 64  # shadow caches held at once
-    pool_tokens: int = 16384  # K/V pool capacity in tokens, shared by all requests
-    evict_idle_s: float = 600.0  # when full, drop requests idle this long (clients that vanished)
-    max_batch_items: int = 64  # items coalesced into one step
+    # K/V pool capacity in tokens, shared by all requests; on CUDA 0 sizes it by verifier.budget (a
+    # restart gets the first worker's: the front and the seam keep its facts)
+    pool_tokens: int = 16384
+    # when the pool is full, the least recently used requests a forward does not need are dropped (the
+    # controller computes an evicted one again from position 0: the pool is a cache, verifier.budget)
+    evict_idle_s: float = 0.0
+    max_batch_items: int = 64  # items per message and coalesced into one step
     num_threads: int = 0  # torch CPU threads (0: leave torch's default); results do not depend on it
-    memory_gb: float = 0.0  # CUDA memory budget (weights + K/V pool + workspace); 0: pool_tokens as given
-    shm_name: str = ""  # shared-memory name; "" derives one from ipc_path
+    kv_budget_gb: float = 0.0  # CUDA: the K/V pool's size (0: verifier.budget's default share)
+    sglang_fraction: float = 0.9  # CUDA: SGLang's --mem-fraction-static (its K/V estimate for the default)
+    weights_bytes: int = 0  # CUDA: the checkpoint's weight bytes (the same estimate)
+    weights_timeout_s: float = 1800.0  # CUDA: the longest wait for SGLang's weights (its model load)
     poll_ms: int = 50  # receive poll period
     parent_pid: int = 0  # the process that started the worker: it exits once that one is gone (0: no watch)
     trace_calls: int = 0  # diagnostics (env.trace_calls): 1 log each call's phases and GC pauses, 2 + CUDA allocations
 
-    def __post_init__(self):
-        # Results of one step occupy distinct slots until the client copies them out.
-        if self.n_slots < self.max_batch_items:
-            raise ValueError(f"n_slots ({self.n_slots}) must be >= max_batch_items ({self.max_batch_items})")
-
     @property
     def endpoint(self) -> str:
         return "ipc://" + self.ipc_path
-
-    @property
-    def shm_base(self) -> str:
-        return self.shm_name or "mgv_" + hashlib.sha1(self.ipc_path.encode()).hexdigest()[:16]
 
 
 def _err(code: str, message: str, msg_id: int = 0) -> P.Error:
@@ -72,46 +73,84 @@ class VerifierServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(cfg.endpoint)
         self.engine = None
-        self.shm: SlotBuffer | None = None
+        self.spec = None  # the model's (verifier.model.ModelSpec), known from stage 1
+        self.pool = None  # CUDA: the K/V pool allocated in stage 1, the engine's once it exists
         self.load_error = ""
-        self.next_slot = 0
-        self.gen = 0  # global generation counter of written slots
         self._allocs = 0  # trace_calls: the device's CUDA allocation count after the last call
         self._gc_t0 = 0.0  # trace_calls: when the running collection started
         self.served = self.errors = 0
+        self.greeted = False  # a hello was answered (stage 2 begins only then: the launcher waits for it)
         self.running = True
 
-    def load(self) -> None:
-        from mg_server.verifier import ops
-        from mg_server.verifier.model import model_identity
-        from mg_server.verifier.reference import load_engine
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None
+
+    def reserve(self) -> None:
+        """Stage 1 (module doc): on a CPU the whole load; on CUDA the facts and the K/V pool."""
+        import json
+        from pathlib import Path
+
+        from mg_server.verifier import budget, ops
+        from mg_server.verifier.model import KVPool, ModelSpec, model_identity
         from mg_server.wire.fingerprint import weights_digest
 
         cfg = self.cfg
         try:
             if cfg.num_threads > 0:
                 torch.set_num_threads(cfg.num_threads)
-            dtype = getattr(torch, cfg.dtype)
-            self.engine = load_engine(cfg.model_path, cfg.dtype, cfg.device, cfg.max_seq_len, cfg.max_requests,
-                                      cfg.pool_tokens, cfg.evict_idle_s, cfg.memory_gb)
-            model = self.engine.model
-            s = model.spec
-            self.shm = SlotBuffer.create(cfg.shm_base, cfg.n_slots, s.n_layers, s.n_kv_heads, s.head_dim,
-                                         dtype, model.device)
+            dtype, device = getattr(torch, cfg.dtype), torch.device(cfg.device)
+            self.spec = ModelSpec.from_hf_config(json.loads((Path(cfg.model_path) / "config.json").read_text()))
             self.model_id = model_identity(cfg.model_path, dtype)
             self.weights_digest = weights_digest(cfg.model_path)  # once: system_fingerprint
-            self.kernel_config_id = ops.config_id(model.device)  # the backend that serves the device
-            if model.device.type == "cuda":
-                self._warm_up()
-            if cfg.trace_calls:
-                print(f"[mg-verifier] gc: {len(gc.get_objects())} objects tracked, {gc.get_freeze_count()} frozen, "
-                      f"thresholds {gc.get_threshold()}", flush=True)
-                gc.callbacks.append(self._trace_gc)
-            # What the worker holds now (weights, K/V pool, slots): CUDA only, 0 on CPU.
-            self.memory_bytes = torch.cuda.memory_allocated(model.device) if model.device.type == "cuda" else 0
+            self.kernel_config_id = ops.config_id(device)  # the backend that serves the device
+            if device.type != "cuda":
+                return self._build(None)
+            device = torch.device("cuda", device.index or 0)  # (set_device and mem_get_info need an index)
+            torch.cuda.set_device(device)
+            free, _ = torch.cuda.mem_get_info(device)
+            tokens = cfg.pool_tokens or budget.pool_tokens(self.spec, free, cfg.sglang_fraction, cfg.weights_bytes,
+                                                           cfg.kv_budget_gb, dtype_bytes=dtype.itemsize)
+            self.pool = KVPool(self.spec, tokens, dtype, device)
+            self.memory_bytes = torch.cuda.memory_reserved(device)
         except Exception as e:  # noqa: BLE001 - reported to every client, see module doc
             self.load_error = f"verifier failed to load {cfg.model_path!r}: {type(e).__name__}: {e}"
             traceback.print_exc()
+
+    def finish(self) -> None:
+        """Stage 2 on CUDA (module doc): SGLang's weights, the model on them, the kernels warmed up."""
+        from mg_server.wire.weights import wait_shared
+
+        try:
+            t0 = time.monotonic()
+            tensors = wait_shared(os.path.dirname(self.cfg.ipc_path), self.cfg.weights_timeout_s)
+            print(f"[mg-verifier] SGLang's weights mapped after {time.monotonic() - t0:.1f}s of waiting", flush=True)
+            self._build(tensors)
+        except Exception as e:  # noqa: BLE001 - reported to every client, see module doc
+            self.load_error = f"verifier failed to load {self.cfg.model_path!r}: {type(e).__name__}: {e}"
+            traceback.print_exc()
+
+    def _build(self, shared: dict | None) -> None:
+        """The model (on SGLang's tensors, or loaded from the checkpoint) and its engine."""
+        from mg_server.verifier.engine import VerifierEngine
+        from mg_server.verifier.model import VerifierModel
+
+        cfg, dtype = self.cfg, getattr(torch, self.cfg.dtype)
+        if shared is not None:
+            model = VerifierModel.shared(cfg.model_path, shared, dtype, cfg.max_seq_len)
+        else:
+            model = VerifierModel.load(cfg.model_path, dtype, cfg.device, cfg.max_seq_len)
+        self.engine = VerifierEngine(model, cfg.max_requests, cfg.pool_tokens, cfg.max_seq_len, cfg.evict_idle_s,
+                                     pool=self.pool)
+        self.pool = self.engine.pool
+        if model.device.type == "cuda":
+            self._warm_up()
+        if cfg.trace_calls:
+            print(f"[mg-verifier] gc: {len(gc.get_objects())} objects tracked, {gc.get_freeze_count()} frozen, "
+                  f"thresholds {gc.get_threshold()}", flush=True)
+            gc.callbacks.append(self._trace_gc)
+        # What the worker holds now (K/V pool, workspace; SGLang's weights are SGLang's): CUDA only
+        self.memory_bytes = torch.cuda.memory_reserved(model.device) if model.device.type == "cuda" else 0
 
     def _warm_up(self) -> None:
         """Compile and load every kernel a verify call launches, now: compiled on a first request,
@@ -121,7 +160,7 @@ class VerifierServer:
         t0 = time.perf_counter()
         # A short prompt and a step; then several long prompts in one call (chunked graph replays)
         # and a step of each, so the caching allocator holds blocks for the buffers a step
-        # allocates on this stream; a seeded request's rows; the slot buffer's write.
+        # allocates on this stream; a seeded request's rows.
         eng = self.engine
         if eng.model.device.type == "cuda":
             zerocopy.warm_up(eng.model.device)
@@ -136,7 +175,6 @@ class VerifierServer:
             for res in self.engine.step(items):
                 if isinstance(res, P.ErrorReply):
                     raise RuntimeError(f"warm-up forward failed: [{res.code}] {res.message}")
-        self.shm.write_many([(0, eng.pool.column(0), -1)])  # generation -1: slot 0 stays unwritten
         for r in [*rids, "mg-warm-up-s"]:
             self.engine.release(r)
         print(f"[mg-verifier] kernels warmed up in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -152,14 +190,15 @@ class VerifierServer:
         if m.expect_kernel_config_id and m.expect_kernel_config_id != self.kernel_config_id:
             return _err(P.ErrorCode.MODEL_MISMATCH,
                         f"kernel config {self.kernel_config_id} != expected {m.expect_kernel_config_id}", m.msg_id)
-        eng = self.engine
-        s = eng.model.spec
+        s, cfg = self.spec, self.cfg
+        self.greeted = True
         return P.HelloReply(
             msg_id=m.msg_id, protocol_version=P.PROTOCOL_VERSION, model_id=self.model_id,
             kernel_config_id=self.kernel_config_id, weights_digest=self.weights_digest, family=s.family,
-            n_layers=s.n_layers, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, vocab=s.vocab, dtype=self.cfg.dtype,
-            device=str(eng.model.device), max_seq_len=eng.max_seq_len, max_requests=eng.max_requests,
-            shm=self.shm.spec, pool_tokens=eng.pool.n_tokens, memory_bytes=self.memory_bytes)
+            n_layers=s.n_layers, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, vocab=s.vocab, dtype=cfg.dtype,
+            device=str(torch.device(cfg.device)), max_seq_len=cfg.max_seq_len, max_requests=cfg.max_requests,
+            pool_tokens=self.pool.n_tokens, memory_bytes=self.memory_bytes, ready=self.ready,
+            shared_weights=torch.device(cfg.device).type == "cuda")
 
     def _verify(self, batch: list[tuple[bytes, P.Verify]]) -> None:
         items, owners = [], []
@@ -179,7 +218,6 @@ class VerifierServer:
         outs = iter(self.engine.step(items)) if items else iter(())
         t.append(time.perf_counter())
         replies: list[list] = [[] for _ in batch]
-        writes: list[tuple] = []  # (slot, column, gen): written with one sync before any reply goes
         for n, k in enumerate(owners):
             res = late[n] if n in late else next(outs)
             if isinstance(res, P.ErrorReply):
@@ -187,9 +225,8 @@ class VerifierServer:
                 replies[k].append(res)
                 continue
             it = batch[k][1].items[len(replies[k])]
-            replies[k].append(self._result(res, writes, it.want_digest, it.want_column))
+            replies[k].append(self._result(res, it.want_digest))
             self.served += 1
-        self.shm.write_many(writes)
         t.append(time.perf_counter())
         for (ident, m), results in zip(batch, replies):
             self._send(ident, P.VerifyReply(msg_id=m.msg_id, results=results))
@@ -218,23 +255,15 @@ class VerifierServer:
         left = min((it.deadline_ns - now_ns) / 1e6 for it in items) if items else 0.0
         ms = [1e3 * (b - a) for a, b in zip(t, t[1:])]
         print(f"[mg-verifier] {time.time():.3f} call of {len(items)} items, {sum(len(it.tokens) for it in items)} "
-              f"rows: step {ms[0]:.2f} ms, results+slots {ms[1]:.2f} ms, send {ms[2]:.2f} ms; deadline in "
+              f"rows: step {ms[0]:.2f} ms, results {ms[1]:.2f} ms, send {ms[2]:.2f} ms; deadline in "
               f"{left:.1f} ms at the start" + (f"; CUDA allocations {before - self._allocs} since the last call, "
                                                 f"{after - before} during it" if after >= 0 else ""), flush=True)
         self._allocs = after
 
-    def _result(self, res, writes: list[tuple], digest: bool, column: bool) -> P.VerifyResult:
-        """The wire form of an engine result; with `column`, a slot of its own for its K/V column.
-        Why only on request: the controller never reads one, and building and copying a column per
-        result cost ~20 % of the verifier's busy time at 60 deterministic requests (8B shape, H100)."""
-        slot = gen = -1
-        if column:
-            slot, self.next_slot = self.next_slot, (self.next_slot + 1) % self.cfg.n_slots
-            self.gen += 1
-            gen = self.gen
-            writes.append((slot, res.kv_column, gen))
+    def _result(self, res, digest: bool) -> P.VerifyResult:
+        """The wire form of an engine result."""
         return P.VerifyResult(
-            rid=res.rid, pos=res.pos, token=res.token, margin=res.margin, slot=slot, gen=gen,
+            rid=res.rid, pos=res.pos, token=res.token, margin=res.margin,
             audit_tokens=res.audit_tokens, audit_margins=res.audit_margins,
             first_mismatch=res.first_mismatch, digest=res.digest if digest else b"",
             batch_rows=res.batch_rows, batch_requests=res.batch_requests, forward_ms=res.forward_ms)
@@ -282,10 +311,13 @@ class VerifierServer:
             if self.load_error and not isinstance(m, P.Shutdown):
                 self._send(ident, _err(P.ErrorCode.LOAD_FAILED, self.load_error, m.msg_id))
                 continue
+            if not self.ready and not self.load_error and not isinstance(m, (P.Hello, P.Shutdown)):
+                self._finish_now()  # (stage 2: this message waits for it, as do the rest)
             if isinstance(m, P.Verify):
-                if not 0 < len(m.items) <= self.cfg.n_slots:  # at most n_slots: each column asked for needs a live slot
-                    self._send(ident, _err(P.ErrorCode.BAD_REQUEST,
-                                           f"{len(m.items)} items; 1..{self.cfg.n_slots} per message", m.msg_id))
+                if not 0 < len(m.items) <= self.cfg.max_batch_items:
+                    n = self.cfg.max_batch_items
+                    self._send(ident, _err(P.ErrorCode.BAD_REQUEST, f"{len(m.items)} items; 1..{n} per message",
+                                           m.msg_id))
                     continue
                 pending.append((ident, m))
                 if sum(len(x.items) for _, x in pending) >= self.cfg.max_batch_items:
@@ -300,9 +332,17 @@ class VerifierServer:
             self._send(ident, reply)
         flush()
 
+    def _finish_now(self) -> None:
+        self.finish()
+        if self.load_error:
+            print(f"[mg-verifier] {self.load_error}", flush=True)
+
     def serve_forever(self) -> None:
         try:
             while self.running:
+                if self.greeted and not self.ready and not self.load_error and not self.sock.poll(0):
+                    self._finish_now()  # stage 2 once the first hellos are answered (module doc)
+                    continue
                 if not self.sock.poll(self.cfg.poll_ms):
                     continue
                 frames = []
@@ -316,17 +356,8 @@ class VerifierServer:
             self.close()
 
     def close(self) -> None:
-        if self.shm is not None:
-            self.shm.close()
-            self.shm = None
         self.sock.close(0)
         self.ctx.term()
-
-    def remove_shared_memory(self) -> None:
-        """From the lifeline thread of an orphaned worker: the names go, the mappings stay
-        valid until the process exits (the main thread may be writing a slot)."""
-        if self.shm is not None:
-            self.shm.unlink()
 
 
 def run_verifier(cfg: VerifierConfig) -> None:
@@ -337,10 +368,10 @@ def run_verifier(cfg: VerifierConfig) -> None:
     ignore_stop_signals()  # a group's SIGINT/SIGTERM: the controller stops this one
     set_process_title("mg::verifier")
     server = VerifierServer(cfg)
-    lifeline = Lifeline(beat_path(cfg.ipc_path), cfg.parent_pid, server.remove_shared_memory, "mg-verifier-life")
+    lifeline = Lifeline(beat_path(cfg.ipc_path), cfg.parent_pid, lambda: None, "mg-verifier-life")
     lifeline.start()
     try:
-        server.load()
+        server.reserve()
         server.serve_forever()
     finally:
         lifeline.stop()

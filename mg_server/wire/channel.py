@@ -49,7 +49,8 @@ class RpcClient:
         self.sock.setsockopt(zmq.LINGER, 0)
         # no send limit: past zmq's default (1000 queued) a send blocks, and while a restarted peer
         # loads (tens of seconds on a GPU) the seam's one-way Steps would stop SGLang's scheduler
-        # thread; the queue is bounded by the restart's length and goes to the new peer
+        # thread; the queue is bounded by the restart's length and goes to the new peer (what went
+        # into the old peer's pipe before zmq saw it go is lost with it)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.connect(self.endpoint)
         self._ids = itertools.count(1)

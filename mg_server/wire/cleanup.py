@@ -1,10 +1,9 @@
 """What one `mg-server serve` instance leaves on the host, its removal, and the sweep of
 instances that died without removing theirs.
 
-An instance owns two temp folders (`mg-run-PORT-PID-*`: sockets and beat files;
-`mg-metrics-PORT-PID-*`: prometheus multiprocess files) and the verifier's POSIX shared-memory
-segments (`/dev/shm/mgv_PID_HASH` and `..._g`), PID being the mg-server process. Every stop
-removes them (atexit, SGLang's SIGTERM/SIGQUIT path via launch.shutdown, the controller's
+An instance owns two temp folders (`mg-run-PORT-PID-*`: sockets, beat files, SGLang's shared
+weights' handles; `mg-metrics-PORT-PID-*`: prometheus multiprocess files), PID being the
+mg-server process. Every stop removes them (atexit, SGLang's SIGTERM/SIGQUIT path via launch.shutdown, the controller's
 orphan watch after a kill -9); whatever a hard crash still leaves is swept by the next start,
 which removes only names whose owning pid is gone (another live server's are never touched).
 SGLang's own files of the instance (its socket files, its load-snapshot segment: launch.leftovers)
@@ -13,7 +12,6 @@ are listed in the run folder (`SGLANG_FILES`), so whoever removes the folder rem
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -22,14 +20,7 @@ import tempfile
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
-_SHM_RE = re.compile(r"^mgv_(\d+)_[0-9a-f]+(_g)?$")
 _DIR_RE = re.compile(r"^mg-(?:run|metrics)-\d+-(\d+)-")
-
-
-def shm_base(owner_pid: int, ipc_path: str) -> str:
-    """The verifier's segment name for an instance (the `_g` generation segment adds a suffix)."""
-    return f"mgv_{owner_pid}_{hashlib.sha1(ipc_path.encode()).hexdigest()[:12]}"
 
 
 def temp_prefix(kind: str, port: int, owner_pid: int) -> str:
@@ -72,43 +63,32 @@ def remove_listed(folder: str) -> None:
                 pass
 
 
-def remove_instance(dirs: tuple[str, ...], shm_names: tuple[str, ...], shm_dir: str = SHM_DIR) -> None:
-    """Remove an instance's folders (and the SGLang files they list) and segment names
-    (idempotent; mappings stay valid)."""
+def remove_instance(dirs: tuple[str, ...]) -> None:
+    """Remove an instance's folders and the SGLang files they list (idempotent)."""
     for d in dirs:
         if d:
             remove_listed(d)
             shutil.rmtree(d, ignore_errors=True)
-    for name in shm_names:
-        for n in (name, name + "_g") if name else ():
-            try:
-                os.unlink(os.path.join(shm_dir, n))
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                log.warning("could not remove shared memory %s: %s", n, e)
 
 
-def sweep_stale(tmp_dir: str | None = None, shm_dir: str = SHM_DIR) -> list[str]:
-    """Remove the folders and segments of instances whose owning pid is gone; returns their paths."""
-    removed = []
-    for root, pattern, is_dir in ((tmp_dir or tempfile.gettempdir(), _DIR_RE, True), (shm_dir, _SHM_RE, False)):
-        try:
-            names = os.listdir(root)
-        except OSError:
+def sweep_stale(tmp_dir: str | None = None) -> list[str]:
+    """Remove the folders of instances whose owning pid is gone; returns their paths."""
+    removed, root = [], tmp_dir or tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return removed
+    for name in names:
+        m = _DIR_RE.match(name)
+        if m is None or pid_alive(int(m.group(1))):
             continue
-        for name in names:
-            m = pattern.match(name)
-            if m is None or pid_alive(int(m.group(1))):
-                continue
-            path = os.path.join(root, name)
-            if is_dir:
-                remove_listed(path)
-            try:
-                shutil.rmtree(path) if is_dir else os.unlink(path)
-                removed.append(path)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                log.warning("could not remove stale %s: %s", path, e)
+        path = os.path.join(root, name)
+        remove_listed(path)
+        try:
+            shutil.rmtree(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            log.warning("could not remove stale %s: %s", path, e)
     return removed

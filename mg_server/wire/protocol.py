@@ -1,8 +1,8 @@
 """Control messages between mg processes (msgspec structs over zmq; one module, one version).
 
 Wire format: one zmq frame holding the msgpack encoding of a tagged `Message` union. Messages
-carry token ids, positions, slot indices and generation counters: never tensors or pickles.
-K/V columns travel through the shared slot buffer (`mg_server.wire.shm`).
+carry token ids, positions and margins: never tensors or pickles (SGLang's weights reach the
+verifier once, through wire.weights).
 
 Positions (the convention every mg process uses):
   A request's tokens are t_0 .. t_{n-1} (prompt) then the emitted tokens. The decode step at
@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 14  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
+PROTOCOL_VERSION = 15  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
 # 10: window commit (StepRow.epoch, Rollback, CheckTail); 11: the window commit is the only one: Step is
 # one-way (no StepReply), WindowNews replaces Stops, and the other commits' fields and messages are gone;
 # 12: Finish.epoch, Finish one-way, ControllerInfo.verifier_max_requests; 13: a K/V column only on
-# request (VerifyItem.want_column); 14: StepRow.due (a held end's surplus)
+# request (VerifyItem.want_column); 14: StepRow.due (a held end's surplus); 15: no K/V slot buffer (ShmSpec,
+# want_column, slot/gen gone), the verifier on SGLang's weights (HelloReply.shared_weights,
+# ControllerInfo.verifier_dtype)
 
 
 class ErrorCode:
@@ -54,18 +56,6 @@ class Hello(Message):
     expect_kernel_config_id: str = ""
 
 
-class ShmSpec(msgspec.Struct, kw_only=True):
-    """How to open the slot buffer. kind "cpu": POSIX shared memory by name; "cuda": CUDA IPC."""
-
-    kind: str  # "cpu" | "cuda"
-    name: str  # shared-memory name of the data (cpu) and of the generation header (both)
-    n_slots: int
-    shape: list[int]  # [n_slots, layers, 2, kv_heads, head_dim]
-    dtype: str  # torch dtype name, e.g. "bfloat16"
-    cuda_device: int = -1
-    cuda_ipc: list[bytes | int | bool] = []  # the storage's CUDA IPC handle fields (cuda only)
-
-
 class HelloReply(Message):
     protocol_version: int
     model_id: str  # hash of config.json + weight file names/sizes + dtype
@@ -79,10 +69,11 @@ class HelloReply(Message):
     device: str
     max_seq_len: int
     max_requests: int
-    shm: ShmSpec
     pool_tokens: int = 0  # shadow K/V pool capacity (tokens, all requests)
     memory_bytes: int = 0  # device memory the worker holds after loading (CUDA; 0 on CPU)
     weights_digest: str = ""  # sha256 of config.json and the weight files' content (system_fingerprint)
+    shared_weights: bool = False  # it computes on SGLang's own tensors (CUDA), not on a copy
+    ready: bool = True  # False: its K/V pool is allocated, SGLang's weights not yet mapped (verifier.server)
 
 
 class VerifyItem(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -100,9 +91,6 @@ class VerifyItem(msgspec.Struct, kw_only=True, omit_defaults=True):
     rewind: bool = False
     prompt_len: int = 0  # first item only: prompt tokens (not audited); 0 = all of this item's tokens
     want_digest: bool = False  # reply with a blake2b digest of the fp32 logits row of pos
-    # reply with the K/V column of pos in a shared slot (VerifyResult.slot): tests and the verifier
-    # benchmark read it; the controller never does (a rollback recomputes SGLang's K/V)
-    want_column: bool = False
     temperature: float = 0.0  # decoding rule of every position of this item: 0 greedy, > 0 seeded sampling
     seed: int = 0  # the sampling seed (mod 2**64), with temperature > 0
     deadline_ns: int = 0  # time.time_ns() after which the worker answers DEADLINE unstarted
@@ -119,8 +107,6 @@ class VerifyResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     pos: int
     token: int  # the verifier's token t_{pos+1} under the item's rule (argmax, ties -> lower id)
     margin: float  # top1 - top2 logit at pos, fp32 (sampling: T * (top1 - top2) of the scores)
-    slot: int = -1  # want_column: slot of the shared buffer holding the K/V column of position pos
-    gen: int = -1  # want_column: generation stamped on that slot; the reader checks it after copying
     audit_tokens: list[int] = []  # verifier argmax at positions start .. pos-1 (predicts start+1..pos);
     #                               sampling: of the scores, except at positions < prompt_len - 1 (greedy)
     audit_margins: list[float] = []  # their margins
@@ -193,8 +179,8 @@ class ControllerInfo(Message):
     kernel_config_id: str = ""
     model_id: str = ""
     weights_digest: str = ""  # the verifier's, for OpenAI's system_fingerprint
-    shm: ShmSpec | None = None  # the verifier's K/V slot buffer (None in mode "off")
     verifier_device: str = ""
+    verifier_dtype: str = ""  # its model and K/V dtype: SGLang's K/V pool must be the same (seam/hook.py)
     verifier_pool_tokens: int = 0
     verifier_max_requests: int = 0  # shadow caches the verifier holds at once (the front admits that many)
     verifier_memory_bytes: int = 0
