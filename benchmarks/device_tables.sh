@@ -9,9 +9,9 @@
 # $OUT/tables/tables.md joins the tables. MODEL (default llama8b-planted), REPS (2) and SHARES
 # (0,0.02,0.1,0.5,1) override.
 # On a host with SGLang installed set NO_INSTALL=1; on the device machine the carried wheels
-# (benchmarks/pack_device.sh) and .cache/gpu-tokenizer are used as by device_serving.sh.
+# (`benchmarks/device.sh pack`) and .cache/gpu-tokenizer are used as by `device.sh serve`.
 set -o pipefail
-source "$(dirname "$0")/device_env.sh"
+source "$(dirname "$0")/device.sh" || exit 1
 MODEL=${MODEL:-llama8b-planted} REPS=${REPS:-2} SHARES=${SHARES:-0,0.02,0.1,0.5,1} T=$OUT/tables
 parts=("$@"); [ ${#parts[@]} -eq 0 ] && parts=(decode offline streams)
 mkdir -p "$T"; nvidia-smi -L | tee "$T/env.txt"

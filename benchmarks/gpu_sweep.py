@@ -6,7 +6,7 @@ SGLang's own deterministic mode, in one command per model:
 
 Uses gpu_e2e.py's models (random weights, fixed seed), prompts and ABBA alternation; ms/step is
 (time of N tokens - time of S) / (N - S), S = --short-tokens (2; decode_ms has the trade-off), or
-with --stream-interval K from streamed answers' chunk times (stream_timing.py).
+with --stream-interval K from streamed answers' chunk times (the streamed answers' timing below).
 tau for a target trigger rate is the quantile of the verifier-alone margins of the benchmark's prompts (steps with margin < tau are verified), and the
 rate each server really verified is measured and reported beside it. A server in mode `off`
 (plain SGLang) stays up the whole run and is timed alternately with each mg server, so every
@@ -26,11 +26,154 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
 import gpu_e2e as E  # the sibling script is the shared harness (its folder is on sys.path when run)
-from stream_timing import post_all, stream_batch
+
+# ---- streamed answers' timing ------------------------------------------------------------------
+# Decode ms/step from streamed /generate answers (--stream-interval K, back-to-back, and
+# offline_throughput.py's streams).
+#
+# Why: the difference of two runs' wall times ((time of N tokens - time of S) / (N - S)) carries
+# every one-off cost of either run (prefill, the prompts' catch-up, the final audit) and every
+# stall of ~1 s that one run hits and the other does not; over 32 rows of 128 tokens those swamp a
+# few ms per step (docs/history/gpu-measurements.md, "Holding, re-measured and profiled"). Here each answer streams a chunk every `interval` tokens
+# (SGLang's per-request `stream_interval`), the client stamps each chunk as it arrives, and a row's
+# ms/step is the time between its first chunk at or past token N/4 and its last chunk (token N),
+# over the tokens between: prefill, the first steps and the verdict's wait stay out, every
+# decode step in between (held forwards included) stays in. A body's ms/step is the median of its
+# rows' (they decode in the same forwards).
+#
+# That steady measure understates a held row's cost: the output hold sends a deterministic row's
+# first timed chunk only after its first check, while decoding goes on during that check, so the
+# check's time drops out of the interval (on an H200 the 8B shape's all-deterministic bs 32 rows
+# timed -23 % against plain SGLang with a 32-forward check delay, impossible for the same
+# forwards). Each row is therefore also timed as a whole answer: from the post to its last chunk,
+# per answer token (`answer_ms`; prefill and every wait included, the same rule for both servers).
+# A deterministic response ends with its verdict event, after the last chunk: `verdict_wait_ms`
+# times that wait per body.
+
+
+def read_stream(resp, clock=time.perf_counter, marks: dict | None = None) -> tuple[dict[int, list[tuple[int, float]]], list]:
+    """SSE lines of a /generate stream -> ({index: [(completion tokens, arrival time)]}, the
+    states of mg's verdict event, `data: {"mg_verdict": {...}}`, if one came); `marks["verdict"]`:
+    that event's arrival time. Raises on an error event."""
+    points: dict[int, list[tuple[int, float]]] = {}
+    states: list = []
+    buf = b""
+    for chunk in resp.iter_content(chunk_size=None):  # as the bytes arrive, not in 512-byte reads
+        now = clock()
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                ev = json.loads(line[len(b"data: "):])
+                if "error" in ev:
+                    raise RuntimeError(f"stream error: {ev['error']}")
+                if "mg_verdict" in ev:
+                    states = ev["mg_verdict"]["states"]
+                    if marks is not None:
+                        marks["verdict"] = now
+                    continue
+                points.setdefault(ev.get("index", 0), []).append((ev["meta_info"]["completion_tokens"], now))
+    return points, states
+
+
+def _last(points: list[tuple[int, float]], new: int) -> tuple[int, float]:
+    """A row's last chunk, which must complete its `new` tokens."""
+    if not points or points[-1][0] != new:
+        raise RuntimeError(f"a row streamed {points[-1][0] if points else 0} of {new} tokens")
+    return points[-1]
+
+
+def steady_ms(points: list[tuple[int, float]], new: int) -> float:
+    """ms/step of one row from its (tokens, time) chunks: first chunk at or past new/4 to the last."""
+    last = _last(points, new)
+    first = next(p for p in points if p[0] >= new // 4)
+    if last[0] <= first[0]:
+        raise RuntimeError(f"too few chunks to time ({len(points)}); lower --stream-interval")
+    return (last[1] - first[1]) / (last[0] - first[0]) * 1e3
+
+
+def answer_ms(points: list[tuple[int, float]], new: int, posted: float) -> float:
+    """ms per answer token of one row as its client sees the whole answer: post to last chunk."""
+    return (_last(points, new)[1] - posted) / new * 1e3
+
+
+def verdict_wait_ms(points: dict[int, list[tuple[int, float]]], marks: dict) -> float:
+    """ms from a body's last chunk (of any row) to its verdict event, which ends a deterministic
+    response (the whole answers stop at the last chunk)."""
+    if "verdict" not in marks:
+        raise RuntimeError("a deterministic stream ended without its verdict event")
+    return (marks["verdict"] - max(p[-1][1] for p in points.values())) * 1e3
+
+
+def stream_batch(url: str, rows: list[list[int]], new: int, n_det: int, singles: bool = False,
+                 interval: int = 8) -> dict:
+    """gpu_sweep.front_batch with streamed answers: the first n_det rows deterministic (one body,
+    or one request each with singles), the rest one plain body, all posted at the same moment.
+    -> {"det"/"plain": ms/step (median over the rows), "det_answer"/"plain_answer": ms per token
+    of the whole answers (median over the rows), "det_verdict": the verdict states,
+    "det_verdict_wait": ms from a deterministic body's last chunk to its verdict (median over the
+    bodies)}."""
+    import requests
+
+    params = {"max_new_tokens": new, "ignore_eos": True, "temperature": 0, "stream_interval": interval}
+    out: dict = {}
+
+    def post(key: str, part: list[list[int]], headers: dict) -> None:
+        try:
+            posted, marks = time.perf_counter(), {}
+            with requests.post(url + "/generate", json={"input_ids": part, "sampling_params": params,
+                                                        "stream": True},
+                               headers=headers, timeout=600, stream=True) as r:
+                r.raise_for_status()
+                points, states = read_stream(r, marks=marks)
+            if len(points) != len(part):
+                raise RuntimeError(f"{len(points)} of {len(part)} rows streamed")
+            out[key] = [steady_ms(p, new) for p in points.values()]
+            out[key + "_answer"] = [answer_ms(p, new, posted) for p in points.values()]
+            out[key + "_verdict"] = ",".join(sorted(set(states))) if headers else ""
+            if headers:  # every deterministic body ends with its verdict event (mode off: unverified)
+                out[key + "_verdict_wait"] = verdict_wait_ms(points, marks)
+        except Exception as e:  # noqa: BLE001 - reported by the caller
+            out[key + "_error"] = repr(e)
+
+    n_parts = post_all(rows, n_det, singles, post, out)
+    res: dict = {}
+    if n_parts:
+        res["det"] = statistics.median([x for k in range(n_parts) for x in out[f"det{k}"]])
+        res["det_answer"] = statistics.median([x for k in range(n_parts) for x in out[f"det{k}_answer"]])
+        waits = [out[f"det{k}_verdict_wait"] for k in range(n_parts) if f"det{k}_verdict_wait" in out]
+        if waits:
+            res["det_verdict_wait"] = statistics.median(waits)
+        verdicts = {out[f"det{k}_verdict"] for k in range(n_parts)}
+        res["det_verdict"] = verdicts.pop() if len(verdicts) == 1 else "mixed: " + ";".join(sorted(verdicts))
+    if "plain" in out:
+        res["plain"] = statistics.median(out["plain"])
+        res["plain_answer"] = statistics.median(out["plain_answer"])
+    return res
+
+
+def post_all(rows: list[list[int]], n_det: int, singles: bool, post, out: dict) -> int:
+    """Send the rows as clients send them, all at the same moment, one thread each: the first
+    n_det deterministic as one body (singles: one request each), the rest as one plain body. post(key, part, headers) records
+    into `out` ("<key>_error" on failure). -> the number of deterministic parts (keys det0..)."""
+    parts = [[row] for row in rows[:n_det]] if singles else [rows[:n_det]] if n_det else []
+    jobs = [threading.Thread(target=post, args=(f"det{k}", part, {"X-Deterministic": "1"}))
+            for k, part in enumerate(parts)]
+    if n_det < len(rows):
+        jobs.append(threading.Thread(target=post, args=("plain", rows[n_det:], {})))
+    for j in jobs:
+        j.start()
+    for j in jobs:
+        j.join()
+    if errors := [v for k, v in out.items() if k.endswith("_error")]:
+        raise RuntimeError(f"a timed request failed: {errors[0]}")
+    return len(parts)
+
 
 MIXED = 0.25  # share of deterministic rows in mixed batches
 
@@ -167,7 +310,7 @@ def decode_ms(servers, prompts: list[list[int]], batches: list[int], new: int, r
     measured noisier (H100, docs/history/gpu-measurements.md: per-run stalls of ~1 s over half
     the steps), so it is an option.
     stream > 0: one streamed run per rep instead, a chunk every `stream` tokens, ms/step from the
-    chunks' arrival times (stream_timing.py: prefill, first steps and the verdict's wait left out),
+    chunks' arrival times (steady_ms: prefill, first steps and the verdict's wait left out),
     and ms per token of the whole answers (post to last chunk), which a held row's checks cannot
     drop out of, and the ms from a deterministic body's last chunk to its verdict event."""
     kinds = ("det", "plain", "det_answer", "plain_answer", "det_verdict_wait") if stream else ("det", "plain")
@@ -431,7 +574,112 @@ def plot(results: list[dict], out: Path) -> None:
     fig.savefig(out / "gpu_sweep.png", dpi=110)
 
 
+# ---- back-to-back batches ----------------------------------------------------------------------
+B2B_DOC = """Deterministic batches posted back to back, against the same batches after a pause.
+
+    python3 benchmarks/gpu_sweep.py back-to-back --out OUT.json (--url http://HOST:PORT | --checkpoint DIR --tau T)
+        [--prompts PROMPTS.json] [--tokens 64] [--reps 2]
+
+Each batch is one streamed /generate body of 32 rows (X-Deterministic: 1), read to its end (the
+verdict event included) before the next is posted. Per batch: the rows' first chunk, the chunk
+at token 16 and the last chunk (seconds from the post; median and max over the rows), how long
+after the last row's last chunk the verdict event came, and the differences of mg's counters
+around it, so a slow batch shows whether it did more checks or waited. Patterns, in order: a warm-up batch; `--reps` batches back to back (8 prompts, each 4
+times); `--reps` after a 2 s pause each; `--reps` of 32 distinct prompts back to back, then after a
+pause each (a quarter of them ~1,250 tokens long); two plain batches back to back, then two of the
+distinct prompts. PROMPTS.json: token ids under "det", "other" and "prefix" (default
+benchmarks/data/gpu_prompts.json, the sweep's). --checkpoint starts a margin server of the smol shape on CUDA at --tau
+(gpu_e2e.start, lagged seam) and stops it after; on the device machine after
+`benchmarks/device.sh smol build`, e.g. --checkpoint /tmp/mg-models/smol-real --tau 0.578125.
+"""
+
+B2B_COUNTERS = ("mg_rollbacks_total", "mg_verify_seconds_count", "mg_verify_seconds_sum", "mg_lookahead_steps_total",
+                "mg_rollback_dropped_steps_total", "mg_stale_steps_total", "steps_fast", "steps_verify")
+B2B_ROWS = 32
+B2B_PAUSE_S = 2.0
+B2B_MIN_TOKENS = 16  # each row's chunk at token 16 is timed
+
+
+def b2b_batch(url: str, rows: list[list[int]], tokens: int, det: bool) -> dict:
+    """One streamed body, read to its end -> its rows' chunk times and mg's counter differences."""
+    import requests
+
+    from mg_server.evaluation.determinism import scrape
+
+    params = {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0, "stream_interval": 8}
+    before = scrape(url, B2B_COUNTERS)
+    posted, marks = time.perf_counter(), {}
+    with requests.post(url + "/generate", json={"input_ids": rows, "sampling_params": params, "stream": True},
+                       headers={"X-Deterministic": "1"} if det else {}, timeout=600, stream=True) as r:
+        r.raise_for_status()
+        points, states = read_stream(r, marks=marks)
+    done = time.perf_counter() - posted
+    after = scrape(url, B2B_COUNTERS)
+    if len(points) != len(rows):
+        raise RuntimeError(f"{len(points)} of {len(rows)} rows streamed")
+    first = [p[0][1] - posted for p in points.values()]
+    t16 = [next(t for n, t in p if n >= B2B_MIN_TOKENS) - posted for p in points.values()]
+    last = [p[-1][1] - posted for p in points.values()]
+    return {"first_med": statistics.median(first), "first_max": max(first), "t16_med": statistics.median(t16),
+            "last_med": statistics.median(last), "last_max": max(last), "done": done, "states": sorted(set(states)),
+            "verdict_wait_ms": verdict_wait_ms(points, marks) if det else None,
+            "counters": {k: after[k] - before[k] for k in B2B_COUNTERS}}
+
+
+def b2b_run(url: str, prompts: dict, tokens: int, reps: int) -> list[dict]:
+    other = prompts["other"]
+    repeated = [other[i % len(other)] for i in range(B2B_ROWS)]
+    distinct = (prompts["det"] + prompts["other"] + prompts["prefix"])[:B2B_ROWS]
+    plan = [("warm-up", repeated, 1, 0.0, True), ("back to back", repeated, reps, 0.0, True),
+            ("after a pause", repeated, reps, B2B_PAUSE_S, True), ("distinct, back to back", distinct, reps, 0.0, True),
+            ("distinct, after a pause", distinct, reps, B2B_PAUSE_S, True),
+            ("plain, back to back", repeated, 2, 0.0, False), ("plain, distinct", distinct, 2, 0.0, False)]
+    out = []
+    for name, rows, n, pause, det in plan:
+        for i in range(n):
+            time.sleep(pause)
+            b = {"pattern": name, "i": i, **b2b_batch(url, rows, tokens, det)}
+            out.append(b)
+            wait = f"verdict {b['verdict_wait_ms']:.0f} ms after the last chunk, " if det else ""
+            print(f"{name} #{i}: first chunk {b['first_med']:.3f} s (max {b['first_max']:.3f}), last "
+                  f"{b['last_med']:.3f} s, {wait}{b['counters']['mg_verify_seconds_count']:.0f} verify calls, "
+                  f"{b['counters']['mg_rollbacks_total']:.0f} rollbacks", flush=True)
+    return out
+
+
+def back_to_back_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="gpu_sweep.py back-to-back", description=B2B_DOC)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--prompts", type=Path, default=Path(__file__).resolve().parent / "data" / "gpu_prompts.json")
+    ap.add_argument("--url")
+    ap.add_argument("--checkpoint", type=Path)
+    ap.add_argument("--tau", type=float)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=2)
+    args = ap.parse_args(argv)
+    if (args.url is None) == (args.checkpoint is None) or (args.checkpoint is None) != (args.tau is None):
+        ap.error("give --url (a running server), or --checkpoint with --tau")
+    if args.tokens < B2B_MIN_TOKENS:
+        ap.error(f"--tokens must be at least {B2B_MIN_TOKENS}")
+    prompts = json.loads(args.prompts.read_text())
+    srv = None
+    if args.checkpoint is not None:
+        srv = E.start(args.checkpoint, "smol", "margin", args.out.parent,
+                      ["--mg-tau", str(args.tau), *E.mem_flags("smol")], "cuda")
+    try:
+        res = b2b_run(srv.url if srv else args.url, prompts, args.tokens, args.reps)
+    finally:
+        if srv is not None:
+            srv.stop()
+    server = {"url": args.url} if args.url else {"checkpoint": str(args.checkpoint), "tau": args.tau}
+    args.out.write_text(json.dumps({"tokens": args.tokens, "rows": B2B_ROWS, "pause_s": B2B_PAUSE_S, "server": server,
+                                    "batches": res}, indent=1))
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["back-to-back"]:
+        return back_to_back_main(sys.argv[2:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("bench-out/gpu-sweep"))
     ap.add_argument("--wheels", type=Path)
@@ -440,13 +688,13 @@ def main() -> int:
     ap.add_argument("--models-dir", default="/tmp/mg-models")
     ap.add_argument("--checkpoint", action="append", default=[], metavar="NAME=DIR",
                     help="time this Hugging Face checkpoint (e.g. smol=DIR: the real SmolLM2, "
-                         "benchmarks/device_real_smol.sh) instead of random weights of NAME's shape")
+                         "benchmarks/device.sh smol) instead of random weights of NAME's shape")
     ap.add_argument("--tokens", type=int, default=64, help="reference tokens per prompt (the margins tau comes from)")
     ap.add_argument("--decode-tokens", type=int, default=130)
     ap.add_argument("--short-tokens", type=int, default=2,
                     help="the shorter run of each ms/step difference (decode_ms says why 2)")
     ap.add_argument("--stream-interval", type=int, default=0,
-                    help="> 0: time streamed answers instead, a chunk every this many tokens (stream_timing.py)")
+                    help="> 0: time streamed answers instead, a chunk every this many tokens (steady_ms, answer_ms)")
     ap.add_argument("--reps", type=int, default=4)
     ap.add_argument("--rates", default="0.05,0.1,0.2,always", help="target trigger rates; 'always' = mode always")
     ap.add_argument("--batches", default="1,8,32")

@@ -22,7 +22,7 @@ this tree's mg and DIR's mg ("mg_b") in turn (the order rotated each rep), so bo
 the same plain SGLang in the same minutes: run to run, plain SGLang drifted 5-16 % on one card.
 
 --stacks DIR samples every server process's main thread (benchmarks/stacks), one file per process
-and timed run ("mg-share1.0-rep0", "plain-share1.0-rep0", ...); `benchmarks/stacks/summarize.py`
+and timed run ("mg-share1.0-rep0", "plain-share1.0-rep0", ...); `python benchmarks/stacks/sitecustomize.py DIR PHASE`
 reads them. The sampler costs the runs a little: time ratios with it on, not throughput.
 """
 
@@ -133,7 +133,7 @@ def run_streams(url: str, work, batch: int) -> dict:
     """`batch` streamed requests at once, the even ones deterministic: TTFT and inter-token gaps."""
     import requests
 
-    from stream_timing import read_stream
+    from gpu_sweep import read_stream
 
     got: dict[int, tuple[float, list]] = {}
     errors: list[str] = []
@@ -214,7 +214,7 @@ def main() -> int:
     ap.add_argument("--model", default="llama8b-planted", choices=sorted(E.SHAPES))
     ap.add_argument("--models-dir", default="/tmp/mg-models")
     ap.add_argument("--checkpoint", help="a real checkpoint of --model's shape instead of random weights (e.g. "
-                                         "the SmolLM2 of benchmarks/device_real_smol.sh)")
+                                         "the SmolLM2 of `benchmarks/device.sh smol`)")
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--concurrency", type=int, default=60)
     ap.add_argument("--shares", default="0,0.02,0.1,0.5,1")

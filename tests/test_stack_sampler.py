@@ -42,7 +42,7 @@ def test_phases_split_the_time_and_the_summary_names_the_function(tmp_path):
     # time-weighted: a thread asleep (no GIL held) is counted as fully as one running Python
     assert 0.4 < seconds(busy, "<string>:spin_here") < 0.8 and seconds(busy, "<string>:sleep_here") == 0
     assert 0.4 < seconds(quiet, "<string>:sleep_here") < 0.8 and seconds(quiet, "<string>:spin_here") == 0
-    text = subprocess.run([sys.executable, str(STACKS / "summarize.py"), str(out), "quiet", "--under",
+    text = subprocess.run([sys.executable, str(STACKS / "sitecustomize.py"), str(out), "quiet", "--under",
                            "<string>:<module>"], capture_output=True, text=True, check=True, timeout=60).stdout
     assert "<string>:sleep_here" in text and "under <string>:<module>" in text
 

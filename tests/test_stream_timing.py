@@ -1,4 +1,4 @@
-"""The streamed decode measures of the GPU sweep (benchmarks/stream_timing.py) on synthetic
+"""The streamed decode measures of the GPU sweep (benchmarks/gpu_sweep.py) on synthetic
 chunk times: the steady measure drops the wait of a held row's first check, the whole-answer
 measure keeps it, and a deterministic body's verdict wait is timed from its last chunk."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from stream_timing import answer_ms, read_stream, steady_ms, verdict_wait_ms  # noqa: E402
+from gpu_sweep import answer_ms, read_stream, steady_ms, verdict_wait_ms  # noqa: E402
 
 NEW, STEP_MS = 64, 10.0  # a 64-token answer decoded at 10 ms a token, posted at t = 0
 

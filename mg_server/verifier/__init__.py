@@ -7,7 +7,6 @@
 - `server`: `VerifierConfig` + `run_verifier` / `start_verifier` (the worker process).
 - `client`: `VerifierClient` (connect / verify / verify_many / release / stats /
   shutdown), typed `VerifierError`s, timeouts.
-- `bench`:  `python -m mg_server.verifier.bench --out X.json`.
 - `kernels/`: the batch-invariant ops (`ops` binds the ones the model calls).
 Messages are in `mg_server.wire.protocol`, SGLang's shared weights in `mg_server.wire.weights`.
 

@@ -54,8 +54,8 @@ KERNEL_CONFIG: dict = {
     # why this may follow M: a tile's shape changes which program computes an output element and
     # how many share a load, never the element's sum: K ascending in BLOCK_K steps into one fp32
     # accumulator, whatever the tile (every tile here is bit-equal to the dtype entry's on the
-    # H100: tests/test_kernels.py test_matmul_tiles_bit_equal_gpu, and bench_tiles' bit_equal).
-    # Chosen as the fastest tile per (shape, rows) measured by `python -m mg_server.verifier.kernels.bench_tiles`
+    # H100: tests/test_kernels.py test_matmul_tiles_bit_equal_gpu, and the tiles benchmark's bit_equal).
+    # Chosen as the fastest tile per (shape, rows) measured by `python benchmarks/verifier.py tiles`
     # on an H100 (benchmarks/results/gpu/matmul_tiles*_h100.json, CUDA-graph timing vs cuBLAS; 8b.qkv
     # at 384 rows and 8b.gate_up at 384-512 from matmul_tiles_streamk*_h100.json: stream-K paid only
     # where the tiles fill just over one wave, 8b.qkv at 384 rows, 0.55-0.58x -> 0.72-0.74x cuBLAS).
@@ -124,7 +124,7 @@ KERNEL_CONFIG: dict = {
     # small-M matmul keeps a fraction of the SMs busy (8B o/down at M=1: 16 tiles on 132 SMs).
     # why invariant: split s reduces K [s*K_SPLIT, (s+1)*K_SPLIT) in BLOCK_K steps, ascending;
     # the merge adds the fp32 partials in split order 0, 1, 2, ... for every element.
-    # OFF (max_n_tiles 0), measured on an H100 (`python -m mg_server.verifier.kernels.bench --splitk`):
+    # OFF (max_n_tiles 0), measured on an H100 (`python benchmarks/verifier.py kernels --splitk`):
     # K_SPLIT 512 took 8B qkv/o/down at M <= 64 from 0.29-0.59x to 0.67-0.86x cuBLAS, but the
     # verifier's 8B decode step only from 14.69 to 14.07 ms, while M = 1024 fell to 0.18-0.23x
     # and a 512-token verifier prefill rose from 70 to 83 ms; the choice cannot depend on M.
@@ -134,7 +134,7 @@ KERNEL_CONFIG: dict = {
     # projection's matmul (fused_triton; 16-bit only). The row's sum of squares is walked in
     # BLOCK_K pieces instead of the row-wise kernel's CHUNK walk, so turning one on may change bits
     # (and does change this id). tma: the weight through a TMA descriptor (same values).
-    # OFF, measured on an H100 (`python -m mg_server.verifier.kernels.bench_fused`, results/gpu/bench_fused_h100.json):
+    # OFF, measured on an H100 (`python benchmarks/verifier.py fused`, results/gpu/bench_fused_h100.json):
     # the fused kernel took 11.5 us for 135m qkv at 17 rows where norm + matmul took 6.0 us, 25 us
     # for 135m down against 8.3 us (the prologue in the K loop stalls the weight pipeline); the
     # verifier's 17-row step rose from 1.49 to 2.14 ms with 223 instead of 312 kernels (one

@@ -15,7 +15,7 @@ BLOCK_K steps, ascending, and the product's K loop is the plain matmul's. Each c
 recomputes its rows' norm (identical code, identical bits) rather than sharing it. The prologue's
 element formulas are triton_ops' (HF order); the norm's sum of squares is not the row-wise
 kernel's tree, so the bits may differ from the unfused ops' (they were equal on every shape
-bench_fused measured on the H100, which is not relied on): KERNEL_CONFIG["fused"] is hashed into
+the fused benchmark measured on the H100, which is not relied on): KERNEL_CONFIG["fused"] is hashed into
 the GPU kernel configuration id.
 """
 from __future__ import annotations
@@ -116,7 +116,7 @@ def norm_matmul(x: Tensor,  # [M, K] bf16/fp16 cuda (rows may be strided)
                 eps: float,
                 w: Tensor,  # [N, K] x.dtype
                 bias: Tensor | None = None,  # [N], added in fp32
-                tma: bool | None = None,  # the weight by TMA (None: the table's; bench_fused compares)
+                tma: bool | None = None,  # the weight by TMA (None: the table's; the fused benchmark compares)
                 ) -> tuple[Tensor, Tensor]:  # (y [M, N] x.dtype, x + residual [M, K] x.dtype)
     x2, r2 = _rows(x), _rows(residual)
     return _launch(x2, r2, norm_w.contiguous(), w, bias, eps, x2.shape[1], silu=False, tma=tma)
