@@ -39,7 +39,7 @@ import gpu_e2e as E  # the sibling script is the shared harness (its folder is o
 # Why: the difference of two runs' wall times ((time of N tokens - time of S) / (N - S)) carries
 # every one-off cost of either run (prefill, the prompts' catch-up, the final audit) and every
 # stall of ~1 s that one run hits and the other does not; over 32 rows of 128 tokens those swamp a
-# few ms per step (docs/history/gpu-measurements.md, "Holding, re-measured and profiled"). Here each answer streams a chunk every `interval` tokens
+# few ms per step (docs/history/gpu-measurements.md, "The benchmark models and measures"). Here each answer streams a chunk every `interval` tokens
 # (SGLang's per-request `stream_interval`), the client stamps each chunk as it arrives, and a row's
 # ms/step is the time between its first chunk at or past token N/4 and its last chunk (token N),
 # over the tokens between: prefill, the first steps and the verdict's wait stay out, every
