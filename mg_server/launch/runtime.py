@@ -201,7 +201,7 @@ class Runtime:
 def differs(first: P.ControllerInfo, new: P.ControllerInfo) -> str:
     """Why a restarted controller's verifier is not the one the front and the seam hold ("" if it is)."""
     for what, a, b in (("kernel configuration", first.kernel_config_id, new.kernel_config_id),
-                       ("model", first.model_id, new.model_id), ("weights", first.weights_digest, new.weights_digest),
+                       ("model", first.model_id, new.model_id),
                        ("K/V pool", first.verifier_pool_tokens, new.verifier_pool_tokens),
                        ("capacity", first.verifier_max_requests, new.verifier_max_requests)):
         if a != b:
