@@ -100,3 +100,24 @@ def test_the_identity_is_the_weights_and_the_description(tmp_path):
     (b / "model.safetensors").write_bytes(b"weights")
     (b / "config.json").write_text(json.dumps(dict(SMOL_CONFIG, rms_norm_eps=1e-5)))  # another computation
     assert read_checkpoint(a).identity != read_checkpoint(b).identity
+
+
+@pytest.mark.server
+def test_the_embedded_model_served_from_a_folder_of_another_name_gets_its_shipped_tau(prepared_model, tmp_path):
+    import openai
+    from server_util import serving
+
+    from mg_server.verifier.kernels.config import kernel_config_id
+    from mg_server.wire.fingerprint import system_fingerprint
+
+    other = renamed(prepared_model, tmp_path / "smol-under-another-name")
+    for srv in serving(["--model", str(other), "--device", "cpu"], tmp_path / "server.log"):
+        log = srv.log_path.read_text(errors="replace")
+        assert "tau 0.547 (profile SmolLM2-135M-Instruct.cpu.json)" in log, srv.log_tail()
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=300)
+        raw = client.chat.completions.with_raw_response.create(
+            model="default", messages=[{"role": "user", "content": "Say hi."}], max_tokens=4, temperature=0,
+            extra_headers={"X-Deterministic": "1"})
+        assert raw.headers["x-mg-verdict"] == "verified"
+        ident = read_checkpoint(other).identity  # the folder's name changes neither the identity nor the fingerprint
+        assert raw.parse().system_fingerprint == system_fingerprint(ident, kernel_config_id("cpu"))
