@@ -42,7 +42,7 @@ class Runtime:
     """The controller of one server: `start` (the first), `watch` (a thread), `stop` (at exit)."""
 
     def __init__(self, cfg):
-        self.cfg = cfg  # controller.server.ControllerConfig
+        self.cfg = cfg  # config.ControllerConfig
         self.beat = beat_path(cfg.ipc_path)
         self.proc = None  # the controller process now (a restart's from its spawn on: `stop` sees it)
         self.info: P.ControllerInfo | None = None  # the first controller's
