@@ -1,8 +1,16 @@
-"""Frozen configurations handed to each process entry point (never read from globals)."""
+"""Frozen configurations handed to each process entry point (never read from globals).
+
+One config per process (the verifier, the controller, the front, the seam's hook), the command's
+own (`ServeConfig`, `CalibrationConfig`), and every default written once here: a setting that
+several configs carry takes its default from the process that uses it, and `launch/cli.py`'s
+flags take theirs from these fields.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+from mg_server.checkpoint import Checkpoint
 
 # The key mg sets in a request's `custom_params`; SGLang carries it to the model forward.
 DETERMINISTIC_PARAM = "mg_deterministic"
@@ -41,6 +49,60 @@ FP32_LOGITS_ARGS = ("--enable-fp32-lm-head",)
 
 
 @dataclass(frozen=True)
+class VerifierConfig:
+    """Config of the verifier worker (verifier/server.py)."""
+
+    model_path: str  # Hugging Face checkpoint folder (config.json + *.safetensors)
+    ipc_path: str  # filesystem path of the ipc:// socket, unique per worker instance (its folder: the run folder)
+    # the checkpoint as the launcher read it (mg_server.checkpoint); None: read from model_path
+    model: Checkpoint | None = None
+    dtype: str = "bfloat16"  # model dtype (weights, activations, K/V); logits are fp32
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    max_seq_len: int = 4096  # longest request (positions) the verifier accepts
+    max_requests: int = 64  # shadow caches held at once (the front admits as many deterministic completions)
+    # K/V pool capacity in tokens, shared by all requests; on CUDA 0 sizes it by verifier.budget (a
+    # restart gets the first worker's: the front and the seam keep its facts)
+    pool_tokens: int = 16384
+    # when the pool is full, the least recently used requests a forward does not need are dropped (the
+    # controller computes an evicted one again from position 0: the pool is a cache, verifier.budget)
+    evict_idle_s: float = 0.0
+    max_batch_items: int = 64  # items per message and coalesced into one step
+    num_threads: int = 0  # torch CPU threads (0: leave torch's default); results do not depend on it
+    kv_budget_gb: float = 0.0  # CUDA: the K/V pool's size (0: verifier.budget's default share)
+    # CUDA: SGLang's --mem-fraction-static (its K/V estimate for the default; SGLang's own default when
+    # not given: 0.907 on an H200, 0.835 on an H100)
+    sglang_fraction: float = 0.9
+    weights_bytes: int = 0  # CUDA: the checkpoint's weight bytes (the same estimate)
+    weights_timeout_s: float = 1800.0  # CUDA: the longest wait for SGLang's weights (its model load)
+    poll_ms: int = 50  # receive poll period
+    parent_pid: int = 0  # the process that started the worker: it exits once that one is gone (0: no watch)
+    trace_calls: int = 0  # diagnostics (env.trace_calls): 1 log each call's phases and GC pauses, 2 + CUDA allocations
+
+    @property
+    def endpoint(self) -> str:
+        return "ipc://" + self.ipc_path
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """Config of the controller process (controller/server.py)."""
+
+    ipc_path: str  # filesystem path of this controller's ipc:// socket
+    mode: str  # "off" | "margin" | "always"
+    tau: float
+    metrics_dir: str  # prometheus multiprocess folder (set in the env before metrics exist)
+    verifier: VerifierConfig | None = None  # the worker's (None: mode "off")
+    verify_timeout_s: float = 30.0  # per verify call: a live, beating verifier that does not answer (wedged)
+    catchup_chunk: int = 256  # tokens per catch-up call: verify_timeout_s bounds a chunk, not a long prompt
+    start_timeout_s: float = 300.0  # verifier model load
+    verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept
+    parent_pid: int = 0  # mg-server's pid: the controller exits once it is gone (0: no watch)
+    window: int = 32  # a request's unchecked tokens are checked once this many wait (--mg-window)
+    # the beat's status until the first verifier is up (a restarted controller's says why: /health shows it)
+    start_status: str = "verifier starting"
+
+
+@dataclass(frozen=True)
 class HookConfig:
     """Config of the forward hook that runs inside SGLang's scheduler process.
 
@@ -50,7 +112,9 @@ class HookConfig:
     metrics_dir: str  # prometheus multiprocess folder shared with the front
     margin_buckets: tuple[float, ...] = MARGIN_BUCKETS
     controller_ipc: str = ""  # "" = no controller: only count steps and margins
-    step_timeout_s: float = 60.0  # the longest wait for the controller (the finish barrier's check of a request)
+    # the longest wait for the controller (the finish barrier's check of a request); the launcher
+    # raises it to a whole context's catch-up
+    step_timeout_s: float = 60.0
 
     def to_json_dict(self) -> dict:
         return asdict(self)
@@ -78,7 +142,8 @@ class FrontConfig:
     # a larger request body is a 413 before anything parses or tokenizes it (a 20 MB prompt took
     # 64 s to be refused by SGLang's tokenizer); 16 MiB holds a 128k-token prompt many times over
     max_body_bytes: int = 16 << 20
-    max_deterministic: int = 64  # deterministic completions in SGLang at once: the verifier's shadow caches
+    # deterministic completions in SGLang at once: the verifier's shadow caches (its hello says how many)
+    max_deterministic: int = VerifierConfig.max_requests
     queue_size: int = 256  # deterministic requests waiting for one of them before a 429 (front.admission)
     request_mark: str = ""  # this start's mark of deterministic requests (MARK_PARAM; env.request_mark)
     served_models: tuple[str, ...] = ()  # the `model` names the OpenAI routes serve besides "default" (): any
@@ -99,16 +164,50 @@ class ServeConfig:
     mg_mode: str = "margin"  # "off" | "margin" | "always"
     mg_tau: float | None = None  # None: from tau_profile, else the model's shipped profile
     tau_profile: str | None = None  # a tau profile file (`serve --profile`, written by `mg-server calibrate`)
+    # that file's content, read once by the command line (policy.read_profile)
+    tau_profile_doc: dict | None = field(default=None, compare=False, hash=False)
     run_dir: str = ""  # ipc sockets of this instance's controller and verifier
     kv_budget_gb: float | None = None  # CUDA: the verifier's K/V pool in GB (None: verifier.budget's default)
+    model: Checkpoint | None = None  # the checkpoint read once (None: no local config.json, mode off only)
     drain_timeout_s: float = 30.0  # SIGTERM: the longest wait for requests to drain before stopping
-    verify_timeout_s: float = 30.0  # one verifier call (a catch-up chunk or a verify step)
-    catchup_chunk: int = 256  # tokens per verifier call when it catches up
-    verdict_wait_s: float = 120.0  # a response's longest wait for its verdict
-    window: int = 32  # unchecked tokens a deterministic request may run ahead of its checks (--mg-window)
-    queue_size: int = 256  # deterministic requests that wait for the verifier before a 429 (--mg-queue)
+    # the settings below belong to one process each; their defaults are that process's
+    verify_timeout_s: float = ControllerConfig.verify_timeout_s  # one verifier call (--mg-verify-timeout)
+    catchup_chunk: int = ControllerConfig.catchup_chunk  # tokens per verifier call when it catches up
+    verdict_wait_s: float = FrontConfig.verdict_wait_s  # a response's longest wait for its verdict
+    window: int = ControllerConfig.window  # unchecked tokens a request may run ahead of its checks (--mg-window)
+    queue_size: int = FrontConfig.queue_size  # requests that wait for the verifier before a 429 (--mg-queue)
     allow_sglang: str = ""  # an untested SGLang version the user accepts (--mg-allow-sglang; seams.check)
 
     @property
     def cpu(self) -> bool:
         return self.profile == "cpu"
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """The configuration of one `mg-server calibrate` run (built by the command line)."""
+
+    model_path: str  # HF checkpoint folder: served by SGLang and loaded by the reference engine
+    out_dir: str  # profile.json, calibration.png, cache/ (results per set and batch size)
+    # "humaneval" | "sharegpt" | FILE.jsonl; the first one picks tau, the others are transfer checks at that tau
+    prompt_sets: tuple[str, ...] = ("humaneval",)
+    batch_sizes: tuple[int, ...] = (1, 4, 8, 16)  # rows per batched /generate, each a separate measurement
+    max_tokens: int = 64  # generated tokens per prompt (every position is measured)
+    limit: int = 16  # prompts per set (the first `limit` of the set)
+    device: str = "cpu"  # "cpu" | "cuda": the fast path's server and the reference engine
+    safety_factor: float | None = None  # None: derived from the data (sweep.choose_tau)
+    server_args: tuple[str, ...] = ()  # extra SGLang flags for the fast path's server
+    request_timeout_s: float = 3600.0  # one batched /generate (a CPU batch of 16 x 128 tokens: minutes)
+    command: str = ""  # the command line, recorded in the profile
+
+    def __post_init__(self):
+        if not self.prompt_sets:
+            raise ValueError("at least one prompt set is needed")
+        if not self.batch_sizes or min(self.batch_sizes) < 1:
+            raise ValueError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+        if self.max_tokens < 1 or self.limit < 1:
+            raise ValueError("--max-tokens and --limit must be >= 1")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.safety_factor is not None and not self.safety_factor >= 1:
+            raise ValueError(f"the safety factor must be >= 1, got {self.safety_factor}")

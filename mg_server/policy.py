@@ -3,7 +3,8 @@
 Modes: `off` (never verify: plain SGLang), `margin` (verify when the fast path's top-1/top-2
 logit margin is below tau), `always` (verify every step; the LLM-42-like upper bound on cost).
 tau comes from an explicit value, a profile file (`serve --profile`, written by `mg-server
-calibrate`) or the model's shipped profile for the serving device (mg_server/profiles/MODEL.DEVICE.json).
+calibrate`) or the shipped profile for the serving device whose `model_id` is the served model's
+identity (mg_server/profiles/*.json; mg_server.checkpoint.model_identity), whatever its folder's name.
 """
 
 from __future__ import annotations
@@ -52,41 +53,51 @@ def read_profile(path: Path) -> dict:
 
 
 def profile_name(model_name: str, device: str) -> str:
-    """A shipped profile's file name. Per device, why: tau bounds how far the fast path's margins
-    drift from the verifier's, and both kernel sets differ between CPU and GPU (SmolLM2: 0.547 on
-    CPU, 0.578 on an H200)."""
+    """A shipped profile's file name (found by its `model_id`, never by this name). Per device, why:
+    tau bounds how far the fast path's margins drift from the verifier's, and both kernel sets
+    differ between CPU and GPU (SmolLM2: 0.547 on CPU, 0.578 on an H200)."""
     return f"{model_name}.{device}.json"
 
 
-def load_profile(model_name: str, device: str, profile_dir: Path = PROFILE_DIR) -> dict | None:
-    """The calibration profile of a model (by checkpoint folder name) on a device ("cpu" or
-    "cuda"), if one is shipped."""
-    path = profile_dir / profile_name(model_name, device)
-    return read_profile(path) if path.exists() else None
+def find_profile(model_id: str, device: str, profile_dir: Path = PROFILE_DIR) -> tuple[Path | None, dict | None, str]:
+    """The shipped profile of a model identity (mg_server.checkpoint.model_identity) on a device
+    ("cpu" or "cuda"): (its file, its content, "") or (None, None, why none matched)."""
+    shipped = []
+    for path in sorted(Path(profile_dir).glob("*.json")):
+        doc = read_profile(path)
+        if doc.get("model_id") == model_id and doc.get("device") == device:
+            return path, doc, ""
+        shipped.append(f"{path.name} (model {doc.get('model', '?')!r}, {doc.get('device', '?')}, "
+                       f"id {doc.get('model_id', 'none')})")
+    return None, None, (f"no {device} profile for model identity {model_id or '(none)'}; shipped: "
+                        + ("; ".join(shipped) or "none"))
 
 
-def resolve_tau(model_path: str, tau: float | None, mode: str = "margin",
-                profile_path: str | None = None, device: str = "cpu") -> tuple[float, str]:
+def resolve_tau(model_id: str, tau: float | None, mode: str = "margin", profile_path: str | None = None,
+                device: str = "cpu", profile: dict | None = None,
+                profile_dir: Path = PROFILE_DIR) -> tuple[float, str]:
     """(tau, where it came from): an explicit value wins, then a profile file given by the user
-    (`serve --profile`), then the model's shipped profile for `device`. Only mode margin reads
-    tau; the others get 0 when no value is given (a given profile file is still checked). A model
-    without a profile serves with tau 0: tau only says which steps are checked early, and every
-    token is checked before it leaves whatever tau is."""
+    (`serve --profile`; `profile` is its content when already read), then the shipped profile of
+    the model's identity for `device`. Only mode margin reads tau; the others get 0 when no value
+    is given (a given profile file is still checked). A model without a profile serves with tau 0:
+    tau only says which steps are checked early, and every token is checked before it leaves
+    whatever tau is."""
     if tau is not None:
         return tau, "flag"
-    name = Path(model_path).name
-    profile = read_profile(Path(profile_path)) if profile_path else None
+    if profile is None and profile_path:
+        profile = read_profile(Path(profile_path))
     if mode != "margin":
         return 0.0, f"unused in mode {mode}"
     if profile is not None:
         source = f"profile {profile_path}"
     else:
-        profile = load_profile(name, device)
+        path, profile, why = find_profile(model_id, device, profile_dir)
         if profile is None:
-            return 0.0, f"no {device} profile: steps are checked in windows only"
-        source = f"profile {profile_name(name, device)}"
-    if profile.get("model", name) != name:  # tau is per model: say so when the names differ
-        source += f", calibrated for {profile['model']!r}, not {name!r}"
+            return 0.0, why + ": steps are checked in windows only"
+        source = f"profile {path.name}"
+    if profile.get("model_id", model_id) != model_id:  # tau is per model: say so when it is another one
+        source += (f", calibrated for {profile.get('model', '?')!r} (id {profile['model_id']}), "
+                   f"not this model ({model_id})")
     if profile.get("device", device) != device:  # and per device
         source += f", calibrated on {profile['device']}, served on {device}"
     return float(profile["tau"]), source

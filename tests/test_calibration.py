@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from mg_server.calibration import fastpath, plot, profile, sweep
-from mg_server.calibration.config import CalibrationConfig
+from mg_server.checkpoint import read_checkpoint
+from mg_server.config import CalibrationConfig
 from mg_server.calibration.fastpath import MeasurementError, Trace
 from mg_server.calibration.sweep import SetData
 from mg_server.policy import PROFILE_DIR, Policy, read_profile, resolve_tau
@@ -241,18 +242,19 @@ def test_jsonl_prompts(tmp_path):
 
 def test_tau_profile_files(tmp_path):
     f = tmp_path / "t.json"
-    f.write_text(json.dumps({"model": "SmolLM2-135M-Instruct", "tau": 0.4375}))
-    assert resolve_tau("/m/SmolLM2-135M-Instruct", None, "margin", str(f)) == (0.4375, f"profile {f}")
-    assert resolve_tau("/m/SmolLM2-135M-Instruct", 0.1, "margin", str(f)) == (0.1, "flag")
-    tau, source = resolve_tau("/m/other", None, "margin", str(f))
-    assert tau == 0.4375 and "calibrated for 'SmolLM2-135M-Instruct'" in source
+    f.write_text(json.dumps({"model": "SmolLM2-135M-Instruct", "model_id": "abc", "tau": 0.4375}))
+    assert resolve_tau("abc", None, "margin", str(f)) == (0.4375, f"profile {f}")
+    assert resolve_tau("abc", 0.1, "margin", str(f)) == (0.1, "flag")
+    assert resolve_tau("abc", None, "margin", str(f), profile={"tau": 0.25}) == (0.25, f"profile {f}")  # read once
+    tau, source = resolve_tau("other", None, "margin", str(f))
+    assert tau == 0.4375 and "calibrated for 'SmolLM2-135M-Instruct' (id abc), not this model (other)" in source
     for text, match in (("{", "not JSON"), ('{"tau": -1}', "finite number"), ('{"tau": true}', "finite number"),
                         ('{"model": "x"}', "finite number"), ("[1]", "finite number")):
         f.write_text(text)
         with pytest.raises(ValueError, match=match):
             read_profile(f)
     with pytest.raises(ValueError, match="cannot read"):
-        resolve_tau("/m/x", None, "always", str(tmp_path / "missing.json"))  # checked in every mode
+        resolve_tau("x", None, "always", str(tmp_path / "missing.json"))  # checked in every mode
 
 
 def test_serve_profile_flag_reaches_the_config(monkeypatch, tmp_path, prepared_model):
@@ -265,6 +267,7 @@ def test_serve_profile_flag_reaches_the_config(monkeypatch, tmp_path, prepared_m
     f.write_text('{"tau": 0.3}')
     assert cli.main(["serve", "--model", str(prepared_model), "--profile", str(f), "--device", "cpu"]) == 0
     assert seen[0].tau_profile == str(f) and seen[0].mg_tau is None
+    assert seen[0].tau_profile_doc == {"tau": 0.3}  # read once, by the command line
     assert cli.main(["serve", "--profile", str(tmp_path / "nope.json")]) == 2
 
 
@@ -305,6 +308,7 @@ def test_small_calibration_end_to_end(tmp_path, prepared_model):
     assert prof["sglang"]["logprobs_check"] == {"rows": 4, "tokens": 24, "equal": True}
     assert prof["sglang"]["disable_radix_cache"] is True and prof["dtype"] == "bfloat16"
     assert read_profile(out / "profile.json")["tau"] == prof["tau"]  # loadable by `serve --profile`
+    assert prof["model_id"] == read_checkpoint(prepared_model).identity  # what a shipped profile is found by
     # a rerun is served from the cache: no server, seconds
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "fast path from" in again.stderr and "starting" not in again.stderr

@@ -6,7 +6,7 @@ import pytest
 
 from mg_server.controller.server import Controller, ControllerConfig
 from mg_server.controller.window import CHECK_DELAY_FORWARDS
-from mg_server.policy import Policy, resolve_tau
+from mg_server.policy import PROFILE_DIR, Policy, read_profile, resolve_tau
 from mg_server.wire import protocol as P
 
 
@@ -24,14 +24,18 @@ def test_policy_modes():
 
 
 def test_tau_from_flag_profile_or_error():
-    assert resolve_tau("/x/SmolLM2-135M-Instruct", 0.3) == (0.3, "flag")
+    smol = read_profile(PROFILE_DIR / "SmolLM2-135M-Instruct.cpu.json")["model_id"]  # found by this identity
+    assert resolve_tau(smol, 0.3) == (0.3, "flag")
     # the shipped profile of the serving device: the GPU's kernels drift further from the verifier's
-    assert resolve_tau("/x/SmolLM2-135M-Instruct", None) == (0.546875, "profile SmolLM2-135M-Instruct.cpu.json")
-    assert resolve_tau("/x/SmolLM2-135M-Instruct", None, device="cuda") == (
-        0.578125, "profile SmolLM2-135M-Instruct.cuda.json")
-    # tau only orders the checks (every token is checked), so a model without a profile serves with tau 0
-    assert resolve_tau("/x/unknown-model", None) == (0.0, "no cpu profile: steps are checked in windows only")
-    assert resolve_tau("/x/unknown-model", None, "always") == (0.0, "unused in mode always")
+    assert resolve_tau(smol, None) == (0.546875, "profile SmolLM2-135M-Instruct.cpu.json")
+    assert resolve_tau(smol, None, device="cuda") == (0.578125, "profile SmolLM2-135M-Instruct.cuda.json")
+    # tau only orders the checks (every token is checked), so a model without a profile serves with tau 0;
+    # the source says which identity was looked for and what is shipped
+    tau, source = resolve_tau("0" * 32, None)
+    assert tau == 0.0 and source.startswith(f"no cpu profile for model identity {'0' * 32}; shipped: ")
+    assert f"SmolLM2-135M-Instruct.cpu.json (model 'SmolLM2-135M-Instruct', cpu, id {smol})" in source
+    assert source.endswith(": steps are checked in windows only")
+    assert resolve_tau("0" * 32, None, "always") == (0.0, "unused in mode always")
 
 
 def ref_next(prefix: list[int]) -> int:

@@ -34,7 +34,7 @@ def hello_reply(**kw) -> P.HelloReply:
     return P.HelloReply(protocol_version=P.PROTOCOL_VERSION, **{
         "model_id": "m", "kernel_config_id": "k", "family": "llama", "n_layers": 2, "n_kv_heads": 1, "head_dim": 4,
         "vocab": 50, "dtype": "bfloat16", "device": "cpu", "max_seq_len": 64, "max_requests": 8,
-        "pool_tokens": 256, "weights_digest": "w", **kw})
+        "pool_tokens": 256, **kw})
 
 
 class Start:
@@ -151,7 +151,7 @@ def test_a_stopped_verifier_is_down_until_it_beats_and_replaced_once_wedged(supe
 def test_a_restarted_verifier_must_be_the_first_one():
     first = hello_reply()
     assert differs(first, hello_reply(memory_bytes=5)) == ""
-    assert "weights digest" in differs(first, hello_reply(weights_digest="other"))
+    assert "model" in differs(first, hello_reply(model_id="other"))
     assert "K/V pool" in differs(first, hello_reply(pool_tokens=512))
 
 
@@ -268,7 +268,7 @@ class Proc:
 
 def controller_info(**kw) -> P.ControllerInfo:
     return P.ControllerInfo(protocol_version=P.PROTOCOL_VERSION, mode="always", tau=0.0, verifier_up=True, **{
-        "kernel_config_id": "k", "model_id": "m", "weights_digest": "w", "verifier_max_requests": 64, **kw})
+        "kernel_config_id": "k", "model_id": "m", "verifier_max_requests": 64, **kw})
 
 
 @pytest.fixture()

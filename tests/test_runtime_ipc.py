@@ -47,11 +47,11 @@ def alive(client: VerifierClient) -> None:
 
 def test_hello_reports_identity(worker):
     from mg_server.verifier.kernels import kernel_config_id
-    from mg_server.verifier.model import model_identity
+    from mg_server.checkpoint import read_checkpoint
 
     cfg, _, info = worker
     assert info.protocol_version == P.PROTOCOL_VERSION
-    assert info.model_id == model_identity(cfg.model_path, torch.bfloat16)
+    assert info.model_id == read_checkpoint(cfg.model_path).identity
     assert info.kernel_config_id == kernel_config_id("cpu")
     assert (info.family, info.n_layers, info.n_kv_heads, info.head_dim) == ("llama", 2, 2, 16)
     assert info.pool_tokens == 256 and info.ready and not info.shared_weights  # a CPU worker loads its own copy
@@ -204,13 +204,13 @@ def test_cuda_workers_on_shared_weights_match_the_in_process_reference(tmp_path)
     as mg's seam shares SGLang's): tokens, margins and logits digests equal (bitwise) the
     in-process engine's on its own copy of the checkpoint."""
     import hashlib
-    import json
 
     from verifier_helpers import drive, smollm2_shaped
 
     from mg_server.seam.export import export_tensors
     from mg_server.verifier.engine import VerifierEngine
-    from mg_server.verifier.model import ModelSpec, VerifierModel, fused_checkpoint
+    from mg_server.checkpoint import read_checkpoint
+    from mg_server.verifier.model import VerifierModel, fused_checkpoint
 
     d = smollm2_shaped(tmp_path / "m")
     prompt = torch.randint(0, 49152, (20,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -220,7 +220,7 @@ def test_cuda_workers_on_shared_weights_match_the_in_process_reference(tmp_path)
     del engine
     from safetensors.torch import load_file
 
-    spec = ModelSpec.from_hf_config(json.loads((d / "config.json").read_text()))
+    spec = read_checkpoint(d).spec
     held = {k: v.cuda() for k, v in fused_checkpoint(load_file(str(d / "model.safetensors")), spec).items()}
     for k in range(2):
         run = tmp_path / f"run{k}"

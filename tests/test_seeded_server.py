@@ -53,7 +53,8 @@ def test_same_seed_same_answer_alone_and_mixed_equal_to_the_reference(server, wo
 
 def test_n3_gives_three_reproducible_samples_with_the_system_fingerprint(server, prepared_model):
     from mg_server.verifier.kernels import kernel_config_id
-    from mg_server.wire.fingerprint import system_fingerprint, weights_digest
+    from mg_server.checkpoint import read_checkpoint
+    from mg_server.wire.fingerprint import system_fingerprint
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=600)
     msgs = [{"role": "user", "content": "Write a one-line poem about the sea."}]
@@ -69,7 +70,7 @@ def test_n3_gives_three_reproducible_samples_with_the_system_fingerprint(server,
         assert one.choices[0].message.content == text  # sample i is the request with seed + i
         assert one.system_fingerprint == resp.system_fingerprint
     # a function of the weight files and the kernel configuration only: the same after a restart
-    want = system_fingerprint(weights_digest(prepared_model), kernel_config_id("cpu"))
+    want = system_fingerprint(read_checkpoint(prepared_model).identity, kernel_config_id("cpu"))
     assert resp.system_fingerprint == want == raw.headers["x-mg-system-fingerprint"]
     plain = client.chat.completions.create(model="default", messages=msgs, max_tokens=4, temperature=T, seed=7)
     assert plain.system_fingerprint is None  # plain requests are SGLang's own

@@ -15,7 +15,8 @@ from verifier_helpers import make_tiny
 from mg_server.verifier.engine import VerifierEngine
 from mg_server.verifier.model import VerifierModel
 from mg_server.verifier.reference import greedy_reference
-from mg_server.wire.fingerprint import system_fingerprint, weights_digest
+from mg_server.checkpoint import read_checkpoint
+from mg_server.wire.fingerprint import system_fingerprint
 from mg_server.wire.protocol import VerifyItem
 
 T = 0.8
@@ -66,11 +67,14 @@ def test_catch_up_audits_with_the_requests_rule(setup):
 def test_system_fingerprint_is_stable_and_names_weights_and_kernels(setup, tmp_path, monkeypatch):
     from mg_server.verifier.kernels import config as kc
 
+    def identity(folder):
+        return read_checkpoint(folder).identity
+
     d = setup[0]
-    w = weights_digest(d)
+    w = identity(d)
     kid = kc.kernel_config_id("cpu")
     fp = system_fingerprint(w, kid)
-    assert fp.startswith("fp_") and fp == system_fingerprint(weights_digest(d), kc.kernel_config_id("cpu"))
+    assert fp.startswith("fp_") and fp == system_fingerprint(identity(d), kc.kernel_config_id("cpu"))
     # a weight changed in place (same names, same sizes): another fingerprint
     copy = tmp_path / "copy"
     shutil.copytree(d, copy)
@@ -78,9 +82,13 @@ def test_system_fingerprint_is_stable_and_names_weights_and_kernels(setup, tmp_p
     data = bytearray(f.read_bytes())
     data[-1] ^= 1
     f.write_bytes(bytes(data))
-    assert weights_digest(copy) != w and system_fingerprint(weights_digest(copy), kid) != fp
+    assert identity(copy) != w and system_fingerprint(identity(copy), kid) != fp
     # another kernel configuration: another id, another fingerprint
     monkeypatch.setitem(kc.KERNEL_CONFIG, "cpu", {**kc.KERNEL_CONFIG["cpu"], "max_bits": 23})
     kid2 = kc.kernel_config_id("cpu")
     assert kid2 != kid and system_fingerprint(w, kid2) != fp
+    # the same checkpoint in a folder of another name: the same identity
+    renamed = tmp_path / "another-name"
+    shutil.copytree(d, renamed)
+    assert identity(renamed) == w
     assert system_fingerprint("", kid) == ""  # mode off: no verifier, no promise

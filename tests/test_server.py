@@ -84,9 +84,10 @@ def test_the_openai_client_reads_verdict_and_fingerprint_of_answers_and_streams(
     """Through the client's own objects: `system_fingerprint` and the `mg_verdict` extra field of
     a non-streamed answer, and of a stream's chunks (every chunk, the verdict in the last one)."""
     from mg_server.verifier.kernels.config import kernel_config_id
-    from mg_server.wire.fingerprint import system_fingerprint, weights_digest
+    from mg_server.checkpoint import read_checkpoint
+    from mg_server.wire.fingerprint import system_fingerprint
 
-    want = system_fingerprint(weights_digest(prepared_model), kernel_config_id("cpu"))
+    want = system_fingerprint(read_checkpoint(prepared_model).identity, kernel_config_id("cpu"))
     raw = client.chat.completions.with_raw_response.create(
         model="default", messages=PARIS, max_tokens=12, temperature=0, extra_headers=DET)
     answer = raw.parse()

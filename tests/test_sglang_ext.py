@@ -323,15 +323,19 @@ def test_the_served_dtype_must_be_the_verifiers(tmp_path, config_dtype, flag, ok
     compat.install("cpu")
     from mg_server.launch.launcher import refuse_dtype_mismatch
 
+    from mg_server.checkpoint import read_checkpoint
+
     conf = {"model_type": "llama", **({"dtype": config_dtype} if config_dtype else {})}
     (tmp_path / "config.json").write_text(json.dumps(conf))
+    model = read_checkpoint(tmp_path, identify=False)
     args = SimpleNamespace(model_path=str(tmp_path), dtype=flag)
-    refuse_dtype_mismatch(args, "off")
+    refuse_dtype_mismatch(args, "off", model)
+    refuse_dtype_mismatch(args, "margin", None)  # no local checkpoint: the seam checks the runner's pool
     if ok:
-        refuse_dtype_mismatch(args, "margin")
+        refuse_dtype_mismatch(args, "margin", model)
     else:
         with pytest.raises(ValueError, match="--dtype bfloat16"):
-            refuse_dtype_mismatch(args, "margin")
+            refuse_dtype_mismatch(args, "margin", model)
 
 
 def test_the_seam_refuses_a_kv_pool_of_another_dtype():

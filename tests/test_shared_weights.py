@@ -11,6 +11,7 @@ import pytest
 import torch
 from verifier_helpers import make_tiny
 
+from mg_server.checkpoint import read_checkpoint
 from mg_server.verifier.model import KVPool, Segment, VerifierModel
 
 HERE = Path(__file__).parent
@@ -32,7 +33,7 @@ def test_sglangs_tensors_give_the_checkpoints_logits(tmp_path, family, tie):
                    capture_output=True, timeout=300)
     tensors = torch.load(saved)
     assert tensors["model.embed_tokens.weight"].shape[0] == 256  # SGLang padded the 211-token vocabulary
-    shared = VerifierModel.shared(ckpt, tensors, torch.bfloat16, 64)
+    shared = VerifierModel.shared(read_checkpoint(ckpt).spec, tensors, torch.bfloat16, 64)
     loaded = VerifierModel.load(ckpt, torch.bfloat16, "cpu", 64)
     tokens = [5, 17, 200, 3, 99, 42, 7]
     assert torch.equal(logits(shared, tokens), logits(loaded, tokens))
@@ -42,5 +43,5 @@ def test_sglangs_tensors_give_the_checkpoints_logits(tmp_path, family, tie):
 def test_a_layout_the_verifier_does_not_compute_is_refused(tmp_path):
     ckpt, _ = make_tiny("llama", tmp_path / "l", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="missing"):
-        VerifierModel.shared(ckpt, {"model.embed_tokens.weight": torch.zeros(211, 64, dtype=torch.bfloat16)},
+        VerifierModel.shared(read_checkpoint(ckpt).spec, {"model.embed_tokens.weight": torch.zeros(211, 64, dtype=torch.bfloat16)},
                              torch.bfloat16, 64)

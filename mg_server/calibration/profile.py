@@ -1,7 +1,7 @@
 """The tau profile document: what a calibration measured and the tau it chose.
 
-`mg_server.policy` reads `tau` (and checks `model`); everything else is the evidence. JSON has no
-infinity, so the sweep's tau = inf row carries the string "inf".
+`mg_server.policy` reads `tau` and finds a shipped profile by `model_id` and `device`; everything
+else is the evidence. JSON has no infinity, so the sweep's tau = inf row carries the string "inf".
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ SCHEMA = "mg-tau-profile/1"
 HIST_EDGES = [i / 8 for i in range(0, 4 * 8 + 1)]  # margin bins of 1/8 logit up to 4, then >= 4
 
 
-def build(cfg, serving: dict, kernel_config_id: str, sets: list[SetData]) -> dict:
+def build(cfg, serving: dict, kernel_config_id: str, sets: list[SetData], model_id: str = "") -> dict:
     steps = {d.name: sweep.flatten(d.traces, d.ref_margins) for d in sets}
     per_set = {d.name: _set_summary(d, steps[d.name]) for d in sets}
     calib = sets[0].name
@@ -37,7 +37,8 @@ def build(cfg, serving: dict, kernel_config_id: str, sets: list[SetData]) -> dic
                 for a in steps for b in steps if a != b]
     return {
         "schema": SCHEMA,
-        "model": Path(cfg.model_path).name,
+        "model": Path(cfg.model_path).name,  # for people: a shipped profile is found by model_id
+        "model_id": model_id,  # mg_server.checkpoint.model_identity of the calibrated checkpoint
         "tau": choice["tau"],
         "source": f"mg-server calibrate on {calib} ({time.strftime('%Y-%m-%d')}): tau100 {raw['tau100']:g} "
                   f"x safety {raw['safety_factor']:.3g}",
@@ -106,7 +107,7 @@ def tau_value(x) -> float:
 def check(prof: dict) -> list[str]:
     """Schema and internal consistency; returns the problems (empty: consistent)."""
     p: list[str] = []
-    for k, t in (("model", str), ("tau", (int, float)), ("sets", dict), ("calibration_set", str),
+    for k, t in (("model", str), ("model_id", str), ("tau", (int, float)), ("sets", dict), ("calibration_set", str),
                  ("batch_sizes", list), ("transfer", list), ("tau_choice", dict), ("kernel_config_id", str)):
         if not isinstance(prof.get(k), t):
             p.append(f"{k}: missing or not {t}")

@@ -1,7 +1,7 @@
 """`mg-server calibrate`: references, the fast path's server, measurements, profile and plot.
 
 Every expensive result is cached under OUT/cache/ with a key over everything it depends on
-(model files, prompt tokens, max_tokens, device, kernel configuration, SGLang version and
+(the model's identity, mg_server.checkpoint, prompt tokens, max_tokens, device, kernel configuration, SGLang version and
 flags), one file per prompt set for the references and one per set and batch size for the fast
 path, so an interrupted run resumes and a rerun with a changed batch-size list measures only the
 new sizes. The fast path's server runs with the radix cache off: each batch then computes its
@@ -18,9 +18,9 @@ from importlib import metadata
 from pathlib import Path
 
 from mg_server.calibration import fastpath, plot, profile
-from mg_server.calibration.config import CalibrationConfig
 from mg_server.calibration.sweep import SetData
-from mg_server.config import FP32_LOGITS_ARGS
+from mg_server.checkpoint import Checkpoint, read_checkpoint
+from mg_server.config import FP32_LOGITS_ARGS, CalibrationConfig
 
 log = logging.getLogger("mg.calibrate")
 
@@ -44,16 +44,18 @@ def calibrate(cfg: CalibrationConfig) -> dict:
     if len({s.name for s in sets}) != len(sets):
         raise ValueError(f"prompt sets must have distinct names: {[s.name for s in sets]}")
     tok = AutoTokenizer.from_pretrained(cfg.model_path)
-    model_key = _model_key(cfg.model_path)
+    model = read_checkpoint(cfg.model_path)  # the one model identity keys the caches and names the profile
+    model.require_spec()
+    model_key = model.identity
     kernel_id = _kernel_config_id(cfg.device)
     data = []
     for s in sets:
         prompts = [chat_ids(tok, c) for c in s.chats]
-        refs, margins = _references(cfg, s.name, prompts, model_key, kernel_id, out / "cache")
+        refs, margins = _references(cfg, model, s.name, prompts, kernel_id, out / "cache")
         data.append(SetData(s.name, s.source, prompts, refs, margins, {}))
 
-    serving = _measure_all(cfg, data, model_key, out)
-    prof = profile.build(cfg, serving=serving, kernel_config_id=kernel_id, sets=data)
+    serving = _measure_all(cfg, data, model, out)
+    prof = profile.build(cfg, serving=serving, kernel_config_id=kernel_id, sets=data, model_id=model_key)
     problems = profile.check(prof)
     if problems:  # a bug here, not a property of the data: refuse to write a profile that lies
         raise RuntimeError("inconsistent profile: " + "; ".join(problems))
@@ -64,8 +66,8 @@ def calibrate(cfg: CalibrationConfig) -> dict:
     return prof
 
 
-def _references(cfg, name, prompts, model_key, kernel_id, cache: Path):
-    key = _key("ref", model_key, kernel_id, cfg.device, cfg.max_tokens, prompts)
+def _references(cfg, model: Checkpoint, name, prompts, kernel_id, cache: Path):
+    key = _key("ref", model.identity, kernel_id, cfg.device, cfg.max_tokens, prompts)
     path = cache / f"reference-{name}.json"
     hit = _load(path, key)
     if hit is not None:
@@ -78,7 +80,7 @@ def _references(cfg, name, prompts, model_key, kernel_id, cache: Path):
     bar = tqdm(total=len(prompts) * cfg.max_tokens, desc=f"{name}: reference (verifier alone)", unit="tok")
     chunks = [prompts[i:i + REF_CHUNK] for i in range(0, len(prompts), REF_CHUNK)]
     pool = max(32768, max(sum(len(p) + cfg.max_tokens for p in c) for c in chunks))
-    engine = load_engine(cfg.model_path, device=cfg.device, pool_tokens=pool,
+    engine = load_engine(model, device=cfg.device, pool_tokens=pool,
                          max_seq_len=max(len(p) for p in prompts) + cfg.max_tokens + 1)
     tokens, margins = [], []
     try:
@@ -94,7 +96,7 @@ def _references(cfg, name, prompts, model_key, kernel_id, cache: Path):
     return tokens, margins
 
 
-def _measure_all(cfg: CalibrationConfig, data: list[SetData], model_key: str, out: Path) -> dict:
+def _measure_all(cfg: CalibrationConfig, data: list[SetData], model: Checkpoint, out: Path) -> dict:
     """Fill every set's traces (cache first); start the server only if something is missing.
     Returns the serving facts (SGLang version and flags) the measurements were made with."""
     from tqdm import tqdm
@@ -104,7 +106,7 @@ def _measure_all(cfg: CalibrationConfig, data: list[SetData], model_key: str, ou
     serving = None
     for d in data:
         for bs in cfg.batch_sizes:
-            key = _key("fast", model_key, cfg.device, sglang_version, cfg.server_args, _server_flags(cfg),
+            key = _key("fast", model.identity, cfg.device, sglang_version, cfg.server_args, _server_flags(cfg),
                        cfg.max_tokens, bs, d.prompts, d.refs)
             path = out / "cache" / f"fast-{d.name}-bs{bs}.json"
             hit = _load(path, key)
@@ -123,7 +125,7 @@ def _measure_all(cfg: CalibrationConfig, data: list[SetData], model_key: str, ou
     try:
         log.info("starting the fast path's server (mg off): log in %s", out / "server.log")
         log.info("server ready in %.0f s", srv.wait_ready())
-        serving = _serving_facts(srv.url, cfg)
+        serving = _serving_facts(srv.url, cfg, model)
         first = data[0].prompts
         rows = [first[i % len(first)] for i in range(max(cfg.batch_sizes))]
         serving["logprobs_check"] = fastpath.logprobs_neutral(srv.url, rows, cfg.max_tokens, cfg.request_timeout_s)
@@ -148,14 +150,13 @@ def _measure_all(cfg: CalibrationConfig, data: list[SetData], model_key: str, ou
     return serving
 
 
-def _serving_facts(url: str, cfg: CalibrationConfig) -> dict:
+def _serving_facts(url: str, cfg: CalibrationConfig, model: Checkpoint) -> dict:
     import requests
 
     info = requests.get(url + "/server_info", timeout=60).json()
     dtype = info.get("dtype", "auto")
     if dtype == "auto":  # SGLang serves the checkpoint's dtype
-        conf = json.loads((Path(cfg.model_path) / "config.json").read_text())
-        dtype = str(conf.get("torch_dtype") or conf.get("dtype") or "auto")
+        dtype = model.dtype or "auto"
     keys = ("device", "attention_backend", "sampling_backend", "disable_radix_cache", "disable_overlap_schedule",
             "disable_cuda_graph", "chunked_prefill_size", "max_running_requests")
     return {"sglang_version": info.get("version", ""), "dtype": dtype,
@@ -177,16 +178,6 @@ def _free_device(device: str) -> None:
         import torch
 
         torch.cuda.empty_cache()  # the server sizes its K/V pool from the memory left
-
-
-def _model_key(model_path: str) -> str:
-    """config.json plus the name, size and mtime of every weight file (hashing GBs is waste)."""
-    p = Path(model_path)
-    parts = [(p / "config.json").read_text() if (p / "config.json").exists() else str(p)]
-    for f in sorted(p.glob("*.safetensors")) + sorted(p.glob("*.bin")):
-        st = f.stat()
-        parts.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
 def _key(*parts) -> str:

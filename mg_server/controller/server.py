@@ -25,7 +25,7 @@ import logging
 import multiprocessing as mp
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import zmq
 
@@ -35,32 +35,16 @@ from mg_server.controller.correct import AnswerCompletion
 from mg_server.controller.state import ReqState
 from mg_server.controller.window import WindowMixin
 from mg_server.controller.worker import WorkerMixin
+from mg_server.config import ControllerConfig, VerifierConfig
 from mg_server.policy import Policy
 from mg_server.wire import protocol as P
 from mg_server.wire.liveness import Lifeline, Restarts, beat_path, ignore_stop_signals
 
 log = logging.getLogger("mg.controller")
 
-CHECK_ITEMS = 64  # checks per verify call without a verifier config (VerifierConfig.max_batch_items, its default)
+CHECK_ITEMS = VerifierConfig.max_batch_items  # checks per verify call without a verifier config
 IDLE_AUDITS = 8  # finished requests' tail audits per idle turn (one verify call; a Step waits at most that long)
 START_ERROR_LINGER_S = 30.0  # a verifier that did not start: how long its error waits for the launcher's hello
-
-
-@dataclass(frozen=True)
-class ControllerConfig:
-    ipc_path: str  # filesystem path of this controller's ipc:// socket
-    mode: str  # "off" | "margin" | "always"
-    tau: float
-    metrics_dir: str  # prometheus multiprocess folder (set in the env before metrics exist)
-    verifier: "object | None" = None  # VerifierConfig of the worker (None: mode "off")
-    verify_timeout_s: float = 30.0  # per verify call: a live, beating verifier that does not answer (wedged)
-    catchup_chunk: int = 256  # tokens per catch-up call: verify_timeout_s bounds a chunk, not a long prompt
-    start_timeout_s: float = 300.0  # verifier model load
-    verdict_ttl_s: float = 900.0  # how long a finished request's verdict is kept
-    parent_pid: int = 0  # mg-server's pid: the controller exits once it is gone (0: no watch)
-    window: int = 32  # a request's unchecked tokens are checked once this many wait (--mg-window)
-    # the beat's status until the first verifier is up (a restarted controller's says why: /health shows it)
-    start_status: str = "verifier starting"
 
 
 class Controller(AuditMixin, WindowMixin, WorkerMixin):
@@ -127,7 +111,7 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
                 protocol_version=P.PROTOCOL_VERSION, mode=self.cfg.mode, tau=self.cfg.tau,
                 verifier_up=up,
                 kernel_config_id=f.kernel_config_id if f else "", model_id=f.model_id if f else "",
-                weights_digest=f.weights_digest if f else "", verifier_device=f.device if f else "",
+                verifier_device=f.device if f else "",
                 verifier_dtype=f.dtype if f else "", verifier_pool_tokens=f.pool_tokens if f else 0,
                 verifier_max_requests=f.max_requests if f else 0, verifier_memory_bytes=f.memory_bytes if f else 0,
             )

@@ -98,7 +98,7 @@ class VerifierStart:
 
 def differs(first: P.HelloReply, new: P.HelloReply) -> str:
     """Why a restarted worker is not the verifier the front and the seam hold ("" if it is)."""
-    for what, a, b in (("weights digest", first.weights_digest, new.weights_digest),
+    for what, a, b in (("model", first.model_id, new.model_id),
                        ("K/V pool", (first.pool_tokens, first.max_requests, first.max_seq_len),
                         (new.pool_tokens, new.max_requests, new.max_seq_len))):
         if a != b:

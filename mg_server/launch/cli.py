@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from mg_server import env, logs
+from mg_server.config import CalibrationConfig, ServeConfig, VerifierConfig
 from mg_server.launch.compat import die_with_the_server, install_if_requested
 
 install_if_requested()
@@ -26,6 +27,8 @@ if env.compat_profile():  # a process of a server's tree (the launcher set it): 
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 30000
+# Every other default is a field's default in mg_server.config (`default=ServeConfig.window`): written
+# once there, shown by help as %(default)s.
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,20 +58,22 @@ def _parser() -> argparse.ArgumentParser:
                    help="CUDA: the verifier's K/V pool for deterministic requests, in GB (it computes on SGLang's "
                         "weights); default: 2 %% of what SGLang's K/V would be without mg. SGLang sizes its own "
                         "pool around it"),
-    s.add_argument("--mg-drain-timeout", type=float, default=30.0, metavar="S",
-                   help="after SIGTERM, wait at most S seconds for requests to drain, then stop (default 30)")
-    s.add_argument("--mg-verify-timeout", type=float, default=30.0, metavar="S",
-                   help="longest wait for one verifier call (one catch-up chunk or one check; default 30)")
+    s.add_argument("--mg-drain-timeout", type=float, default=ServeConfig.drain_timeout_s, metavar="S",
+                   help="after SIGTERM, wait at most S seconds for requests to drain, then stop (default %(default)g)")
+    s.add_argument("--mg-verify-timeout", type=float, default=ServeConfig.verify_timeout_s, metavar="S",
+                   help="longest wait for one verifier call (one catch-up chunk or one check; default %(default)g)")
     # Tuning kept out of --help (docs/operations.md lists it): the catch-up's chunk
-    s.add_argument("--mg-catchup-chunk", type=int, default=256, metavar="N", help=argparse.SUPPRESS)
-    s.add_argument("--mg-window", type=int, default=32, metavar="W",
+    s.add_argument("--mg-catchup-chunk", type=int, default=ServeConfig.catchup_chunk, metavar="N",
+                   help=argparse.SUPPRESS)
+    s.add_argument("--mg-window", type=int, default=ServeConfig.window, metavar="W",
                    help="the unchecked tokens a deterministic request may run ahead of the verifier's checks "
-                        "(default 32)")
-    s.add_argument("--mg-queue", type=int, default=256, metavar="N",
-                   help="deterministic requests that wait for a verifier slot when it holds all it can (64 "
-                        "completions); past N waiting, a 429 with Retry-After (default 256)")
-    s.add_argument("--mg-verdict-wait", type=float, default=120.0, metavar="S",
-                   help="longest wait of a response for its verdict (the final audit; default 120)")
+                        "(default %(default)d)")
+    s.add_argument("--mg-queue", type=int, default=ServeConfig.queue_size, metavar="N",
+                   help=f"deterministic requests that wait for a verifier slot when it holds all it can "
+                        f"({VerifierConfig.max_requests} completions); past N waiting, a 429 with Retry-After "
+                        "(default %(default)d)")
+    s.add_argument("--mg-verdict-wait", type=float, default=ServeConfig.verdict_wait_s, metavar="S",
+                   help="longest wait of a response for its verdict (the final audit; default %(default)g)")
     s.add_argument("--mg-allow-sglang", default="", metavar="VERSION",
                    help="start on this SGLang version although mg was not tested on it (the internals mg "
                         "uses are still checked; the log and /metrics say so). Default: only tested versions")
@@ -82,12 +87,14 @@ def _parser() -> argparse.ArgumentParser:
                     '{"prompt": "..."} or {"messages": [{"role": "user", "content": "..."}, ...]} per line.',
     )
     c.add_argument("--model", help="HF checkpoint folder (default: the embedded SmolLM2-135M)")
-    c.add_argument("--prompts", default="humaneval",
+    c.add_argument("--prompts", default=",".join(CalibrationConfig.prompt_sets),
                    help="comma-separated: humaneval, sharegpt or FILE.jsonl; the first picks tau, "
-                        "the others report its transfer (default: humaneval)")
-    c.add_argument("--batch-sizes", default="1,4,8,16", help="comma-separated (default: 1,4,8,16)")
-    c.add_argument("--max-tokens", type=int, default=64, help="generated tokens per prompt (default: 64)")
-    c.add_argument("--limit", type=int, default=16, help="prompts per set (default: 16)")
+                        "the others report its transfer (default: %(default)s)")
+    c.add_argument("--batch-sizes", default=",".join(map(str, CalibrationConfig.batch_sizes)),
+                   help="comma-separated (default: %(default)s)")
+    c.add_argument("--max-tokens", type=int, default=CalibrationConfig.max_tokens,
+                   help="generated tokens per prompt (default: %(default)d)")
+    c.add_argument("--limit", type=int, default=CalibrationConfig.limit, help="prompts per set (default: %(default)d)")
     c.add_argument("--out", type=Path, required=True, help="output folder")
     c.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     c.add_argument("--safety-factor", type=float,
@@ -142,6 +149,25 @@ def _profile(device: str) -> str:
     return detect_profile(cpu)
 
 
+def _checkpoint(model: str, mode: str):
+    """The served checkpoint, read once (mg_server.checkpoint): with mg on, a model the verifier
+    computes, identified; in mode off whatever SGLang serves (None without a local config)."""
+    from mg_server.checkpoint import read_checkpoint
+
+    if mode == "off":
+        try:
+            return read_checkpoint(model, identify=False)
+        except (OSError, ValueError):  # a hub name or an odd folder: SGLang's to judge
+            return None
+    try:
+        ck = read_checkpoint(model)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {model}: no readable model config ({e}); mg's verifier needs a local "
+                         "checkpoint folder (or serve with --mg-mode off)") from None
+    ck.require_spec()
+    return ck
+
+
 def main(argv: list[str] | None = None) -> int:
     from mg_server.model.prepare import ModelInUse
 
@@ -166,14 +192,13 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "calibrate":
         return _calibrate(args, passthrough, sys.argv[1:] if argv is None else argv)
 
-    from mg_server.config import ServeConfig
-
     logs.quiet()  # before SGLang's first import (some of its noise is import-time warnings)
-    if args.tau_profile:
+    tau_profile_doc = None
+    if args.tau_profile:  # read here only, before anything starts
         from mg_server.policy import read_profile
 
         try:
-            read_profile(Path(args.tau_profile))
+            tau_profile_doc = read_profile(Path(args.tau_profile))
         except ValueError as e:
             print(f"mg-server: {e}", file=sys.stderr)
             return 2
@@ -198,6 +223,11 @@ def _main(argv: list[str] | None) -> int:
         return 2
     if profile == "cpu" and args.mg_kv_budget_gb is not None:
         _parser().error("--mg-kv-budget-gb applies to CUDA devices only")
+    try:
+        checkpoint = _checkpoint(model, args.mg_mode)
+    except ValueError as e:  # a model the verifier does not compute, with mg on
+        print(f"mg-server: {e}", file=sys.stderr)
+        return 2
     from mg_server.wire.cleanup import sweep_stale, temp_prefix
 
     if stale := sweep_stale():  # what servers that died before their clean-up left behind
@@ -205,6 +235,7 @@ def _main(argv: list[str] | None) -> int:
                                      ", ".join(stale[:3]) + (", ..." if len(stale) > 3 else ""))
     cfg = ServeConfig(
         model_path=model,
+        model=checkpoint,
         host=args.host,
         port=args.port,
         profile=profile,
@@ -213,6 +244,7 @@ def _main(argv: list[str] | None) -> int:
         mg_mode=args.mg_mode,
         mg_tau=args.mg_tau,
         tau_profile=args.tau_profile,
+        tau_profile_doc=tau_profile_doc,
         run_dir=tempfile.mkdtemp(prefix=temp_prefix("run", args.port, os.getpid())),
         drain_timeout_s=args.mg_drain_timeout,
         verify_timeout_s=args.mg_verify_timeout,
@@ -253,16 +285,16 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 
 def _calibrate(args, passthrough: list[str], argv: list[str]) -> int:
     """`mg-server calibrate`: flags after `--` go to the fast path's SGLang server."""
-    from mg_server.calibration.config import CalibrationConfig
     from mg_server.calibration.fastpath import MeasurementError
+    from mg_server.checkpoint import is_checkpoint
     from mg_server.prompts import BUILTIN_SETS, load_prompt_set
 
     if passthrough and passthrough[0] == "--":
         passthrough = passthrough[1:]
     elif passthrough:
         _parser().error(f"unrecognized arguments: {' '.join(passthrough)} (SGLang flags go after --)")
-    if args.model is not None and not (Path(args.model) / "config.json").is_file():
-        print(f"mg-server calibrate: --model {args.model}: not a checkpoint folder (no config.json)", file=sys.stderr)
+    if args.model is not None and not is_checkpoint(args.model):
+        print(f"mg-server calibrate: --model {args.model}: not a checkpoint folder (no model config)", file=sys.stderr)
         return 2
     if args.out.exists() and not args.out.is_dir():
         print(f"mg-server calibrate: --out {args.out} exists and is not a folder", file=sys.stderr)

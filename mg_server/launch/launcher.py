@@ -17,7 +17,8 @@ import threading
 from pathlib import Path
 
 from mg_server import env
-from mg_server.config import FP32_LOGITS_ARGS, FrontConfig, HookConfig, ServeConfig
+from mg_server.checkpoint import Checkpoint
+from mg_server.config import FP32_LOGITS_ARGS, ControllerConfig, FrontConfig, HookConfig, ServeConfig, VerifierConfig
 
 log = logging.getLogger(__name__)
 
@@ -127,23 +128,20 @@ def refuse_unsupported(server_args, mode: str) -> None:
                          + "\n  - ".join(problems))
 
 
-def refuse_dtype_mismatch(server_args, mode: str, verifier_dtype: str = "bfloat16") -> None:
+def refuse_dtype_mismatch(server_args, mode: str, model: Checkpoint | None,
+                          verifier_dtype: str = VerifierConfig.dtype) -> None:
     """The dtype SGLang will run the model in (its own rule for --dtype auto: the config's dtype,
     float32 configs downcast) must be the verifier's: mg never casts K/V columns or compares
     logits across dtypes silently."""
-    if mode == "off":
+    if mode == "off" or model is None:  # (no local checkpoint: the seam checks the runner's pool at start-up)
         return
     from sglang.srt.configs.model_config import _get_and_verify_dtype
 
-    try:
-        conf = json.loads((Path(server_args.model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return  # not a local checkpoint: the seam checks the runner's pool at start-up
-    conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else conf
+    conf = {"dtype": model.dtype or None, "model_type": model.model_type}  # the fields SGLang's rule reads
     served = str(_get_and_verify_dtype(conf, server_args.dtype)).removeprefix("torch.")
     if served != verifier_dtype:
         raise ValueError(f"SGLang would run this model in {served} (--dtype {server_args.dtype}, the model's config "
-                         f"says {conf.get('dtype') or conf.get('torch_dtype')}); mg's verifier runs {verifier_dtype}: "
+                         f"says {model.dtype or None}); mg's verifier runs {verifier_dtype}: "
                          f"pass --dtype {verifier_dtype}, or serve with --mg-mode off")
 
 
@@ -161,16 +159,12 @@ def _fresh_metrics_dir(path: str) -> None:
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path  # before any process creates a metric
 
 
-def served_context(server_args, model_path: str) -> int:
-    """The longest sequence SGLang serves: --context-length, else the model's own limit."""
+def served_context(server_args, model: Checkpoint | None) -> int:
+    """The longest sequence SGLang serves: --context-length, else the model's own limit (else the
+    verifier's default)."""
     if server_args.context_length:
         return int(server_args.context_length)
-    try:
-        conf = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return 4096
-    conf = conf.get("text_config") if isinstance(conf.get("text_config"), dict) else conf
-    return int(conf.get("max_position_embeddings") or 4096)
+    return (model.max_positions if model else 0) or VerifierConfig.max_seq_len
 
 
 def verifier_pool_tokens(context_len: int) -> int:
@@ -179,7 +173,8 @@ def verifier_pool_tokens(context_len: int) -> int:
     return max(16384, 2 * context_len)
 
 
-def start_runtime(cfg: ServeConfig, context_len: int = 4096, sglang_fraction: float | None = None):
+def start_runtime(cfg: ServeConfig, context_len: int = VerifierConfig.max_seq_len,
+                  sglang_fraction: float | None = None):
     """Start the controller (which starts the verifier), wait until the verifier is up (CPU) or has
     allocated its K/V pool (CUDA: it then waits for SGLang's weights), then supervise it
     (launch.runtime: restarts). The verifier accepts sequences as long as SGLang's (`context_len`).
@@ -188,19 +183,21 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096, sglang_fraction: fl
     """
     if cfg.mg_mode == "off":
         return "", None
-    from mg_server.controller.server import ControllerConfig
     from mg_server.launch.runtime import Runtime
     from mg_server.policy import resolve_tau
-    from mg_server.verifier.budget import SGLANG_FRACTION, checkpoint_bytes
-    from mg_server.verifier.server import VerifierConfig
 
-    tau, source = resolve_tau(cfg.model_path, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile, "cpu" if cfg.cpu else "cuda")
+    model = cfg.model  # read and identified by the command line (cli._checkpoint)
+    if model is None or model.spec is None:
+        raise ValueError(f"--model {cfg.model_path}: mg's verifier needs a local checkpoint folder of a model it "
+                         "computes (or serve with --mg-mode off)")
+    tau, source = resolve_tau(model.identity, cfg.mg_tau, cfg.mg_mode, cfg.tau_profile, "cpu" if cfg.cpu else "cuda",
+                              profile=cfg.tau_profile_doc)
     verifier = VerifierConfig(
-        model_path=cfg.model_path, ipc_path=str(Path(cfg.run_dir) / "verifier.sock"),
+        model_path=cfg.model_path, model=model, ipc_path=str(Path(cfg.run_dir) / "verifier.sock"),
         device="cpu" if cfg.cpu else "cuda", num_threads=1 if cfg.cpu else 0, max_seq_len=context_len,
         pool_tokens=verifier_pool_tokens(context_len) if cfg.cpu else 0, kv_budget_gb=cfg.kv_budget_gb or 0.0,
-        sglang_fraction=sglang_fraction or SGLANG_FRACTION,
-        weights_bytes=0 if cfg.cpu else checkpoint_bytes(cfg.model_path),
+        sglang_fraction=sglang_fraction or VerifierConfig.sglang_fraction,
+        weights_bytes=0 if cfg.cpu else model.spec.weight_bytes(),
         trace_calls=env.trace_calls(),
     )
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
@@ -210,6 +207,7 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096, sglang_fraction: fl
     info = runtime.start()
     log.info("mg: mode %s, tau %.3g (%s), verifier kernels %s, window %d", cfg.mg_mode, tau, source,
              info.kernel_config_id, cfg.window)
+    log.info("mg: model %s (%s), identity %s", cfg.model_path, model.architecture or model.model_type, model.identity)
     log.info("mg verifier: device %s, K/V pool %d tokens, %s", info.verifier_device, info.verifier_pool_tokens,
              f"{info.verifier_memory_bytes / (1 << 30):.2f} GB of device memory held (SGLang's weights are shared)"
              + (f" (budget {cfg.kv_budget_gb:g} GB)" if cfg.kv_budget_gb else "")
@@ -223,17 +221,6 @@ def start_runtime(cfg: ServeConfig, context_len: int = 4096, sglang_fraction: fl
 def _instance_files(cfg: ServeConfig) -> tuple[str, ...]:
     """The folders this server instance owns (wire.cleanup)."""
     return cfg.run_dir, cfg.metrics_dir
-
-
-def _vocab_size(model_path: str) -> int:
-    """The model's vocabulary size from its config.json (0 if it has none: ids go unchecked)."""
-    try:
-        cfg = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return 0
-    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-    size = text.get("vocab_size", 0)
-    return size if isinstance(size, int) and size > 0 else 0
 
 
 class _SGLangFlags(argparse.ArgumentParser):
@@ -299,19 +286,19 @@ def serve(cfg: ServeConfig) -> None:
 
     parser = _SGLangFlags(prog="mg-server serve")
     ServerArgs.add_cli_args(parser)
-    # Parsed once before mg's processes start, to refuse what mg cannot serve (hook: no controller yet).
+    # Parsed once, before mg's processes start, to refuse what mg cannot serve; the namespace holds
+    # ServerArgs' fields by their names. The hook's config is set in it once the controller is up.
     ns = parser.parse_args(sglang_argv(cfg, fp32_logits=fp32_logits))
-    parsed = ServerArgs.from_cli_args(ns)  # the flags as given (unresolved)
-    refuse_on_host(parsed, cfg.profile)
-    refuse_unsupported(parsed, cfg.mg_mode)
-    refuse_dtype_mismatch(parsed, cfg.mg_mode)
-    context_len = served_context(parsed, cfg.model_path)
+    refuse_on_host(ns, cfg.profile)
+    refuse_unsupported(ns, cfg.mg_mode)
+    refuse_dtype_mismatch(ns, cfg.mg_mode, cfg.model)
+    context_len = served_context(ns, cfg.model)
     from mg_server.front import admission
     from mg_server.launch import shutdown
 
     shutdown.install(cleanup, cfg.drain_timeout_s, (admission.stop, admission.drained, admission.cut))
     leftovers.track(cfg.run_dir)
-    controller_ipc, info = start_runtime(cfg, context_len, parsed.mem_fraction_static)
+    controller_ipc, info = start_runtime(cfg, context_len, ns.mem_fraction_static)
 
     from mg_server.front.middleware import DeterministicMiddleware
     from mg_server.seam import guard
@@ -328,13 +315,14 @@ def serve(cfg: ServeConfig) -> None:
     # stopped controller is noticed from its beat within seconds, whatever this bound).
     chunks = -(-context_len // cfg.catchup_chunk) + 1
     hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
-                      step_timeout_s=max(60.0, chunks * cfg.verify_timeout_s))
-    server_args = ServerArgs.from_cli_args(parser.parse_args(sglang_argv(cfg, hook, fp32_logits)))
+                      step_timeout_s=max(HookConfig.step_timeout_s, chunks * cfg.verify_timeout_s))
+    ns.forward_hooks = hook_spec(hook)  # (sglang_argv's --forward-hooks, parsed: its JSON list)
+    server_args = ServerArgs.from_cli_args(ns)
     front = FrontConfig(noop_processor=serialized(), metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
                         kernel_config_id=info.kernel_config_id if info else "", model_path=cfg.model_path,
-                        system_fingerprint=system_fingerprint(info.weights_digest, info.kernel_config_id)
+                        system_fingerprint=system_fingerprint(info.model_id, info.kernel_config_id)
                         if info else "", api_key=server_args.api_key or "",
-                        verdict_wait_s=cfg.verdict_wait_s, vocab_size=_vocab_size(cfg.model_path),
+                        verdict_wait_s=cfg.verdict_wait_s, vocab_size=cfg.model.vocab_size if cfg.model else 0,
                         max_deterministic=info.verifier_max_requests if info else 0, queue_size=cfg.queue_size,
                         request_mark=mark, served_models=tuple(dict.fromkeys(
                             [server_args.served_model_name or cfg.model_path, cfg.model_path])),

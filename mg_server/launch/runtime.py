@@ -42,7 +42,7 @@ class Runtime:
     """The controller of one server: `start` (the first), `watch` (a thread), `stop` (at exit)."""
 
     def __init__(self, cfg):
-        self.cfg = cfg  # controller.server.ControllerConfig
+        self.cfg = cfg  # config.ControllerConfig
         self.beat = beat_path(cfg.ipc_path)
         self.proc = None  # the controller process now (a restart's from its spawn on: `stop` sees it)
         self.info: P.ControllerInfo | None = None  # the first controller's
@@ -201,7 +201,7 @@ class Runtime:
 def differs(first: P.ControllerInfo, new: P.ControllerInfo) -> str:
     """Why a restarted controller's verifier is not the one the front and the seam hold ("" if it is)."""
     for what, a, b in (("kernel configuration", first.kernel_config_id, new.kernel_config_id),
-                       ("model", first.model_id, new.model_id), ("weights", first.weights_digest, new.weights_digest),
+                       ("model", first.model_id, new.model_id),
                        ("K/V pool", first.verifier_pool_tokens, new.verifier_pool_tokens),
                        ("capacity", first.verifier_max_requests, new.verifier_max_requests)):
         if a != b:

@@ -10,14 +10,15 @@ sizing (free memory x --mem-fraction-static, less its weights) counts it: SGLang
 mem_fraction_static x the verifier's memory.
 
 Default: KV_SHARE of what SGLang's K/V would be without mg (free memory x SGLang's fraction, less
-the checkpoint's bytes), at least MIN_TOKENS; `--mg-kv-budget-gb G` sets it. A request longer
-than the pool is refused at its first step, naming the budget.
+the checkpoint's bytes: checkpoint.ModelSpec.weight_bytes), at least MIN_TOKENS; `--mg-kv-budget-gb G`
+sets it. A request longer than the pool is refused at its first step, naming the budget.
 """
 
 from __future__ import annotations
 
-# SGLang's --mem-fraction-static when not given (its own default: 0.907 on an H200, 0.835 on an H100)
-SGLANG_FRACTION = 0.9
+from mg_server.config import VerifierConfig
+
+SGLANG_FRACTION = VerifierConfig.sglang_fraction  # SGLang's --mem-fraction-static when not given
 KV_SHARE = 0.02  # of plain SGLang's K/V: with the verifier's ~1 GB of context and workspace, SGLang keeps >= 0.95x
 MIN_TOKENS = 4096  # a pool below this would evict on every check of a handful of requests
 ROUND = 256  # pool sizes in whole multiples (a stable number in logs and fingerprints of runs)
@@ -39,16 +40,3 @@ def pool_tokens(spec, free_bytes: int, sglang_fraction: float, weights_bytes: in
         plain = max(0, int(free_bytes * sglang_fraction) - weights_bytes)
         tokens = max(MIN_TOKENS, int(KV_SHARE * plain) // per)
     return max(ROUND, min(max_tokens, tokens) // ROUND * ROUND)
-
-
-def checkpoint_bytes(model_path: str, dtype_bytes: int = 2) -> int:
-    """A checkpoint's weight bytes in a `dtype_bytes` dtype, counted from config.json's dimensions."""
-    import json
-    from pathlib import Path
-
-    from mg_server.verifier.model import ModelSpec
-
-    s = ModelSpec.from_hf_config(json.loads((Path(model_path) / "config.json").read_text()))
-    q, kv = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim
-    layer = s.hidden * (q + 2 * kv) + q * s.hidden + 3 * s.hidden * s.intermediate + 2 * s.hidden
-    return (s.n_layers * layer + s.vocab * s.hidden * (1 if s.tie_embeddings else 2) + s.hidden) * dtype_bytes

@@ -12,8 +12,6 @@ cos/sin of pos * inv_freq repeated twice. K is stored *after* RoPE, per layer pe
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,70 +19,10 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from mg_server.checkpoint import Checkpoint, ModelSpec, read_checkpoint
 from mg_server.verifier import ops
 
-FAMILIES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    family: str  # "llama" | "qwen2" | "qwen3"
-    n_layers: int
-    hidden: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    eps: float
-    rope_theta: float
-    rope_scaling: tuple  # sorted (key, value) pairs of the HF rope parameters, () if none
-    tie_embeddings: bool
-
-    @staticmethod
-    def from_hf_config(cfg: dict) -> "ModelSpec":
-        mt = cfg.get("model_type")
-        if mt not in FAMILIES:
-            raise ValueError(f"unsupported model_type {mt!r} (supported: {sorted(FAMILIES)})")
-        if cfg.get("use_sliding_window") or (mt == "mistral" and cfg.get("sliding_window")):
-            raise ValueError("sliding-window attention is not supported by the verifier")
-        rope = dict(cfg.get("rope_parameters") or {})  # transformers >= 5
-        if cfg.get("rope_scaling"):  # transformers 4 layout
-            rope.update(cfg["rope_scaling"])
-        theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-        rope.pop("rope_theta", None)
-        rtype = rope.get("rope_type", rope.get("type", "default"))
-        if rtype not in ("default", "llama3", "linear"):
-            raise ValueError(f"unsupported rope_type {rtype!r}")
-        n_heads = int(cfg["num_attention_heads"])
-        return ModelSpec(
-            family=FAMILIES[mt],
-            n_layers=int(cfg["num_hidden_layers"]),
-            hidden=int(cfg["hidden_size"]),
-            n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // n_heads),
-            intermediate=int(cfg["intermediate_size"]),
-            vocab=int(cfg["vocab_size"]),
-            eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=tuple(sorted((k, v) for k, v in rope.items() if k != "type")),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
-
-
-def model_identity(model_dir: str | Path, dtype: torch.dtype) -> str:
-    """Identity of (config, weight files, dtype): sha256 of config.json and the files' names+sizes.
-
-    Cheap (no weight hashing) yet changes whenever the checkpoint is swapped or re-exported.
-    """
-    d = Path(model_dir)
-    h = hashlib.sha256((d / "config.json").read_bytes())
-    for f in sorted(d.glob("*.safetensors")):
-        h.update(f"{f.name}:{f.stat().st_size};".encode())
-    h.update(str(dtype).encode())
-    return h.hexdigest()[:24]
-
+__all__ = ["KVPool", "ModelSpec", "Segment", "VerifierModel", "fused_checkpoint", "sglang_names"]
 
 def _inv_freq(spec: ModelSpec) -> Tensor:
     d = spec.head_dim
@@ -235,13 +173,14 @@ class VerifierModel:
         self.scale = 1.0 / math.sqrt(s.head_dim)
 
     @classmethod
-    def load(cls, model_dir: str | Path, dtype: torch.dtype, device: torch.device | str,
+    def load(cls, model: str | Path | Checkpoint, dtype: torch.dtype, device: torch.device | str,
              max_positions: int) -> "VerifierModel":
-        """From a checkpoint folder (its tensors fused into SGLang's layout on the way)."""
+        """From a checkpoint (a folder, or as the launcher read it), its tensors fused into SGLang's
+        layout on the way."""
         from safetensors import safe_open
 
-        d = Path(model_dir)
-        spec = ModelSpec.from_hf_config(json.loads((d / "config.json").read_text()))
+        ck = model if isinstance(model, Checkpoint) else read_checkpoint(model, identify=False)
+        d, spec = Path(ck.path), ck.require_spec()
         files = sorted(d.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors in {d}")
@@ -253,10 +192,9 @@ class VerifierModel:
         return cls(spec, fused_checkpoint(tensors, spec), dtype, torch.device(device), max_positions)
 
     @classmethod
-    def shared(cls, model_dir: str | Path, tensors: dict[str, Tensor], dtype: torch.dtype,
+    def shared(cls, spec: ModelSpec, tensors: dict[str, Tensor], dtype: torch.dtype,
                max_positions: int) -> "VerifierModel":
-        """On SGLang's own tensors (seam/export.py), the spec from the checkpoint's config."""
-        spec = ModelSpec.from_hf_config(json.loads((Path(model_dir) / "config.json").read_text()))
+        """On SGLang's own tensors (seam/export.py), described by the checkpoint's spec."""
         if any(n.endswith("o_proj.bias") for n in tensors):
             raise ValueError("an o_proj bias (attention_bias) is not supported by the verifier")
         missing = [n for n in sglang_names(spec, spec.tie_embeddings) if n not in tensors]

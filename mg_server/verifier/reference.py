@@ -57,16 +57,16 @@ def greedy_reference(engine, prompts: list[list[int]], max_new: int, stop_ids: t
     return refs
 
 
-def load_engine(model_path: str, dtype: str = "bfloat16", device: str = "cpu", max_seq_len: int = 4096,
+def load_engine(model, dtype: str = "bfloat16", device: str = "cpu", max_seq_len: int = 4096,
                 max_requests: int = 64, pool_tokens: int = 32768, evict_idle_s: float = float("inf"),
                 cuda_graphs: bool = True):
-    """A verifier engine on a checkpoint (the reference: the worker computes the same on SGLang's
-    tensors, tests/test_shared_weights.py). cuda_graphs (CUDA only): replay captured graphs for
-    forwards of up to 128 rows."""
+    """A verifier engine on a checkpoint (a folder or a checkpoint.Checkpoint; the reference: the
+    worker computes the same on SGLang's tensors, tests/test_shared_weights.py). cuda_graphs (CUDA
+    only): replay captured graphs for forwards of up to 128 rows."""
     import torch
 
     from mg_server.verifier.engine import VerifierEngine
     from mg_server.verifier.model import VerifierModel
 
-    model = VerifierModel.load(model_path, getattr(torch, dtype), device, max_seq_len)
-    return VerifierEngine(model, max_requests, pool_tokens, max_seq_len, evict_idle_s, cuda_graphs)
+    loaded = VerifierModel.load(model, getattr(torch, dtype), device, max_seq_len)
+    return VerifierEngine(loaded, max_requests, pool_tokens, max_seq_len, evict_idle_s, cuda_graphs)

@@ -24,41 +24,15 @@ import os
 import threading
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import zmq
 
+from mg_server.config import VerifierConfig
 from mg_server.wire import protocol as P
 
-
-@dataclass(frozen=True)
-class VerifierConfig:
-    model_path: str  # Hugging Face checkpoint folder (config.json + *.safetensors)
-    ipc_path: str  # filesystem path of the ipc:// socket, unique per worker instance (its folder: the run folder)
-    dtype: str = "bfloat16"  # model dtype (weights, activations, K/V); logits are fp32
-    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
-    max_seq_len: int = 4096  # longest request (positions) the verifier accepts
-    max_requests: int = 64  # shadow caches held at once
-    # K/V pool capacity in tokens, shared by all requests; on CUDA 0 sizes it by verifier.budget (a
-    # restart gets the first worker's: the front and the seam keep its facts)
-    pool_tokens: int = 16384
-    # when the pool is full, the least recently used requests a forward does not need are dropped (the
-    # controller computes an evicted one again from position 0: the pool is a cache, verifier.budget)
-    evict_idle_s: float = 0.0
-    max_batch_items: int = 64  # items per message and coalesced into one step
-    num_threads: int = 0  # torch CPU threads (0: leave torch's default); results do not depend on it
-    kv_budget_gb: float = 0.0  # CUDA: the K/V pool's size (0: verifier.budget's default share)
-    sglang_fraction: float = 0.9  # CUDA: SGLang's --mem-fraction-static (its K/V estimate for the default)
-    weights_bytes: int = 0  # CUDA: the checkpoint's weight bytes (the same estimate)
-    weights_timeout_s: float = 1800.0  # CUDA: the longest wait for SGLang's weights (its model load)
-    poll_ms: int = 50  # receive poll period
-    parent_pid: int = 0  # the process that started the worker: it exits once that one is gone (0: no watch)
-    trace_calls: int = 0  # diagnostics (env.trace_calls): 1 log each call's phases and GC pauses, 2 + CUDA allocations
-
-    @property
-    def endpoint(self) -> str:
-        return "ipc://" + self.ipc_path
+__all__ = ["VerifierConfig", "VerifierServer", "run_verifier", "start_verifier"]
 
 
 def _err(code: str, message: str, msg_id: int = 0) -> P.Error:
@@ -88,21 +62,20 @@ class VerifierServer:
 
     def reserve(self) -> None:
         """Stage 1 (module doc): on a CPU the whole load; on CUDA the facts and the K/V pool."""
-        import json
-        from pathlib import Path
-
+        from mg_server.checkpoint import read_checkpoint
         from mg_server.verifier import budget, ops
-        from mg_server.verifier.model import KVPool, ModelSpec, model_identity
-        from mg_server.wire.fingerprint import weights_digest
+        from mg_server.verifier.model import KVPool
 
         cfg = self.cfg
         try:
             if cfg.num_threads > 0:
                 torch.set_num_threads(cfg.num_threads)
             dtype, device = getattr(torch, cfg.dtype), torch.device(cfg.device)
-            self.spec = ModelSpec.from_hf_config(json.loads((Path(cfg.model_path) / "config.json").read_text()))
-            self.model_id = model_identity(cfg.model_path, dtype)
-            self.weights_digest = weights_digest(cfg.model_path)  # once: system_fingerprint
+            # the launcher's reading of the checkpoint (its identity: system_fingerprint), else read here
+            self.checkpoint = cfg.model if cfg.model is not None and cfg.model.identity else \
+                read_checkpoint(cfg.model_path)
+            self.spec = self.checkpoint.require_spec()
+            self.model_id = self.checkpoint.identity
             self.kernel_config_id = ops.config_id(device)  # the backend that serves the device
             if device.type != "cuda":
                 return self._build(None)
@@ -137,9 +110,9 @@ class VerifierServer:
 
         cfg, dtype = self.cfg, getattr(torch, self.cfg.dtype)
         if shared is not None:
-            model = VerifierModel.shared(cfg.model_path, shared, dtype, cfg.max_seq_len)
+            model = VerifierModel.shared(self.spec, shared, dtype, cfg.max_seq_len)
         else:
-            model = VerifierModel.load(cfg.model_path, dtype, cfg.device, cfg.max_seq_len)
+            model = VerifierModel.load(self.checkpoint, dtype, cfg.device, cfg.max_seq_len)
         self.engine = VerifierEngine(model, cfg.max_requests, cfg.pool_tokens, cfg.max_seq_len, cfg.evict_idle_s,
                                      pool=self.pool)
         self.pool = self.engine.pool
@@ -194,7 +167,7 @@ class VerifierServer:
         self.greeted = True
         return P.HelloReply(
             msg_id=m.msg_id, protocol_version=P.PROTOCOL_VERSION, model_id=self.model_id,
-            kernel_config_id=self.kernel_config_id, weights_digest=self.weights_digest, family=s.family,
+            kernel_config_id=self.kernel_config_id, family=s.family,
             n_layers=s.n_layers, n_kv_heads=s.n_kv_heads, head_dim=s.head_dim, vocab=s.vocab, dtype=cfg.dtype,
             device=str(torch.device(cfg.device)), max_seq_len=cfg.max_seq_len, max_requests=cfg.max_requests,
             pool_tokens=self.pool.n_tokens, memory_bytes=self.memory_bytes, ready=self.ready,

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 15  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
+PROTOCOL_VERSION = 16  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
 # 10: window commit (StepRow.epoch, Rollback, CheckTail); 11: the window commit is the only one: Step is
 # one-way (no StepReply), WindowNews replaces Stops, and the other commits' fields and messages are gone;
 # 12: Finish.epoch, Finish one-way, ControllerInfo.verifier_max_requests; 13: a K/V column only on
 # request (VerifyItem.want_column); 14: StepRow.due (a held end's surplus); 15: no K/V slot buffer (ShmSpec,
 # want_column, slot/gen gone), the verifier on SGLang's weights (HelloReply.shared_weights,
-# ControllerInfo.verifier_dtype)
+# ControllerInfo.verifier_dtype); 16: one model identity (model_id; weights_digest gone)
 
 
 class ErrorCode:
@@ -58,7 +58,7 @@ class Hello(Message):
 
 class HelloReply(Message):
     protocol_version: int
-    model_id: str  # hash of config.json + weight file names/sizes + dtype
+    model_id: str  # mg_server.checkpoint.model_identity: the description and the weights' content
     kernel_config_id: str
     family: str
     n_layers: int
@@ -71,7 +71,6 @@ class HelloReply(Message):
     max_requests: int
     pool_tokens: int = 0  # shadow K/V pool capacity (tokens, all requests)
     memory_bytes: int = 0  # device memory the worker holds after loading (CUDA; 0 on CPU)
-    weights_digest: str = ""  # sha256 of config.json and the weight files' content (system_fingerprint)
     shared_weights: bool = False  # it computes on SGLang's own tensors (CUDA), not on a copy
     ready: bool = True  # False: its K/V pool is allocated, SGLang's weights not yet mapped (verifier.server)
 
@@ -177,8 +176,7 @@ class ControllerInfo(Message):
     tau: float
     verifier_up: bool
     kernel_config_id: str = ""
-    model_id: str = ""
-    weights_digest: str = ""  # the verifier's, for OpenAI's system_fingerprint
+    model_id: str = ""  # the verifier's model identity (OpenAI's system_fingerprint hashes it)
     verifier_device: str = ""
     verifier_dtype: str = ""  # its model and K/V dtype: SGLang's K/V pool must be the same (seam/hook.py)
     verifier_pool_tokens: int = 0
