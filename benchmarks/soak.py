@@ -70,7 +70,7 @@ def sample(srv: ServerProcess) -> dict:
             pass
     fds = sum(by_proc.values())
     return {"t": round(time.monotonic(), 1), "health": health, "alive": srv.proc.poll() is None,
-            "shm": len(glob.glob(f"/dev/shm/mgv_{pid}_*")), "temp_dirs": len(dirs),
+            "shm": len(os.listdir("/dev/shm")), "temp_dirs": len(dirs),
             "temp_files": sum(len(files) for d in dirs for _, _, files in os.walk(d)), "open_files": fds,
             "open_files_by_process": by_proc, "processes": len(procs)}
 

@@ -40,7 +40,7 @@ MARGIN_BUCKETS: tuple[float, ...] = (0.005, 0.01, 0.02, 0.03, 0.05, 0.0625, 0.07
                                      0.5, 0.75, 1.0, 1.5, 2.0, 4.0, 8.0, 16.0)
 
 # SGLang's switch for the fast path's logits in fp32: mg passes it on CUDA with mg on (where it
-# costs no extra weight read: launch/seams.fp32_logits_in_place), and `mg-server calibrate` to its
+# costs no extra weight read: launch/sglang_facts.fp32_logits_in_place), and `mg-server calibrate` to its
 # fast-path server on CUDA, so a profile's margins are the served ones. Why: bf16 logits round
 # near-ties into exact ties that the fast path breaks by token id where the verifier's fp32
 # logits do not tie; on the 8B shape and on SmolLM2's real weights it took ~40 % of the flips
@@ -176,7 +176,7 @@ class ServeConfig:
     verdict_wait_s: float = FrontConfig.verdict_wait_s  # a response's longest wait for its verdict
     window: int = ControllerConfig.window  # unchecked tokens a request may run ahead of its checks (--mg-window)
     queue_size: int = FrontConfig.queue_size  # requests that wait for the verifier before a 429 (--mg-queue)
-    allow_sglang: str = ""  # an untested SGLang version the user accepts (--mg-allow-sglang; seams.check)
+    allow_sglang: str = ""  # an untested SGLang version the user accepts (--mg-allow-sglang; sglang_facts.check)
 
     @property
     def cpu(self) -> bool:

@@ -34,10 +34,6 @@ def request_mark() -> str:
     return os.environ.get(MARK_VAR, "")
 
 
-def prometheus_multiproc_dir() -> str | None:
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-
-
 def stacks_on_usr1() -> bool:
     """Diagnostics: MG_STACKS_ON_USR1=1 makes SGLang's scheduler process (where mg's seam runs)
     print every thread's Python stack to its stderr on SIGUSR1 (a hung forward, a stuck gate)."""
@@ -67,6 +63,10 @@ class Faults:
     flip_margin: float = 1e9  # MG_FAULT_FLIP_MARGIN: the margin reported for it (1e9: released early on a
     # stream; 0: a low-margin step, checked within a few forwards)
     lagged_on_cpu: bool = False  # MG_LAGGED_ON_CPU=1: the lagged seam on a CPU server, with the CPU reference gate
+
+    @property
+    def active(self) -> bool:
+        return self.missed_flip >= 0
 
 
 def faults() -> Faults:

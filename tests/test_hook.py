@@ -218,7 +218,7 @@ def test_off_mode_counts_but_never_edits(hook_mod, runner, tmp_path, monkeypatch
 def test_seeded_rows_sample_by_the_shared_rule_and_send_it_with_the_prompt(hook_mod, runner, tmp_path,
                                                                           monkeypatch):
     from mg_server.config import SEED_PARAM, TEMPERATURE_PARAM
-    from mg_server.sampling import sampled_choice
+    from mg_server.verifier.sampling import sampled_choice
 
     seam = make_seam(hook_mod, runner, tmp_path, monkeypatch)
     req = FakeReq("s", [1, 2, 3], custom_params={DETERMINISTIC_PARAM: True, TEMPERATURE_PARAM: 0.8, SEED_PARAM: 11})
@@ -236,7 +236,7 @@ def test_seeded_rows_sample_by_the_shared_rule_and_send_it_with_the_prompt(hook_
 
 def test_off_mode_forces_seeded_rows_to_their_fast_sample(hook_mod, runner, tmp_path, monkeypatch):
     from mg_server.config import SEED_PARAM, TEMPERATURE_PARAM
-    from mg_server.sampling import sampled_choice
+    from mg_server.verifier.sampling import sampled_choice
 
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
     seam = hook_mod.StepSeam(HookConfig(metrics_dir=str(tmp_path)), runner)

@@ -17,7 +17,7 @@ from mg_server.config import DETERMINISTIC_PARAM, INSTANCE_PARAM, MARK_PARAM, Fr
 from mg_server.env import MARK_VAR
 from mg_server.front.middleware import DeterministicMiddleware
 from mg_server.policy import Policy
-from mg_server.wire import protocol as P
+from mg_server.seam.link import StepDecision
 from test_hook import FakeReq
 
 DET = {"X-Deterministic": "1"}
@@ -101,7 +101,7 @@ def test_the_seam_keeps_two_instances_of_one_rid_apart(hook_mod, tmp_path, monke
     monkeypatch.setenv(MARK_VAR, "mark")
     seam = hook_mod.StepSeam(HookConfig(metrics_dir=str(tmp_path)), None)
     rows = []
-    client = SimpleNamespace(step=lambda rs: [P.StepDecision(rid=r.rid, token=r.fast_token) for r in rs],
+    client = SimpleNamespace(step=lambda rs: [StepDecision(rid=r.rid, token=r.fast_token) for r in rs],
                              report=rows.extend)
     seam.link = SimpleNamespace(client=client, tracked={}, lock=threading.Lock(), rpc_lock=threading.Lock(),
                                 policy=Policy("margin", 0.0), info=SimpleNamespace(verifier_pool_tokens=0))

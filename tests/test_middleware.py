@@ -13,7 +13,7 @@ from starlette.testclient import TestClient
 
 from mg_server.config import DETERMINISTIC_PARAM, MARK_PARAM, FrontConfig
 from mg_server.front.middleware import DeterministicMiddleware
-from mg_server.front.policy import BadRequest, parse_flag
+from mg_server.front.rules import BadRequest, parse_flag
 
 NOOP = '{"callable": "00"}'
 

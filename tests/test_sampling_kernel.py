@@ -1,4 +1,4 @@
-"""Seeded sampling (mg_server.sampling): the noise is a pure function of (seed, position,
+"""Seeded sampling (mg_server.verifier.sampling): the noise is a pure function of (seed, position,
 id), bit-identical whatever the batch or thread count, distinct per seed and position, and the
 sampled tokens follow softmax(logits / T)."""
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from mg_server.sampling import _hash32, _log, _mul32, gumbel_noise, sampled_choice, sampled_scores
+from mg_server.verifier.sampling import _hash32, _log, _mul32, gumbel_noise, sampled_choice, sampled_scores
 
 V = 49152
 

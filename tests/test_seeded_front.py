@@ -10,7 +10,7 @@ from starlette.routing import Route
 from test_middleware import CHAT, NOOP, client, make_app  # noqa: F401 - client is a fixture
 
 from mg_server.config import DETERMINISTIC_PARAM, MARK_PARAM, SEED_PARAM, TEMPERATURE_PARAM, FrontConfig
-from mg_server.front.policy import BadRequest, rewrite_body
+from mg_server.front.rules import BadRequest, rewrite_body
 
 DET = {"X-Deterministic": "1"}
 

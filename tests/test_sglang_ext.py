@@ -43,15 +43,15 @@ def test_seams_match_installed_sglang():
     from importlib.metadata import version
     from pathlib import Path
 
-    from mg_server.launch import seams
+    from mg_server.launch import sglang_facts
 
-    r = _run("from mg_server.launch import compat, seams\ncompat.install('cpu')\nseams.check_window()\n"
-             "print(seams.check())")
+    r = _run("from mg_server.launch import compat, sglang_facts\ncompat.install('cpu')\nseams.check_window()\n"
+             "print(sglang_facts.check())")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == version("sglang") and version("sglang") in seams.TESTED
+    assert r.stdout.strip().splitlines()[-1] == version("sglang") and version("sglang") in sglang_facts.TESTED
     # what `make` installs is the default the docs and the image name
     nodeps = (Path(__file__).resolve().parent.parent / "requirements" / "nodeps.txt").read_text()
-    assert f"sglang=={seams.DEFAULT}\n" in nodeps and seams.DEFAULT in seams.TESTED
+    assert f"sglang=={sglang_facts.DEFAULT}\n" in nodeps and sglang_facts.DEFAULT in sglang_facts.TESTED
 
 
 def test_a_held_end_counts_in_sglangs_admission_reserve():
@@ -78,11 +78,11 @@ def test_a_held_end_counts_in_sglangs_admission_reserve():
 
 def test_seams_refuse_an_untested_version_unless_it_is_named():
     r = _run(
-        "from mg_server.launch import compat, seams\ncompat.install('cpu')\n"
+        "from mg_server.launch import compat, sglang_facts\ncompat.install('cpu')\n"
         "import sglang; sglang.__version__ = '9.9.9'\n"
-        "try:\n    seams.check()\nexcept seams.SeamMismatch as e:\n    print('MISMATCH', e)\n"
-        "try:\n    seams.check(allow='9.9.8')\nexcept seams.SeamMismatch as e:\n    print('OTHER', e)\n"
-        "print('ALLOWED', seams.check(allow='9.9.9'))\n"
+        "try:\n    sglang_facts.check()\nexcept sglang_facts.SeamMismatch as e:\n    print('MISMATCH', e)\n"
+        "try:\n    sglang_facts.check(allow='9.9.8')\nexcept sglang_facts.SeamMismatch as e:\n    print('OTHER', e)\n"
+        "print('ALLOWED', sglang_facts.check(allow='9.9.9'))\n"
     )
     assert r.returncode == 0, r.stderr[-3000:]
     mismatch = r.stdout[r.stdout.index("MISMATCH"):r.stdout.index("OTHER")]
@@ -96,12 +96,12 @@ def test_seams_name_each_changed_internal():
     scheduler adds a decode step's tokens with extend, which the window commit's output hold and
     rollback rely on)."""
     r = _run(
-        "from mg_server.launch import compat, seams\ncompat.install('cpu')\n"
+        "from mg_server.launch import compat, sglang_facts\ncompat.install('cpu')\n"
         "import inspect\nfrom sglang.srt.managers.scheduler_components import batch_result_processor as b\n"
         "src = inspect.getsource(b).replace('req.output_ids.extend(next_token_id)', 'req.output_ids += next_token_id')\n"
         "inspect.getsource = lambda obj, _real=inspect.getsource: src if obj is b else _real(obj)\n"
-        "try:\n    seams.check()\nexcept seams.SeamMismatch as e:\n    print('MISMATCH', e)\n"
-        "try:\n    seams.check_window()\nexcept seams.SeamMismatch as e:\n    print('WINDOW', e)\n"
+        "try:\n    sglang_facts.check()\nexcept sglang_facts.SeamMismatch as e:\n    print('MISMATCH', e)\n"
+        "try:\n    sglang_facts.check_window()\nexcept sglang_facts.SeamMismatch as e:\n    print('WINDOW', e)\n"
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "batch_result_processor no longer contains 'req.output_ids.extend(next_token_id)'" in r.stdout
@@ -202,8 +202,8 @@ def test_fp32_logits_only_with_mg_on_a_cuda_host_whose_sglang_has_them_free():
     (plain SGLang stays plain) or a CPU host; an SGLang without the free path keeps bf16."""
     r = _run(
         "from mg_server.launch import compat\ncompat.install('cpu')\nfrom unittest import mock\n"
-        "from mg_server.config import ServeConfig\nfrom mg_server.launch import launcher, seams\n"
-        "print('FREE', seams.fp32_logits_in_place())\n"
+        "from mg_server.config import ServeConfig\nfrom mg_server.launch import launcher, sglang_facts\n"
+        "print('FREE', sglang_facts.fp32_logits_in_place())\n"
         "def cfg(profile, mode): return ServeConfig(model_path='/m', host='h', port=1, profile=profile, "
         "metrics_dir='/x', mg_mode=mode)\n"
         "for p, m in (('cuda', 'margin'), ('cuda-bare', 'always'), ('cuda', 'off'), ('cpu', 'margin')):\n"
@@ -214,7 +214,7 @@ def test_fp32_logits_only_with_mg_on_a_cuda_host_whose_sglang_has_them_free():
         "def upcast(self, hidden_states, lm_head, embedding_bias=None, *, out=None):\n"
         "    return hidden_states.float() @ lm_head.weight.float().T\n"
         "with mock.patch.object(LogitsProcessor, '_compute_lm_head', upcast):\n"
-        "    print('UPCAST', seams.fp32_logits_in_place())\n"
+        "    print('UPCAST', sglang_facts.fp32_logits_in_place())\n"
     )
     assert r.returncode == 0, r.stderr[-3000:]
     for line in ("FREE True", "WANT cuda margin True", "WANT cuda-bare always True", "WANT cuda off False",

@@ -29,12 +29,16 @@ def leftovers(srv: ServerProcess) -> list[str]:
 
 def start(tmp_path, name: str) -> tuple[ServerProcess, list[int]]:
     srv = ServerProcess(["--mg-drain-timeout", str(DRAIN_S), "--context-length", "256"], tmp_path / f"{name}.log")
-    srv.wait_ready()
-    r = requests.post(srv.url + "/generate", headers={"X-Deterministic": "1"}, timeout=120,
-                      json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}})
-    assert r.status_code == 200 and r.headers["x-mg-verdict"] == "verified"
-    assert len(leftovers(srv)) == 4, leftovers(srv)  # run + metrics folders, two segments
-    return srv, list(titles(srv.proc.pid))
+    try:
+        srv.wait_ready()
+        r = requests.post(srv.url + "/generate", headers={"X-Deterministic": "1"}, timeout=120,
+                          json={"text": "Hello", "sampling_params": {"max_new_tokens": 4}})
+        assert r.status_code == 200 and r.headers["x-mg-verdict"] == "verified"
+        assert len(leftovers(srv)) == 2, leftovers(srv)  # the run and metrics folders
+        return srv, list(titles(srv.proc.pid))
+    except BaseException:
+        srv.stop()  # (a server left running holds ~4.5 GB of the host)
+        raise
 
 
 def stopped(srv: ServerProcess, kids: list[int], sig: int, limit_s: float) -> float:
@@ -119,7 +123,7 @@ def test_group_signal_stops_like_a_signal_to_the_server(tmp_path, prepared_model
         assert r.status_code == 200 and r.headers["x-mg-verdict"] == "verified"
         pid = srv.proc.pid
         held = held_paths([pid, *titles(pid)], under=(temp + "/", "/dev/shm/"))
-        assert any(p.startswith("/dev/shm/") for p in held) and any(p.startswith(temp) for p in held), held
+        assert any(p.startswith(temp) for p in held), held  # (what must be gone afterwards)
 
         def running_answer() -> None:
             r = requests.post(srv.url + "/generate", headers={"X-Deterministic": "1"}, timeout=120, json=ask)

@@ -23,17 +23,37 @@ def _exit(srv: ServerProcess, t0: float) -> tuple[int, float, str]:
     return rc, time.monotonic() - t0, srv.log_path.read_text(errors="replace")
 
 
-def test_a_model_the_verifier_refuses_fails_the_start_with_its_error(tmp_path, prepared_model):
-    # SGLang serves this config; mg's verifier does not implement dynamic RoPE scaling
+def _model_copy(tmp_path, prepared_model, config: dict | None = None, weights: bytes | None = None):
+    """The prepared model's files linked into a new folder, its config or weights replaced."""
     bad = tmp_path / "model"
     bad.mkdir()
     for f in prepared_model.iterdir():
-        if f.name != "config.json":
+        if (f.name != "config.json" or config is None) and (f.name != "model.safetensors" or weights is None):
             (bad / f.name).symlink_to(f)
+    if config is not None:
+        (bad / "config.json").write_text(json.dumps(config))
+    if weights is not None:
+        (bad / "model.safetensors").write_bytes(weights)
+    return bad
+
+
+def test_a_config_the_verifier_does_not_compute_is_refused_before_any_process(tmp_path, prepared_model):
+    # SGLang serves this config; mg's verifier does not implement dynamic RoPE scaling
     config = json.loads((prepared_model / "config.json").read_text())
     config["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
-    (bad / "config.json").write_text(json.dumps(config))
+    bad = _model_copy(tmp_path, prepared_model, config=config)
+    t0 = time.monotonic()
+    srv = ServerProcess(["--model", str(bad), "--mg-mode", "always"], tmp_path / "server.log")
+    try:
+        rc, took, log = _exit(srv, t0)
+        assert rc != 0 and "unsupported rope_type 'dynamic'" in log.strip().splitlines()[-1], log[-2000:]
+        assert took < FAIL_WITHIN_S
+    finally:
+        srv.stop()
 
+
+def test_weights_the_verifier_cannot_load_fail_the_start_with_its_error(tmp_path, prepared_model):
+    bad = _model_copy(tmp_path, prepared_model, weights=(prepared_model / "model.safetensors").read_bytes()[:4096])
     t0 = time.monotonic()
     srv = ServerProcess(["--model", str(bad), "--mg-mode", "always"], tmp_path / "server.log")
     seen: dict[int, str] = {}
@@ -47,8 +67,8 @@ def test_a_model_the_verifier_refuses_fails_the_start_with_its_error(tmp_path, p
             time.sleep(0.1)
         rc, took, log = _exit(srv, t0)
         assert rc != 0, log[-2000:]
-        assert "mg-server: could not start: the deterministic verifier did not start" in log
-        assert "unsupported rope_type 'dynamic'" in log.strip().splitlines()[-1]
+        assert "mg-server: could not start: the deterministic verifier did not start" in log, log[-2000:]
+        assert "verifier failed to load" in log.strip().splitlines()[-1], log[-2000:]
         assert took < FAIL_WITHIN_S
         assert any(t.startswith("mg::verifier") for t in seen.values()), seen
         assert wait_until(lambda: not running(seen), GONE_WITHIN_S), {p: seen[p] for p in running(seen)}

@@ -138,20 +138,6 @@ def test_the_window_flag_reaches_the_config_and_is_checked(monkeypatch, prepared
     assert rc == 2 and "must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--mg-commit", "--mg-lag-chain", "--mg-verifier-in", "--mg-controller-in",
-                                  "--mg-verify-ahead", "--mg-early-verify", "--mg-prefill-ahead", "--mg-ipc-spin-us"])
-def test_the_removed_commit_flags_are_not_mgs(monkeypatch, prepared_model, flag, tmp_path):
-    """The window commit is the only one: the flags of the others are no longer mg's, so they go
-    to SGLang's own parser as pass-through flags (which refuses them at start-up)."""
-    from mg_server.launch import cli, launcher
-
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the instance folders serve would remove
-    seen = []
-    monkeypatch.setattr(launcher, "serve", seen.append)
-    assert cli.main(["serve", "--model", str(prepared_model), "--device", "cpu", flag, "x"]) == 0
-    assert seen[0].sglang_args == (flag, "x")
-
-
 @pytest.fixture(scope="module")
 def early(prepared_model, tmp_path_factory):
     """A tiny tau: every step's margin is above it, so a stream's tokens leave before their check;

@@ -27,7 +27,7 @@ log = logging.getLogger("mg.calibrate")
 REF_CHUNK = 32  # prompts per reference decode (the verifier engine holds at most 64 requests)
 SERVER_FLAGS = ("--mg-mode", "off", "--disable-radix-cache")  # plain SGLang: the fast path itself
 # ... with the logits mg's fast path takes on the device (mg passes them only where SGLang's fp32
-# LM head is free, as in every tested SGLang version: launch/seams.fp32_logits_in_place)
+# LM head is free, as in every tested SGLang version: launch/sglang_facts.fp32_logits_in_place)
 DEVICE_FLAGS = {"cpu": (), "cuda": FP32_LOGITS_ARGS}
 
 

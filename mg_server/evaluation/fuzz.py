@@ -27,7 +27,7 @@ ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST"
           ("PUT", "/generate"), ("GET", "/health"), ("GET", "/v1/models"), ("GET", "/get_model_info"),
           ("GET", "/metrics"), ("POST", "/v1/responses"), ("POST", "/v1/embeddings"), ("POST", "/nowhere")]
 FLAGS = ["1", "1", "1", "0", "true", "false", "yes", "", "2", "TRUE"]
-# parameter names a client may try, each with a random value (front.policy, SGLang's protocol)
+# parameter names a client may try, each with a random value (front.rules, SGLang's protocol)
 NAMES = ["temperature", "top_p", "top_k", "min_p", "seed", "sampling_seed", "n", "best_of", "max_tokens",
          "max_completion_tokens", "max_new_tokens", "min_tokens", "min_new_tokens", "stop", "stop_token_ids",
          "ignore_eos", "stream", "logprobs", "top_logprobs", "return_logprob", "logit_bias", "frequency_penalty",
@@ -184,16 +184,24 @@ def run(url: str, prompts: list[list[int]], seconds: float, seed: int = 0, worke
 
 
 def mismatches(engine, checks: list[dict]) -> list[dict]:
-    """The verified answers that are not the verifier-alone reference (verifier.reference)."""
+    """The verified answers that are not the verifier-alone reference (verifier.reference). One
+    reference per (prompt, temperature, seed), as long as its longest answer: a shorter answer's
+    reference is its prefix (each token depends on the tokens before it and its position only)."""
     from mg_server.verifier.reference import greedy_reference
 
+    longest: dict[tuple, int] = {}
+    for c in checks:
+        key = (tuple(c["prompt"]), c["temperature"], c["seed"] if c["temperature"] > 0 else None)
+        longest[key] = max(longest.get(key, 0), len(c["answer"]))
+    refs = {}
+    for i, (key, n) in enumerate(longest.items()):
+        if n:
+            prompt, temperature, seed = key
+            (refs[key],) = greedy_reference(engine, [list(prompt)], n, rid_prefix=f"fuzz{i}",
+                                            temperature=temperature, seeds=[seed] if seed is not None else None)
     bad = []
-    for i, c in enumerate(checks):
-        if not c["answer"]:
-            continue
-        seeds = [c["seed"]] if c["temperature"] > 0 else None
-        (ref,) = greedy_reference(engine, [c["prompt"]], len(c["answer"]), rid_prefix=f"fuzz{i}",
-                                  temperature=c["temperature"], seeds=seeds)
-        if ref.tokens != c["answer"]:
-            bad.append({**c, "reference": ref.tokens})
+    for c in checks:
+        key = (tuple(c["prompt"]), c["temperature"], c["seed"] if c["temperature"] > 0 else None)
+        if c["answer"] and refs[key].tokens[: len(c["answer"])] != c["answer"]:
+            bad.append({**c, "reference": refs[key].tokens[: len(c["answer"])]})
     return bad

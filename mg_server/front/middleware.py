@@ -1,6 +1,6 @@
 """ASGI middleware in front of SGLang's FastAPI app (the outermost layer of the HTTP server).
 
-- `X-Deterministic` (front.policy): a bad value, an endpoint mg does not handle, or a
+- `X-Deterministic` (front.rules): a bad value, an endpoint mg does not handle, or a
   parameter the verifier does not model is a 400 with an OpenAI-style JSON error naming what to
   change; the server keeps serving. On the generation endpoints the flag goes into the body's
   `custom_params` (SGLang forwards those only for requests that name a custom logit processor,
@@ -45,7 +45,7 @@ from mg_server import metrics
 from mg_server.config import DETERMINISTIC_PARAM, INSTANCE_PARAM, FrontConfig, instance_key
 from mg_server.front import admission, surface
 from mg_server.front.admission import Admission, Guard, Refused, refusal_body
-from mg_server.front.policy import (GENERATE_ROUTES, OPENAI_PATHS, BadRequest, empty_answer_rids, parse_flag,
+from mg_server.front.rules import (GENERATE_ROUTES, OPENAI_PATHS, BadRequest, empty_answer_rids, parse_flag,
                                     rewrite_body, route)
 from mg_server.front.redact import INFO_PATHS, bearer_ok, cleaning_sender
 from mg_server.front.samples import completions_per_prompt, expand_generate, merge_openai, run_parts, split_openai

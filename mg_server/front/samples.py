@@ -14,7 +14,7 @@ each completion is a request with one prompt, `n: 1` and, for sample i, seed `se
   OpenAI orders choices), sent to SGLang concurrently and merged into one answer (choices in
   that order, usage summed). Streamed, that is a 400 (merging event streams would reorder them).
   The client leaving cancels every part (their requests see the disconnect and SGLang aborts them).
-Requests without temperature > 0 and a seed keep n (n > 1 stays front.policy's 400).
+Requests without temperature > 0 and a seed keep n (n > 1 stays front.rules's 400).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from mg_server.front.policy import BadRequest
+from mg_server.front.rules import BadRequest
 
 
 def _seeded_n(params: dict, seed_key: str) -> int:

@@ -4,7 +4,7 @@ Every POST and PUT body is read here before SGLang sees it (mg is the outermost 
 - mg's own fields are a 400 wherever they sit: a key `custom_logit_processor` or `custom_params`
   at any depth of a JSON body. Why: SGLang turns a processor string into code with dill (in its
   scheduler and tokenizer manager), and custom_params carry mg's flag and sampling rule; the
-  front writes both for deterministic requests only (front.policy), seam/guard.py checks again.
+  front writes both for deterministic requests only (front.rules), seam/guard.py checks again.
 - a body is JSON, and an object: anything else (not JSON, `[]`, `"str"`, `null`) is a 400 on
   every route. A compressed body (`Content-Encoding` other than identity) is a 415: mg reads the
   bytes SGLang parses. Multipart forms (audio uploads) pass; their fields are fixed by SGLang.
@@ -22,7 +22,7 @@ import json
 from typing import Any
 
 from mg_server.config import FrontConfig
-from mg_server.front.policy import OPENAI_PATHS
+from mg_server.front.rules import OPENAI_PATHS
 from mg_server.front.tokens import TOKEN_PATHS, bad_token_ids
 
 OWNED = ("custom_logit_processor", "custom_params")

@@ -91,9 +91,9 @@ def wants_fp32_logits(cfg: ServeConfig) -> bool:
     is free (logged either way on CUDA)."""
     if cfg.mg_mode == "off" or cfg.cpu:
         return False
-    from mg_server.launch import seams
+    from mg_server.launch import sglang_facts
 
-    free = seams.fp32_logits_in_place()
+    free = sglang_facts.fp32_logits_in_place()
     log.info("mg: fast path logits %s", "fp32 (--enable-fp32-lm-head)" if free else
              "bf16 (this SGLang's --enable-fp32-lm-head is not the fp32-output GEMM mg checks for)")
     return free
@@ -269,18 +269,18 @@ def serve(cfg: ServeConfig) -> None:
     log.info("SGLang compatibility: %s", compat.install(cfg.profile).summary())
     _fresh_metrics_dir(cfg.metrics_dir)
 
-    from mg_server.launch import seams
+    from mg_server.launch import sglang_facts
 
-    version = seams.check(cfg.allow_sglang)
+    version = sglang_facts.check(cfg.allow_sglang)
     if cfg.mg_mode != "off":
-        seams.check_window()
+        sglang_facts.check_window()
     fp32_logits = wants_fp32_logits(cfg)
-    if version not in seams.TESTED:
+    if version not in sglang_facts.TESTED:
         log.warning("mg: SGLang %s is not a tested version (%s); starting because --mg-allow-sglang names it",
-                    version, seams.RANGE)
+                    version, sglang_facts.RANGE)
     from mg_server import metrics
 
-    metrics.sglang_version(version, version in seams.TESTED)
+    metrics.sglang_version(version, version in sglang_facts.TESTED)
     from sglang.srt.entrypoints.http_server import app, launch_server
     from sglang.srt.server_args import ServerArgs
 

@@ -57,7 +57,7 @@ def refusal(processor, params, ours: str, mark: str) -> str:
 
 def install(mark: str) -> None:
     """Guard this process's SGLang (idempotent): its deserializer, and every Req it creates
-    (seams.check verifies both with the texts this relies on)."""
+    (sglang_facts.check verifies both with the texts this relies on)."""
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling import custom_logit_processor as clp
 

@@ -24,7 +24,7 @@ A row is a step iff its position is n - 1; a smaller position is a non-final pre
 
 Seeded sampling (temperature > 0 and a seed in custom_params, set by the front): the row's fast
 token and margin are those of the perturbed scores logits / T + Gumbel(seed, position)
-(`mg_server.sampling.sampled_choice`, the function the verifier applies to its own fp32 row, so
+(`mg_server.verifier.sampling.sampled_choice`, the function the verifier applies to its own fp32 row, so
 the noise is bit-identical: elementwise integer and IEEE ops only, on the same device type).
 SGLang itself decodes such a request greedily (the front pins its temperature to 0) over the
 logits mg forces to the decided token.
@@ -46,11 +46,11 @@ from mg_server import env, metrics
 from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig,
                               instance_key)
 from mg_server.seam import guard
-from mg_server.sampling import sampled_choice
+from mg_server.verifier.sampling import sampled_choice
 from mg_server.seam import rollback
-from mg_server.seam.link import ControllerLink, Tracked
+from mg_server.seam.link import ControllerLink, StepDecision, Tracked
 from mg_server.seam.reasons import over_budget, public_reason, unmodelled
-from mg_server.seam.window import WindowSeam
+from mg_server.seam.news import WindowSeam
 from mg_server.wire import protocol as P
 
 log = logging.getLogger(__name__)
@@ -81,11 +81,6 @@ def only_mg_processors(sampling_info) -> bool:
     entries = getattr(sampling_info, "custom_logit_processor", None) or {}
     return bool(entries) and all(type(e.processor).__name__ == "MgFlagProcessor"
                                  and type(e.processor).__module__.startswith("mg_server") for e in entries.values())
-
-
-def pool_row(req) -> int | None:
-    """The request's row of SGLang's req_to_token table (None once its K/V is released)."""
-    return req.kv.req_pool_idx
 
 
 def top2(logits: Tensor) -> tuple[Tensor, Tensor]:
@@ -133,12 +128,11 @@ class StepSeam(WindowSeam):
     def __init__(self, config: HookConfig, runner):
         self.config = config
         self.mark = env.request_mark()  # the front's mark of deterministic requests (guard.py)
-        self.faults = env.faults()  # test-only fault injection (env.Faults), never a production setting
         self.runner = runner
         self.steps, self.margin, self.control = metrics.hook_metrics(config.margin_buckets)
         self.link = ControllerLink(config) if config.controller_ipc else None
         self.lagged = None  # CUDA: the one-forward-late control path (lagged.py)
-        self._released_first: set[str] = set()  # first rows released early (window.py)
+        self._released_first: set[str] = set()  # first rows released early (news.py)
         if self.link is not None:
             from mg_server.seam.lagged import attach
 
@@ -148,7 +142,7 @@ class StepSeam(WindowSeam):
 
     def __call__(self, module, args):
         # Sampler.forward(logits_output, sampling_info, return_logprob, top_logprobs_nums,
-        #                 token_ids_logprobs, positions); checked by seams.check().
+        #                 token_ids_logprobs, positions); checked by sglang_facts.check().
         try:
             return self._forward(args)
         except Exception as e:  # noqa: BLE001 - why: a raise here would stop SGLang's scheduler, every request with it
@@ -168,9 +162,8 @@ class StepSeam(WindowSeam):
             return None
         # The lagged path needs a sampler that does not wait for the gated stream: only mg's
         # processor may be in the batch (a user's could read the logits on the host); seeded rows
-        # and a forward that carries a due rollback (window.py) take the synchronous path.
-        if self.lagged is not None and only_mg_processors(args[1]) and (
-                self.faults.missed_flip < 0 or self.lagged.inline) and not any(
+        # and a forward that carries a due rollback (news.py) take the synchronous path.
+        if self.lagged is not None and only_mg_processors(args[1]) and self._lag_ok() and not any(
                 sampling_rule(req)[0] > 0 for _, req, _ in rows) and self.lagged.fits(rows) and not (
                 self._rollback_due(rows)):
             t0 = time.perf_counter()
@@ -200,23 +193,12 @@ class StepSeam(WindowSeam):
             if seeded:
                 force_tokens(logits, [i for i, _ in seeded], [t for _, t in seeded])
             return None
-        if self.faults.missed_flip >= 0:
-            steps = self._inject_missed_flip(logits, steps)
         if not self._control(logits, steps):
             self.control.observe(time.perf_counter() - t0)
         return None  # the logits were edited in place
 
-    def _inject_missed_flip(self, logits: Tensor, steps):
-        """Test-only fault (env.Faults.missed_flip = k): the k-th answer token of every
-        protected request is its runner-up, presented as the fast path's argmax with a huge
-        margin (Faults.flip_margin), so it is fast-committed and only the audit can find it: a
-        missed flip on demand. (With margin 0 it is a low-margin step, checked within a few forwards.)"""
-        k, out = self.faults.missed_flip, []
-        for i, req, pos, margin, fast, key in steps:
-            if pos - len(req.origin_input_ids) + 1 == k:
-                fast, margin = int(logits[i].float().topk(2).indices[1]), self.faults.flip_margin
-            out.append((i, req, pos, margin, fast, key))
-        return out
+    def _lag_ok(self) -> bool:
+        return True  # (seam/faults.py: a faulted seam on a GPU takes the synchronous path)
 
     def _count(self, steps) -> None:
         self.steps.inc(len(steps))
@@ -263,7 +245,7 @@ class StepSeam(WindowSeam):
             force_tokens(logits, [i for i, _ in done], [d.token for _, d in done])
         return any(d.verified for _, d in done)
 
-    def report(self, live) -> list[P.StepDecision]:
+    def report(self, live) -> list[StepDecision]:
         """Report classified step rows to the controller, one way: every row is committed with its
         fast token and checked behind (controller/window.py). An unreachable controller fails them."""
         link = self.link
@@ -274,11 +256,11 @@ class StepSeam(WindowSeam):
         try:
             with link.rpc_lock:
                 link.client.report(rows)
-            return [P.StepDecision(rid=r.rid, token=r.fast_token) for r in rows]
+            return [StepDecision(rid=r.rid, token=r.fast_token) for r in rows]
         except Exception as e:  # noqa: BLE001 - controller unreachable: fail these requests loudly
-            return [P.StepDecision(rid=r.rid, error=f"mg controller unavailable: {e}") for r in rows]
+            return [StepDecision(rid=r.rid, error=f"mg controller unavailable: {e}") for r in rows]
 
-    def commit(self, live, decisions: list[P.StepDecision], fails: list) -> list[tuple[int, P.StepDecision]]:
+    def commit(self, live, decisions: list[StepDecision], fails: list) -> list[tuple[int, StepDecision]]:
         """Apply the decisions to mg's token lists, and the failures (`fails` plus errors here:
         marked in mg's state, the requests aborted). Returns (batch row, decision) of every
         committed row."""
@@ -372,7 +354,12 @@ def make_hook(config: dict):
         from mg_server.seam.export import export
 
         export(runner.model, os.path.dirname(cfg.controller_ipc))
-    seam = StepSeam(cfg, runner)
+    if env.faults().active:  # test-only (seam/faults.py)
+        from mg_server.seam.faults import FaultySeam
+
+        seam = FaultySeam(cfg, runner)
+    else:
+        seam = StepSeam(cfg, runner)
     guard.install(seam.mark)  # before the scheduler takes its first request
     if seam.link is not None and seam.link.info.verifier_dtype:
         check_dtype(runner, seam.link.info.verifier_dtype)

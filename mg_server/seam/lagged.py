@@ -20,7 +20,7 @@ Here the work is split between the device and the host:
   GPU has the next forward queued, so this wait leaves no bubble) and reports the steps to the
   controller one way.
 A forward that carries a request with a due rollback takes the synchronous seam instead
-(hook.StepSeam.__call__), which applies it in place (window.py, rollback.py).
+(hook.StepSeam.__call__), which applies it in place (news.py, rollback.py).
 
 Measured on an H100 (docs/reference.md, "On a GPU"): correct under graphs and overlap, cheaper than the
 synchronous seam at every configuration measured.
@@ -100,7 +100,7 @@ class LaggedControl:
         self.last_target = 0  # the publisher's tag of the last forward launched
         self.pending: deque[Forward] = deque()
         self.lock = threading.Lock()  # processing order; taken before the link's locks
-        self.inline = inline  # CPU server (tests): the fault is injected into the logits (inject_fault)
+        self.inline = inline  # a CPU server (tests: MG_LAGGED_ON_CPU)
 
     def fits(self, rows) -> bool:
         return len(rows) <= self.capacity
@@ -117,8 +117,6 @@ class LaggedControl:
         The caller drained every earlier forward first, so `expected` and the reused buffers
         (meta_host, the publisher's mailbox) are free."""
         link, n = self.link, len(rows)
-        if self.inline and self.seam.faults.missed_flip >= 0:
-            self.inject_fault(logits, positions, rows)
         with link.lock:
             expected = [self.expected(req, key) for _, req, key in rows]
         mh = self._meta_np
@@ -144,17 +142,6 @@ class LaggedControl:
                 self.pending.remove(f)
             raise
         force(logits, rows_dev, fast)  # every protected row samples its fast token
-
-    def inject_fault(self, logits, positions, rows) -> None:
-        """Tests only (env.Faults.missed_flip = k, the CPU lagged seam): the k-th answer
-        token of every row becomes the runner-up, ahead of the top token by fault_flip_margin (at
-        least one ulp), so the fast path emits it."""
-        cfg = self.seam.faults
-        for i, req, _ in rows:
-            if int(positions[i]) - len(req.origin_input_ids) + 1 == cfg.missed_flip:
-                top = logits[i].float().topk(2)
-                up = torch.nextafter(top.values[0], torch.tensor(float("inf"))) + cfg.flip_margin
-                logits[i, top.indices[1]] = up.to(logits.dtype)
 
     def drain(self, wait: bool, upto: int | None = None) -> None:
         """Process pending forwards in order; wait=False stops at the first whose values are not

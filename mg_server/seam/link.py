@@ -39,6 +39,16 @@ def end_rules(req) -> dict:
 
 
 @dataclass
+class StepDecision:
+    """The seam's decision for one step row (the seam decides, the controller checks behind)."""
+
+    rid: str
+    token: int = -1  # the token t_{pos+1} to emit (the fast one, or the verifier's at a rollback)
+    verified: bool = False  # the verifier computed this step (a rollback's token)
+    error: str = ""  # non-empty: the step could not be served deterministically (fail it)
+
+
+@dataclass
 class Tracked:
     req: object  # SGLang's Req (identity: a reused rid is another request)
     tokens: list[int]  # t_0 .. t_{n-1}: the prompt, then every token mg decided
@@ -170,7 +180,7 @@ class ControllerLink:
         return P.Finish(rid=rid, output=output, aborted=aborted, reason=reason, epoch=epoch, **end_rules(req))
 
     def report_end(self, rid: str, req, epoch: int) -> None:
-        """A request's Finish from the scheduler thread (seam/window.py's `ended`), in order behind
+        """A request's Finish from the scheduler thread (seam/news.py's `ended`), in order behind
         the steps this thread reported on the same socket."""
         msg = self.finish_of(rid, req, epoch)
         with self.rpc_lock:

@@ -34,7 +34,7 @@ the detokenizer has seen):
 SGLang's own retraction (memory pressure) of a held request fails it loudly at its next step
 (`Hold.retracted`): its re-prefill would carry unverified tokens.
 
-Only this module changes SGLang's request and batch state; `seams.check` pins the facts it uses.
+Only this module changes SGLang's request and batch state; `sglang_facts.check` pins the facts it uses.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ class Hold:
         self.retracted = False  # SGLang retracted it (memory pressure): the seam fails it
         self.end = None  # a held end: (answer length, finished_reason) SGLang gave it
         # (req, answer length) -> None, called with `lock` held once the request has finished with
-        # its every answer token checked: its end is reported from the scheduler thread (seam/window.py)
+        # its every answer token checked: its end is reported from the scheduler thread (seam/news.py)
         self.on_end = on_end
 
     def shown(self) -> int:
@@ -313,7 +313,7 @@ def _running_offset(orig):
 
 
 def install() -> None:
-    """Wrap SGLang's six functions once per process (scheduler process; seams.check pinned them)."""
+    """Wrap SGLang's six functions once per process (scheduler process; sglang_facts.check pinned them)."""
     global _installed
     if _installed:
         return

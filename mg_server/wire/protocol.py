@@ -12,7 +12,7 @@ Positions (the convention every mg process uses):
 
 Decoding rule (per request): greedy (temperature 0: t_{p+1} = argmax of the logits at p) or
 seeded sampling (temperature > 0 with a seed: t_{p+1} = argmax of logits / T + Gumbel noise of
-(seed, p), `mg_server.sampling`); margins are then T * (top1 - top2) of those scores.
+(seed, p), `mg_server.verifier.sampling`); margins are then T * (top1 - top2) of those scores.
 """
 
 from __future__ import annotations
@@ -212,15 +212,6 @@ class Step(Message):
     nothing is sent back; the controller checks them behind, controller/window.py)."""
 
     rows: list[StepRow]
-
-
-class StepDecision(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """The seam's decision for one step row (never sent: the seam decides, the controller checks)."""
-
-    rid: str
-    token: int = -1  # the token t_{pos+1} to emit (the fast one, or the verifier's at a rollback)
-    verified: bool = False  # the verifier computed this step (a rollback's token)
-    error: str = ""  # non-empty: the step could not be served deterministically (fail it)
 
 
 class Finish(Message):

@@ -46,7 +46,7 @@ Public API (shapes: M rows, K in-features, N out-features, T query tokens, S key
     KERNEL_CONFIG, kernel_config_id(device=None)
 
 Seeded sampling (`gumbel_noise`, `sampled_scores`, `sampled_choice`, `sampled_pair`,
-`choice_of_pair`) is `mg_server.sampling`: the seam computes it too, and its top-2 is `top2` here.
+`choice_of_pair`) is `mg_server.verifier.sampling`: the seam computes it too, and its top-2 is `top2` here.
 """
 from __future__ import annotations
 

@@ -26,7 +26,6 @@ from torch import Tensor
 
 from .config import KERNEL_CONFIG
 
-_LOG2E = 1.4426950408889634
 _PARTIAL_BUDGET = 1 << 29  # bytes of fp32 partials per launch; only bounds memory, not bits
 
 

@@ -15,7 +15,7 @@ from functools import partial
 
 from mg_server.config import INSTANCE_PARAM, instance_key
 from mg_server.seam import rollback
-from mg_server.seam.link import Tracked
+from mg_server.seam.link import StepDecision, Tracked
 from mg_server.wire import protocol as P
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class WindowSeam:
         with self.link.lock:
             return any(getattr(self.link.tracked.get(key), "rollback", None) is not None for _, _, key in rows)
 
-    def _roll_back(self, live: list, fails: list) -> list[tuple[int, P.StepDecision]]:
+    def _roll_back(self, live: list, fails: list) -> list[tuple[int, StepDecision]]:
         """Apply the rollbacks the controller queued for these rows' requests (rollback.py): each
         such row is forced to the verifier's token and taken out of `live` (the controller has
         cut its own copy already). Caller holds the link's lock."""
@@ -77,7 +77,7 @@ class WindowSeam:
             t.tokens.append(rb.token)
             t.epoch, t.rollback = rb.epoch, None
             t.hold.verified, t.hold.end = rb.index + 1, None  # (a rollback before a held end voids it)
-            rolled.append((i, P.StepDecision(rid=key, token=rb.token, verified=True)))
+            rolled.append((i, StepDecision(rid=key, token=rb.token, verified=True)))
         live[:] = keep
         return rolled
 
