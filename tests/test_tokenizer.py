@@ -64,8 +64,7 @@ def test_two_first_prepares_into_one_folder_convert_once(tmp_path):
     import subprocess
     import sys
 
-    code = ("import sys; from pathlib import Path; from mg_server.launch.compat import fix_torchvision; "
-            "fix_torchvision(); from mg_server.model.prepare import prepare_model; "
+    code = ("import sys; from pathlib import Path; from mg_server.model.prepare import prepare_model; "
             "print(prepare_model(Path(sys.argv[1]), progress=True))")
     out = tmp_path / "m"
     logs = [(tmp_path / f"out{k}", tmp_path / f"err{k}") for k in range(2)]  # (files: no pipe to fill up)

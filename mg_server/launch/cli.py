@@ -130,10 +130,8 @@ _HELD: list = []  # the served model folder's claim (model.prepare.hold_model), 
 def _model_path(model: str | None) -> str:
     """The --model folder, else the embedded SmolLM2 (prepared on first use); a folder mg prepared
     is held, so that `prepare-model --force` refuses to swap it while this server runs."""
-    from mg_server.launch.compat import fix_torchvision
     from mg_server.model.prepare import hold_model, prepare_model
 
-    fix_torchvision()  # (model.prepare's transformers imports torchvision)
     path = model if model is not None else str(prepare_model())
     _HELD.append(hold_model(Path(path)))
     return path
@@ -186,10 +184,8 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "prepare-model":
         if passthrough:
             _parser().error(f"unrecognized arguments: {' '.join(passthrough)}")
-        from mg_server.launch.compat import fix_torchvision
         from mg_server.model.prepare import prepare_model
 
-        fix_torchvision()  # (model.prepare's transformers imports torchvision)
         print(prepare_model(out_dir=args.out, gguf_path=args.gguf, force=args.force))
         return 0
 

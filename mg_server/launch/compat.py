@@ -19,7 +19,8 @@ Fixes (profile that needs each):
    loudly instead of computing something else.
 2. (cpu) torchvision's registry wheels are CUDA builds whose C extension cannot load on CPU torch;
    the pure-Python package then fails at import registering fake kernels for
-   `torchvision::nms`/`qnms`. Defining those two schemas first lets it import.
+   `torchvision::nms`/`qnms`. Defining those two schemas first lets it import
+   (`mg_server.model.torchvision_fix`: model preparation needs it too).
 3. (cpu) SGLang's other processes busy-poll, so a scheduler with more than one OpenMP thread
    competes with them for 2 cores (measured: 60 ms -> 1.5-3.4 s per decode step):
    `OMP_NUM_THREADS=1` in the children.
@@ -44,21 +45,16 @@ import shutil
 import sys
 import types
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 from mg_server import env
+from mg_server.model.torchvision_fix import fix_torchvision  # noqa: F401 - fix 2, re-exported
 
 log = logging.getLogger(__name__)
 
 PROFILES = ("cpu", "cuda-bare", "cuda")
 STANDIN_PACKAGES = ("sgl_kernel", "flashinfer")
 
-_TORCHVISION_SHIM_OPS = (
-    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-)
-_libraries: list = []  # keeps torch.library.Library objects alive (they unregister when collected)
 
 
 @dataclass
@@ -153,51 +149,7 @@ def _install_standins(report: CompatReport, packages: tuple[str, ...]) -> None:
         report.applied.append(f"stand-ins for {', '.join(missing)}")
 
 
-# ---- fix 2: torchvision ---------------------------------------------------------------------
-def fix_torchvision(report: CompatReport | None = None) -> None:
-    """Make `import torchvision` work when its C extension cannot load (fix 2 above).
-
-    Needed by every process that imports transformers' model classes or SGLang on a CPU host,
-    so also called by model preparation and the test setup. A no-op where the extension loads
-    or torchvision is already imported.
-    """
-    import torch
-
-    report = report if report is not None else CompatReport()
-    if "torchvision" in sys.modules or any(getattr(lib, "ns", "") == "torchvision" for lib in _libraries):
-        return
-    if importlib.util.find_spec("torchvision") is None:
-        report.not_needed.append("torchvision ops (torchvision not installed)")
-        return
-    from importlib.machinery import EXTENSION_SUFFIXES
-
-    tv_dir = Path(importlib.util.find_spec("torchvision").origin).parent
-    for suffix in EXTENSION_SUFFIXES:
-        ext = tv_dir / f"_C{suffix}"
-        if ext.exists():
-            try:
-                torch.ops.load_library(str(ext))
-                report.not_needed.append("torchvision ops (its C extension loads)")
-                return
-            except (OSError, RuntimeError):
-                break
-    _define_raising_ops("torchvision", _TORCHVISION_SHIM_OPS)
-    report.applied.append("torchvision nms/qnms schemas")
-
-
-def _define_raising_ops(namespace: str, schemas: tuple[str, ...]) -> None:
-    import torch
-
-    lib = torch.library.Library(namespace, "DEF")  # noqa: TOR901 - kept alive in _libraries
-    for schema in schemas:
-        lib.define(schema)
-        op_name = schema.split("(", 1)[0]
-
-        def _raise(*_args, _op=op_name, **_kwargs):
-            raise RuntimeError(f"{namespace}::{_op} is unavailable on this host")
-
-        lib.impl(op_name, _raise, "CompositeExplicitAutograd")
-    _libraries.append(lib)
+# ---- fix 2: torchvision: mg_server.model.torchvision_fix (model preparation needs it too) -----
 
 
 # ---- fix 4: bare CUDA hosts -----------------------------------------------------------------

@@ -112,9 +112,10 @@ def _write_generation_config(meta: dict, out_dir: Path) -> None:
 def prepare_model(
     out_dir: Path | None = None, gguf_path: Path | None = None, force: bool = False, progress: bool = True
 ) -> Path:
-    """Convert the GGUF (default: the embedded SmolLM2) into `out_dir`; returns the folder.
-    transformers imports torchvision where it is installed: on a CPU host the caller applies
-    launch.compat.fix_torchvision first (the CLI does)."""
+    """Convert the GGUF (default: the embedded SmolLM2) into `out_dir`; returns the folder."""
+    from mg_server.model.torchvision_fix import fix_torchvision
+
+    fix_torchvision()  # transformers imports torchvision when it is installed
     gguf_path = Path(gguf_path) if gguf_path else embedded_gguf()
     out_dir = Path(out_dir) if out_dir else default_model_dir()
     fingerprint = _fingerprint(gguf_path)
