@@ -45,7 +45,7 @@ def test_seams_match_installed_sglang():
 
     from mg_server.launch import sglang_facts
 
-    r = _run("from mg_server.launch import compat, sglang_facts\ncompat.install('cpu')\nseams.check_window()\n"
+    r = _run("from mg_server.launch import compat, sglang_facts\ncompat.install('cpu')\nsglang_facts.check_window()\n"
              "print(sglang_facts.check())")
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip().splitlines()[-1] == version("sglang") and version("sglang") in sglang_facts.TESTED
@@ -208,7 +208,7 @@ def test_fp32_logits_only_with_mg_on_a_cuda_host_whose_sglang_has_them_free():
         "metrics_dir='/x', mg_mode=mode)\n"
         "for p, m in (('cuda', 'margin'), ('cuda-bare', 'always'), ('cuda', 'off'), ('cpu', 'margin')):\n"
         "    print('WANT', p, m, launcher.wants_fp32_logits(cfg(p, m)))\n"
-        "with mock.patch.object(seams, 'fp32_logits_in_place', return_value=False):\n"
+        "with mock.patch.object(sglang_facts, 'fp32_logits_in_place', return_value=False):\n"
         "    print('UNFREE', launcher.wants_fp32_logits(cfg('cuda', 'margin')))\n"
         "from sglang.srt.layers.logits_processor import LogitsProcessor\n"
         "def upcast(self, hidden_states, lm_head, embedding_bias=None, *, out=None):\n"
