@@ -1,7 +1,7 @@
 """Test-only faults in the step seam (env.Faults), kept out of the production class.
 
-`make_hook` builds a `FaultySeam` instead of a `StepSeam` only when a fault variable is set
-(the tests' servers): a missed flip on demand. The k-th answer token of every protected request
+`make_hook` installs them on its `StepSeam` only when a fault variable is set (the tests'
+servers): a missed flip on demand. The k-th answer token of every protected request
 is its runner-up, presented as the fast path's argmax with margin `flip_margin` (huge: it is
 fast-committed and only the audit can find it; 0: a low-margin step, checked within a few
 forwards). On the lagged seam the fault is written into the logits themselves (CPU only: there
@@ -15,37 +15,37 @@ import torch
 from torch import Tensor
 
 from mg_server import env
-from mg_server.seam.hook import StepSeam
 
 
-class FaultySeam(StepSeam):
-    def __init__(self, config, runner):
-        super().__init__(config, runner)
-        self.faults = env.faults()
-        if self.lagged is not None and self.lagged.inline:
-            launch = self.lagged.launch
+def install(seam) -> None:
+    """Wrap this seam's control (and, on a CPU lagged seam, its launch) with the faults."""
+    faults = env.faults()
+    control = seam._control
 
-            def faulted_launch(logits: Tensor, positions: Tensor, rows) -> None:
-                self._flip_in_logits(logits, positions, rows)
-                launch(logits, positions, rows)
-
-            self.lagged.launch = faulted_launch
-
-    def _lag_ok(self) -> bool:
-        return self.lagged.inline
-
-    def _control(self, logits: Tensor, steps) -> bool:
-        k, out = self.faults.missed_flip, []
+    def faulted_control(logits: Tensor, steps) -> bool:
+        out = []
         for i, req, pos, margin, fast, key in steps:
-            if pos - len(req.origin_input_ids) + 1 == k:
-                fast, margin = int(logits[i].float().topk(2).indices[1]), self.faults.flip_margin
+            if pos - len(req.origin_input_ids) + 1 == faults.missed_flip:
+                fast, margin = int(logits[i].float().topk(2).indices[1]), faults.flip_margin
             out.append((i, req, pos, margin, fast, key))
-        return super()._control(logits, out)
+        return control(logits, out)
 
-    def _flip_in_logits(self, logits: Tensor, positions: Tensor, rows) -> None:
-        """The k-th answer token's runner-up made the top, ahead by flip_margin (at least one ulp)."""
-        for i, req, _ in rows:
-            if int(positions[i]) - len(req.origin_input_ids) + 1 == self.faults.missed_flip:
-                top = logits[i].float().topk(2)
-                up = torch.nextafter(top.values[0], torch.tensor(float("inf"))) + self.faults.flip_margin
-                logits[i, top.indices[1]] = up.to(logits.dtype)
+    seam._control = faulted_control
+    seam._lag_ok = lambda: seam.lagged.inline
+    if seam.lagged is not None and seam.lagged.inline:
+        launch = seam.lagged.launch
+
+        def faulted_launch(logits: Tensor, positions: Tensor, rows) -> None:
+            flip_in_logits(faults, logits, positions, rows)
+            launch(logits, positions, rows)
+
+        seam.lagged.launch = faulted_launch
+
+
+def flip_in_logits(faults: env.Faults, logits: Tensor, positions: Tensor, rows) -> None:
+    """The k-th answer token's runner-up made the top, ahead by flip_margin (at least one ulp)."""
+    for i, req, _ in rows:
+        if int(positions[i]) - len(req.origin_input_ids) + 1 == faults.missed_flip:
+            top = logits[i].float().topk(2)
+            up = torch.nextafter(top.values[0], torch.tensor(float("inf"))) + faults.flip_margin
+            logits[i, top.indices[1]] = up.to(logits.dtype)

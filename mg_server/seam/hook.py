@@ -354,12 +354,11 @@ def make_hook(config: dict):
         from mg_server.seam.export import export
 
         export(runner.model, os.path.dirname(cfg.controller_ipc))
+    seam = StepSeam(cfg, runner)
     if env.faults().active:  # test-only (seam/faults.py)
-        from mg_server.seam.faults import FaultySeam
+        from mg_server.seam import faults
 
-        seam = FaultySeam(cfg, runner)
-    else:
-        seam = StepSeam(cfg, runner)
+        faults.install(seam)
     guard.install(seam.mark)  # before the scheduler takes its first request
     if seam.link is not None and seam.link.info.verifier_dtype:
         check_dtype(runner, seam.link.info.verifier_dtype)
