@@ -49,7 +49,7 @@ from mg_server.seam import guard
 from mg_server.verifier.sampling import sampled_choice
 from mg_server.seam import rollback
 from mg_server.seam.link import ControllerLink, StepDecision, Tracked
-from mg_server.seam.reasons import over_budget, public_reason, unmodelled
+from mg_server.seam.reasons import OVER_BUDGET, over_budget, public_reason, unmodelled
 from mg_server.seam.news import WindowSeam
 from mg_server.wire import protocol as P
 
@@ -316,7 +316,7 @@ class StepSeam(WindowSeam):
         # state (positions, token counts, controller and verifier errors) stays in the log.
         public = public_reason(why)
         if req.to_finish is None:  # the first reason is the one the client gets
-            bad = public.startswith("this request may reach ")  # the client's to fix: a 400
+            bad = public.startswith(OVER_BUDGET)  # the client's to fix: a 400
             req.to_finish = FINISH_ABORT(f"deterministic decoding failed: {public}",
                                          HTTPStatus.BAD_REQUEST if bad else HTTPStatus.SERVICE_UNAVAILABLE,
                                          "BadRequest" if bad else "ServiceUnavailable")

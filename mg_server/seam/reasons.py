@@ -47,6 +47,7 @@ def unmodelled(req) -> str:
 
 
 BUDGET_FLAG = "--mg-kv-budget-gb"
+OVER_BUDGET = "this request may reach "  # over_budget's reasons begin so: the client's to fix (a 400)
 
 
 def over_budget(req, pool_tokens: int) -> str:
@@ -55,12 +56,12 @@ def over_budget(req, pool_tokens: int) -> str:
     need = len(req.origin_input_ids) + int(req.sampling_params.max_new_tokens or 0)
     if not pool_tokens or need <= pool_tokens:
         return ""
-    return (f"this request may reach {need} tokens (prompt and max_tokens) but the deterministic verifier's "
+    return (f"{OVER_BUDGET}{need} tokens (prompt and max_tokens) but the deterministic verifier's "
             f"K/V pool holds {pool_tokens}; send a shorter request or raise {BUDGET_FLAG}")
 
 
 def public_reason(why: str) -> str:
     """The client's form of an internal failure reason (module doc)."""
-    if why in PUBLIC_REASONS or why.startswith(("request id ", "this request may reach ")):
+    if why in PUBLIC_REASONS or why.startswith(("request id ", OVER_BUDGET)):
         return why
     return next((short for prefix, short in PUBLIC_PREFIXES if why.startswith(prefix)), INTERNAL_REASON)

@@ -87,8 +87,11 @@ class VerifierServer:
             self.pool = KVPool(self.spec, tokens, dtype, device)
             self.memory_bytes = torch.cuda.memory_reserved(device)
         except Exception as e:  # noqa: BLE001 - reported to every client, see module doc
-            self.load_error = f"verifier failed to load {cfg.model_path!r}: {type(e).__name__}: {e}"
-            traceback.print_exc()
+            self._load_failed(e)
+
+    def _load_failed(self, e: Exception) -> None:
+        self.load_error = f"verifier failed to load {self.cfg.model_path!r}: {type(e).__name__}: {e}"
+        traceback.print_exc()
 
     def finish(self) -> None:
         """Stage 2 on CUDA (module doc): SGLang's weights, the model on them, the kernels warmed up."""
@@ -100,8 +103,7 @@ class VerifierServer:
             print(f"[mg-verifier] SGLang's weights mapped after {time.monotonic() - t0:.1f}s of waiting", flush=True)
             self._build(tensors)
         except Exception as e:  # noqa: BLE001 - reported to every client, see module doc
-            self.load_error = f"verifier failed to load {self.cfg.model_path!r}: {type(e).__name__}: {e}"
-            traceback.print_exc()
+            self._load_failed(e)
 
     def _build(self, shared: dict | None) -> None:
         """The model (on SGLang's tensors, or loaded from the checkpoint) and its engine."""
