@@ -71,8 +71,7 @@ class VerifierStart:
             info = self.client.connect(timeout_s=self.cfg.start_timeout_s, **expect)
             if not info.ready:  # stage 1 done: SGLang may start; the next hello waits for stage 2
                 self.reserved = info
-                vcfg = self.cfg.verifier
-                info = self.client.connect(timeout_s=getattr(vcfg, "weights_timeout_s", 0) + self.cfg.start_timeout_s,
+                info = self.client.connect(timeout_s=self.cfg.verifier.weights_timeout_s + self.cfg.start_timeout_s,
                                            **expect)
             self.info = info
             if e0 is not None and (why := differs(e0, self.info)):
