@@ -106,6 +106,10 @@ class ControllerMetrics:
         self.recomputes = Counter("mg_verifier_recomputes", "Requests whose shadow K/V the verifier evicted for "
                                   "others' (its pool is sized to the deterministic load) and that were computed "
                                   "again from position 0")
+        self.reused_rows = Counter("mg_verifier_reused_rows", "Prompt positions the verifier mapped from its prefix "
+                                   "cache (an earlier request's K/V of the same tokens) instead of computing them")
+        self.arrival_prefills = Counter("mg_arrival_prefills", "Deterministic prompts the verifier computed at their "
+                                        "arrival in SGLang's scheduler, before their first step")
         self.verify_seconds = Histogram(
             "mg_verify_seconds", "Latency of one verify call (a check's, a catch-up chunk's or a tail audit's: "
             "one verifier forward), seconds",

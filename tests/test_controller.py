@@ -663,3 +663,73 @@ def test_a_check_of_many_requests_is_split_into_calls_the_verifier_accepts(make_
     assert len(calls) >= 2 and sum(len(c) for c in calls) == 70
     assert all(len(c) <= 64 and sum(len(it.tokens) for it in c) <= ctl.cfg.catchup_chunk for c in calls)
     assert all(ctl.reqs[rid].checked == 5 and not ctl.reqs[rid].error for rid in toks)
+
+
+def test_an_arrived_prompt_is_computed_at_once_and_its_first_token_checked_without_a_call(make_ctl):
+    """Arrive (a deterministic request reached SGLang's scheduler): the next idle turn has the
+    verifier compute the prompt; the first step's token is then checked against its prediction
+    with no verify call and no check delay, so a held stream's first token leaves at once."""
+    ctl = make_ctl("margin", 0.5)
+    prompt = [2, 9, 4]
+    assert ctl.handle(P.Arrive(rid="a", prompt=prompt)) is None  # one way
+    assert ctl._verdict("a").state == P.VerdictState.UNKNOWN  # no step yet: as if unseen
+    ctl._idle_turn()
+    (item,) = ctl.vclient.items
+    assert (item.pos, item.tokens, item.prompt_len) == (2, prompt, 3) and not ctl.arrivals
+    assert ctl.reqs["a"].pred == ref_next(prompt)
+    ctl._step([_window_row(prompt, 0, ref_next(prompt), 0.1, rid="a")])  # a low margin: checked already
+    st = ctl.reqs["a"]
+    assert st.checked == 1 and st.verified == [2] and ctl.checks == {} and len(ctl.vclient.items) == 1
+    assert ctl.handle(P.WindowNews()).verified == {"a": [0, 1]}
+    toks = prompt + [ref_next(prompt)]
+    for k in range(1, 4):
+        ctl._step([_window_row(toks, k, ref_next(toks), 3.0, rid="a")])
+        toks.append(ref_next(toks))
+    ctl._finish(P.Finish(rid="a", output=toks[3:], max_new=4, stop_ids=[]))
+    assert ctl._verdict("a").state == "verified"
+    assert ctl.vclient.items[1].tokens == toks[3:-1]  # the tail audit went on from the prompt's end
+
+
+def test_a_first_token_that_differs_from_the_arrivals_prediction_is_rolled_back(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    prompt = [5, 1]
+    ctl.handle(P.Arrive(rid="a", prompt=prompt))
+    ctl._idle_turn()
+    wrong = (ref_next(prompt) + 1) % 50
+    ctl._step([_window_row(prompt, 0, wrong, 0.1, rid="a")])
+    st = ctl.reqs["a"]
+    assert st.epoch == 1 and st.tokens == prompt + [ref_next(prompt)] and st.checked == 1
+    assert ctl.handle(P.WindowNews()).rollbacks == [P.Rollback(rid="a", index=0, token=ref_next(prompt), epoch=1)]
+
+
+def test_a_step_before_the_arrivals_prefill_keeps_its_state_and_another_prompt_starts_afresh(make_ctl):
+    ctl = make_ctl("margin", 0.5)
+    prompt = [3, 3, 7]
+    ctl.handle(P.Arrive(rid="a", prompt=prompt))
+    ctl._step([_window_row(prompt, 0, ref_next(prompt), 3.0, rid="a")])  # before any idle turn
+    assert not ctl.reqs["a"].arrived_at and not ctl.reqs["a"].error
+    ctl._idle_turn()  # the prefill, then the first token's check
+    assert ctl.reqs["a"].checked == 1
+    ctl.handle(P.Arrive(rid="b", prompt=[1, 2]))
+    ctl._idle_turn()
+    ctl._step([_window_row([1, 4], 0, ref_next([1, 4]), 3.0, rid="b")])  # not the prompt that arrived
+    st = ctl.reqs["b"]
+    assert st.tokens == [1, 4, ref_next([1, 4])] and st.verifier_len == 0 and st.rewind and not st.error
+
+
+def test_an_arrival_that_never_steps_is_forgotten_and_released(make_ctl, monkeypatch):
+    from mg_server.controller import arrivals
+
+    ctl = make_ctl("margin", 0.5)
+    ctl.handle(P.Arrive(rid="gone", prompt=[4, 4]))
+    ctl._idle_turn()
+    monkeypatch.setattr(arrivals, "ARRIVAL_TTL_S", 0.0)
+    ctl._sweep_arrivals()
+    assert "gone" not in ctl.reqs and ctl.vclient.released == ["gone"]
+    assert ctl._verdict("gone").state == P.VerdictState.UNKNOWN
+
+
+def test_arrivals_in_mode_off_are_ignored(make_ctl):
+    ctl = make_ctl("off", 0.0)
+    ctl.handle(P.Arrive(rid="a", prompt=[1, 2]))
+    assert not ctl.arrivals and "a" not in ctl.reqs

@@ -139,6 +139,7 @@ def drive(engine, rid: str, seq: list[int], positions: list[int], others: list[t
     """
     from mg_server.wire.protocol import ErrorReply, VerifyItem
 
+    engine.drop_cache()  # each drive computes every position (tests/test_prefix_cache.py maps them)
     seq = list(seq)
     tr = Trace()
     other_seq = {o: list(p) for o, p in others}

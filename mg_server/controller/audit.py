@@ -81,6 +81,7 @@ class AuditMixin:
             if extra:  # the overlap scheduler's look-ahead forward(s) after the last token, a held end's surplus
                 self.m.lookahead.inc(extra)
                 log.debug("request %s: %d look-ahead step(s) dropped", msg.rid, extra)
+        st.arrived_at = 0.0
         st.aborted = (msg.reason or "aborted") if msg.aborted else ""
         st.end = msg
         st.finished_at, st.audit_pending = time.monotonic(), True
@@ -144,7 +145,7 @@ class AuditMixin:
         if rid in self.pending:  # its response is waiting for this audit: run every pending one with it
             self._complete([rid, *self.pending])
         st = self.reqs.get(rid)
-        if st is None:
+        if st is None or st.arrived_at:  # (arrived, never stepped: as if unseen)
             return P.VerdictReply(rid=rid, state=P.VerdictState.UNKNOWN)
         if correct and st.correction is None and can_correct(st, self.cfg.mode) and self.verifier_up():
             job = self.completing.get(rid)
@@ -172,7 +173,7 @@ class AuditMixin:
 
     def _count_live(self) -> None:
         """mg_live_requests: after each tail audit and at idle turns, so 0 once traffic stops."""
-        self.m.live_requests.set(sum(1 for s in self.reqs.values() if not s.finished_at))
+        self.m.live_requests.set(sum(1 for s in self.reqs.values() if not s.finished_at and not s.arrived_at))
 
     def _expire(self) -> None:
         self._count_live()

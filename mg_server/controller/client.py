@@ -32,6 +32,11 @@ class ControllerClient(RpcClient):
             raise RpcError(P.ErrorCode.PROTOCOL_MISMATCH, f"controller speaks protocol {info.protocol_version}")
         return info
 
+    def arrive(self, msg: P.Arrive) -> None:
+        """A deterministic request's prompt at its arrival (one way, ahead of its first step on
+        the same socket)."""
+        self.send(msg)
+
     def report(self, rows: list[P.StepRow]) -> None:
         """Fast commits the seam decided itself (no reply; the controller checks them behind)."""
         self.send(P.Step(rows=rows))

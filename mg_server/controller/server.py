@@ -1,7 +1,9 @@
 """The controller process: MarginGate policy, verifier dispatch, audit, counters.
 
 It owns the verifier worker (spawned as its child: controller/worker.py), and watches its beat.
-Clients: mg's forward hook in SGLang's scheduler (one one-way `Step` per fast-path forward holding
+Clients: mg's forward hook in SGLang's scheduler (a one-way `Arrive` when a deterministic request
+reaches the scheduler, whose prompt the verifier computes at once, beside SGLang's prefill, so its
+first answer token is checked when its first step comes; one one-way `Step` per fast-path forward holding
 every protected row, `WindowNews` and `CheckTail` for its window commit, and a one-way `Finish`
 when a protected request ends) and the HTTP front (`Verdict`). Every row was committed fast; the policy
 only says how soon it is checked (controller/window.py): the pending rows of every request go to
@@ -29,6 +31,7 @@ from dataclasses import replace
 
 import zmq
 
+from mg_server.controller.arrivals import ArrivalMixin
 from mg_server.controller.audit import AuditMixin
 from mg_server.controller.catchup import catch_up
 from mg_server.controller.correct import AnswerCompletion
@@ -47,7 +50,7 @@ IDLE_AUDITS = 8  # finished requests' tail audits per idle turn (one verify call
 START_ERROR_LINGER_S = 30.0  # a verifier that did not start: how long its error waits for the launcher's hello
 
 
-class Controller(AuditMixin, WindowMixin, WorkerMixin):
+class Controller(ArrivalMixin, AuditMixin, WindowMixin, WorkerMixin):
     def __init__(self, cfg: ControllerConfig, lifeline: Lifeline | None = None):
         from mg_server.metrics import controller_metrics
 
@@ -61,6 +64,9 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         self.pending: dict[str, None] = {}
         # Requests with steps to check (rid -> their low-margin positions) (controller/window.py).
         self.checks: dict[str, list[int]] = {}
+        # Arrived requests whose prompt the verifier has not computed yet, in arrival order.
+        self.arrivals: dict[str, None] = {}
+        self._arrivals_swept = 0.0  # monotonic time of the last sweep of stale arrivals
         # Disagreements the seam has not been told yet (controller/window.py).
         self.rollbacks: dict[str, P.Rollback] = {}
         self.forwards = 0  # Steps so far (a forward each)
@@ -92,6 +98,9 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
             if isinstance(msg, (P.ControllerHello, P.Shutdown)):
                 self.running = False
             return P.Error(error=self.start_error)
+        if isinstance(msg, P.Arrive):
+            self._arrive(msg)  # (one-way, like Step)
+            return None
         if isinstance(msg, P.Step):
             self._step(msg.rows)  # (one-way: errors stay in the requests' states, i.e. their verdicts)
             return None
@@ -137,10 +146,22 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
                 st.error = "deterministic verifier is not running"
             if not st.error:  # committed fast; checked in windows (controller/window.py)
                 self._window_step(row, st)
+                if st.steps == 1:
+                    self._first_token(row.rid, st)
 
     def _state_for(self, row: P.StepRow) -> ReqState:
         """The request's state; its first step (the one carrying the prompt) creates it."""
         st = self.reqs.get(row.rid)
+        if row.prompt and st is not None and st.arrived_at and not st.finished_at:  # its Arrive came first
+            if not st.error and st.tokens == list(row.prompt) and (st.temperature, st.seed) == (row.temperature,
+                                                                                                 row.seed):
+                st.arrived_at = 0.0
+                return st
+            # another prompt under its id, or its arrival failed: start afresh (the verifier drops what it holds)
+            self.arrivals.pop(row.rid, None)
+            st = self.reqs[row.rid] = ReqState(tokens=list(row.prompt), prompt_len=len(row.prompt),
+                                               temperature=row.temperature, seed=row.seed, rewind=True)
+            return st
         if not row.prompt:
             if st is None:
                 st = self.reqs[row.rid] = ReqState(error="step of a request the controller never saw start")
@@ -172,6 +193,7 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
             if self.vclient is None:  # lost during this turn (worker.py): no worker to ask
                 raise VerifierError(P.ErrorCode.PEER_DOWN, self.down_reason or "no verifier")
             results = self.vclient.verify_many(items)
+            self.m.reused_rows.inc(sum(r.reused for r in results if not isinstance(r, P.ErrorReply)))
         except VerifierError as e:
             results = [P.ErrorReply(code=e.code, message=e.message) for _ in items]
             self.verifier_up()  # a verifier that died or stopped is reported down at once (/health, mg_verifier_up)
@@ -288,7 +310,7 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
                 failed_at = failed_at or time.monotonic()
                 if time.monotonic() - failed_at > START_ERROR_LINGER_S:
                     break
-            busy = self.pending or self._checks_due()  # idle work waits: no blocking poll
+            busy = self.arrivals or self.pending or self._checks_due()  # idle work waits: no blocking poll
             # (a start in progress is looked at every 50 ms: the launcher's hello waits for it)
             if not self.sock.poll(0 if busy else 50 if self._start is not None else 200):
                 self._idle_turn()
@@ -317,7 +339,9 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         self.sock.send_multipart([ident, P.encode(reply)])
 
     def _idle_turn(self) -> None:
-        if self._checks_due():  # idle: due checks first
+        if self.arrivals:  # idle: arrived prompts first (a first token waits for them)
+            self._prefill_arrivals()
+        elif self._checks_due():  # idle: due checks
             if self.window_due is not None:
                 self._all_window_checks()
             self._run_checks()
@@ -326,6 +350,7 @@ class Controller(AuditMixin, WindowMixin, WorkerMixin):
         else:  # idle: notice a dead verifier without traffic (health, metrics), tend its restart
             self.verifier_up()
             self._count_live()
+            self._sweep_arrivals()
 
     def close(self) -> None:
         self.stop_verifier()

@@ -43,6 +43,7 @@ class ReqState:
     last_rollback: object = None  # the latest protocol.Rollback (the finish barrier re-tells it)
     due_from: int | None = None  # a held end's length: the answer index of its first surplus row
     margins: list[float] = field(default_factory=list)  # the fast margin of each answer token (-1: the verifier's)
+    arrived_at: float = 0.0  # monotonic time of its Arrive while no step has come (0: it has stepped)
 
     @property
     def steps(self) -> int:

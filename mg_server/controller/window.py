@@ -96,7 +96,8 @@ class WindowMixin:
         self.m.missed_flips.inc()
 
     def _window_progress(self) -> dict[str, list[int]]:
-        return {rid: [st.epoch, st.checked] for rid, st in self.reqs.items() if not st.finished_at and not st.error}
+        return {rid: [st.epoch, st.checked] for rid, st in self.reqs.items()
+                if not st.finished_at and not st.error and not st.arrived_at}
 
     def _check_tail(self, rid: str) -> P.TailReply:
         """The finish barrier: every decided token of the request checked now, in one verify call

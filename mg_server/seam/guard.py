@@ -16,6 +16,8 @@ SGLang any other way:
   sampling fields of the types the front writes; otherwise its processor and params are dropped
   and it is aborted (400) before it is scheduled. The step seam reads marked rows only
   (hook.protected_rows), so no client can pose as deterministic.
+- A marked deterministic `Req` that passes is announced to the seam (`on_admit`: its prompt goes to
+  the controller at once, protocol `Arrive`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import hmac
 import logging
 import math
 
-from mg_server.config import MARK_PARAM, SEED_PARAM, TEMPERATURE_PARAM
+from mg_server.config import DETERMINISTIC_PARAM, MARK_PARAM, SEED_PARAM, TEMPERATURE_PARAM
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,9 @@ REFUSED = "custom_logit_processor and custom_params are not accepted by this ser
 # sampling parameters are positional): how its abort reaches its client; SGLang's own
 # session-not-found abort passes the same.
 SAFE_KWARGS = ("stream", "vocab_size", "http_worker_ipc", "eos_token_ids", "time_stats", "metrics_collector")
+
+
+_on_admit = None  # install's on_admit (a later install may add it: the first one wrapped Req already)
 
 
 def marked(params, mark: str) -> bool:
@@ -55,9 +60,13 @@ def refusal(processor, params, ours: str, mark: str) -> str:
     return ""
 
 
-def install(mark: str) -> None:
+def install(mark: str, on_admit=None) -> None:
     """Guard this process's SGLang (idempotent): its deserializer, and every Req it creates
-    (sglang_facts.check verifies both with the texts this relies on)."""
+    (sglang_facts.check verifies both with the texts this relies on). on_admit(req): called for
+    each marked deterministic Req that passes (the scheduler's seam); it must not raise."""
+    global _on_admit
+    if on_admit is not None:
+        _on_admit = on_admit
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling import custom_logit_processor as clp
 
@@ -89,6 +98,10 @@ def install(mark: str) -> None:
             self.custom_logit_processor = None
             self.sampling_params.custom_params = None
             self.set_finish_with_abort(why)
+        elif _on_admit is not None and self.custom_logit_processor is not None:
+            params = self.sampling_params.custom_params
+            if isinstance(params, dict) and params.get(DETERMINISTIC_PARAM):
+                _on_admit(self)
 
     __init__.mg_guard = True
     Req.__init__ = __init__

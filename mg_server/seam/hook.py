@@ -290,6 +290,19 @@ class StepSeam(WindowSeam):
         for req, _, why in fails:
             self._fail(req, why)
 
+    def arrived(self, req) -> None:
+        """A deterministic request reached the scheduler (guard.py's on_admit, in its Req's
+        constructor): its prompt goes to the controller now (protocol Arrive), ahead of its first
+        step on the same socket. Never raises: without it the first check computes the prompt."""
+        try:
+            key = instance_key(req.rid, (req.sampling_params.custom_params or {}).get(INSTANCE_PARAM))
+            temperature, seed = sampling_rule(req)
+            msg = P.Arrive(rid=key, prompt=list(req.origin_input_ids), temperature=temperature, seed=seed)
+            with self.link.rpc_lock:
+                self.link.client.arrive(msg)
+        except Exception as e:  # noqa: BLE001 - an optimisation only (docstring)
+            log.warning("mg: the arrival of %s was not reported: %s", getattr(req, "rid", "?"), e)
+
     def new_tracked(self, req) -> Tracked:
         t = Tracked(req, list(req.origin_input_ids))
         self.hold(req, t)
@@ -359,7 +372,7 @@ def make_hook(config: dict):
         from mg_server.seam import faults
 
         faults.install(seam)
-    guard.install(seam.mark)  # before the scheduler takes its first request
+    guard.install(seam.mark, seam.arrived if seam.link is not None else None)  # before the scheduler's first request
     if seam.link is not None and seam.link.info.verifier_dtype:
         check_dtype(runner, seam.link.info.verifier_dtype)
     runner.sampler.register_forward_pre_hook(seam)

@@ -6,6 +6,9 @@ request's shadow cache, and answers for position pos: the greedy token t_{pos+1}
 the K/V column of position pos. Catch-up rows are ordinary rows of the same forward, so the
 verifier also records its own argmax/margin at every caught-up position (the audit).
 Several requests share one forward; the kernels are batch-invariant, so this changes nothing.
+A new request's prompt positions that begin like an earlier request's are mapped from the prefix
+cache (verifier/prefix.py) instead of computed: the item's answer is the same bits, its rows
+there decide nothing (prompt rows are not audited: their audit entries are -1 / NaN).
 An item with temperature > 0 is decoded by seeded sampling (protocol module doc): its rows'
 tokens and margins come from `sampling.sampled_choice` (or its device half, `sampled_pair`) of
 their fp32 logits row, the function mg's seam calls on the fast path's row, so both add
@@ -15,6 +18,7 @@ bit-identical noise.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,6 +29,7 @@ from torch import Tensor
 
 from mg_server.verifier import ops
 from mg_server.verifier.model import KVPool, Segment, VerifierModel
+from mg_server.verifier.prefix import BLOCK, Block, PrefixCache
 from mg_server.wire.protocol import ErrorCode, ErrorReply, VerifyItem
 
 
@@ -33,6 +38,10 @@ class SeqState:
     rid: str
     table_row: int  # this request's row of the engine's device-side slot table
     slots: list[int] = field(default_factory=list)  # pool slot of positions 0..len-1
+    tokens: list[int] = field(default_factory=list)  # token id of positions 0..len-1 (the cache's keys)
+    blocks: list[Block] = field(default_factory=list)  # the prefix cache's blocks it maps, in order
+    shared: int = 0  # positions 0..shared-1 are in cache-owned slots (blocks'); the rest are its own
+    caching: bool = True  # its next whole block may be registered (False after an unaligned cut)
     last_pred: int = -1  # the verifier's token for position len (from its last forward)
     prompt_len: int = 0  # t_q with q < prompt_len are prompt tokens: not audited
     last_used: float = 0.0  # time.monotonic() of the last forward (for idle eviction)
@@ -58,6 +67,7 @@ class StepOutput:
     batch_rows: int
     batch_requests: int
     forward_ms: float
+    reused: int = 0  # leading positions of the item mapped from the prefix cache (not computed)
     digest: bytes = b""  # VerifyItem.want_digest: blake2b of `logits`, taken before any later forward
 
     @property
@@ -87,6 +97,8 @@ class VerifierEngine:
                                    device=model.device)  # [requests + 1, max_seq_len] int64
         self._free_rows: list[int] = list(range(max_requests - 1, -1, -1))
         self.seqs: dict[str, SeqState] = {}
+        self.cache = PrefixCache()  # computed K/V blocks, reused by requests that begin alike
+        self._map_host = None  # graphs: [max_seq_len] int64 page-locked, a mapped prefix's slots (_map)
         self.forwards = 0
         self.graph_forwards = 0  # graph replays (a forward of more rows than the largest bucket takes several)
         self.graphs = None
@@ -96,41 +108,93 @@ class VerifierEngine:
             self.graphs = RowGraphs(model, self.pool, self.kv_table, self.max_seq_len, scratch, max_requests,
                                     graph_buckets or BUCKETS)  # (rows per graph: graphs.BUCKETS)
             self.graphs.capture()
+            self._map_host = torch.zeros(self.max_seq_len, dtype=torch.int64, pin_memory=True)  # (made now: _map)
 
     # ---- request table -------------------------------------------------------------------
     def release(self, rid: str) -> bool:
         st = self.seqs.pop(rid, None)
         if st is None:
             return False
-        self._free.extend(reversed(st.slots))
+        self._free.extend(reversed(st.slots[st.shared:]))  # its own slots; the cache keeps its blocks'
+        self.cache.drop(st.blocks)
         self._free_rows.append(st.table_row)
         return True
 
     def _truncate(self, st: SeqState, length: int) -> None:
-        drop = st.slots[length:]
-        del st.slots[length:]
-        self._free.extend(reversed(drop))
+        if length < st.shared:  # a cut inside the mapped prefix: blocks past it unmapped, never freed here
+            keep = -(-length // BLOCK)
+            self.cache.drop(st.blocks[keep:])
+            del st.blocks[keep:]
+            self._free.extend(reversed(st.slots[st.shared:]))
+            st.shared, st.caching = length, length % BLOCK == 0 and st.caching
+        else:
+            self._free.extend(reversed(st.slots[length:]))
+        del st.slots[length:], st.tokens[length:]
         st.last_pred = -1
 
+    def _register(self, st: SeqState) -> None:
+        """Cache the whole blocks the request has computed (prefix module doc)."""
+        while st.caching and st.length >= st.shared + BLOCK:
+            a = st.shared
+            b = self.cache.register(st.blocks[-1] if st.blocks else None, tuple(st.tokens[a:a + BLOCK]),
+                                    st.slots[a:a + BLOCK])
+            if b is None:  # an equal block is cached already (computed beside this one): keep ours
+                st.caching = False
+                return
+            st.blocks.append(b)
+            st.shared += BLOCK
+
     def _evict_idle(self, need_tokens: int, need_requests: int, keep: set[str], rid: str) -> None:
-        """Free least-recently-used requests idle > evict_idle_s until the need is met (a caller
-        that comes back gets UNKNOWN_REQUEST and resends its prefix from position 0); never one
-        of `keep` (the forward's admitted requests) or `rid` (the item's own)."""
+        """Free slots until the need is met: unmapped cached blocks first (least recently used
+        leaf first), then least-recently-used requests idle > evict_idle_s (a caller that comes
+        back gets UNKNOWN_REQUEST and resends its prefix from position 0); never one of `keep`
+        (the forward's admitted requests) or `rid` (the item's own)."""
         def met() -> bool:
             return len(self._free) >= need_tokens and len(self.seqs) + need_requests <= self.max_requests
 
-        if met():  # (the common case: no sort of the whole table for every item of every call)
-            return
+        idle = None
         now = time.monotonic()
-        for st in sorted(self.seqs.values(), key=lambda x: x.last_used):
-            if met():
+        while not met():  # (the common case: met at once, no sort of the whole table)
+            if len(self._free) < need_tokens and (slots := self.cache.evict_one()):
+                self._free.extend(reversed(slots))
+                continue
+            if idle is None:
+                idle = iter(sorted(self.seqs.values(), key=lambda x: x.last_used))
+            st = next(idle, None)
+            if st is None:
                 return
             if st.rid not in keep and st.rid != rid and now - st.last_used > self.evict_idle_s:
                 self.release(st.rid)
 
+    def drop_cache(self) -> None:
+        """Forget every cached block no request maps (their slots freed)."""
+        while slots := self.cache.evict_one():
+            self._free.extend(reversed(slots))
+
     @property
     def pool_used(self) -> int:
-        return self.pool.n_tokens - 1 - len(self._free)  # the scratch slot is never a request's
+        """Slots held by requests and by unmapped cached blocks (the scratch slot is never a request's)."""
+        return self.pool.n_tokens - 1 - len(self._free)
+
+    def _reusable(self, it: VerifyItem) -> list[Block]:
+        """The cached blocks a new request's item may map: whole blocks of its prompt, never its
+        last prompt position (its row gives the first answer token) nor the item's last."""
+        n = len(it.tokens)
+        return self.cache.match(it.tokens, min(it.prompt_len or n, n) - 1)
+
+    def _map(self, row: int, slots: list[int]) -> None:
+        """kv_table[row, :len(slots)] = slots (a mapped prefix), before the forward that reads them."""
+        m = len(slots)
+        if m == 0:
+            return
+        if self.graphs is None:
+            self.kv_table[row, :m] = torch.tensor(slots, dtype=torch.int64, device=self.kv_table.device)
+            return
+        from mg_server.wire.zerocopy import copy_  # (a kernel's copy: graphs.py)
+
+        self._map_host.numpy()[:m] = slots
+        copy_(self._map_host[:m], self.kv_table[row, :m])
+        self.graphs._wait()  # (the buffer is reused by the next mapping)
 
     def _check(self, it: VerifyItem, busy: set[str], reserved: int = 0) -> ErrorReply | int:
         """Validate an item against the request table; on success, prepare its state and return
@@ -148,41 +212,55 @@ class VerifierEngine:
         if min(it.tokens) < 0 or max(it.tokens) >= vocab:
             return ErrorReply(code=ErrorCode.BAD_REQUEST, rid=it.rid, message=f"token id outside [0, {vocab})")
         st = self.seqs.get(it.rid)
+        mapped: list[Block] = []
         if st is None:
             if start != 0:
                 return ErrorReply(code=ErrorCode.UNKNOWN_REQUEST, rid=it.rid, expected_pos=0,
                                   message=f"no shadow cache for {it.rid!r}; the first item must start at 0")
-            need = n
+            mapped = self._reusable(it)
+            self.cache.take(mapped)  # (mapped before eviction looks for room: they stay)
+            need = n - BLOCK * len(mapped)
         else:
             if start != st.length and not (it.rewind and start <= st.length):
                 return ErrorReply(code=ErrorCode.POSITION_MISMATCH, rid=it.rid, expected_pos=st.length,
                                   message=f"tokens start at {start}, verifier holds {st.length} positions")
             need = it.pos + 1 - min(start, st.length)
         self._evict_idle(need + reserved, int(st is None), busy, it.rid)
+        err = None
         if st is None and len(self.seqs) >= self.max_requests:
-            return ErrorReply(code=ErrorCode.NO_CAPACITY, rid=it.rid,
-                              message=f"{self.max_requests} requests already held")
-        if need > len(self._free) - reserved:
-            return ErrorReply(code=ErrorCode.NO_CAPACITY, rid=it.rid,
-                              message=f"K/V pool has {len(self._free) - reserved} free tokens, need {need} "
-                                      f"(pool: {self.pool.n_tokens} tokens)")
+            err = ErrorReply(code=ErrorCode.NO_CAPACITY, rid=it.rid,
+                             message=f"{self.max_requests} requests already held")
+        elif need > len(self._free) - reserved:
+            err = ErrorReply(code=ErrorCode.NO_CAPACITY, rid=it.rid,
+                             message=f"K/V pool has {len(self._free) - reserved} free tokens, need {need} "
+                                     f"(pool: {self.pool.n_tokens} tokens)")
+        if err is not None:
+            self.cache.drop(mapped)
+            return err
         if st is None:
-            self.seqs[it.rid] = SeqState(it.rid, self._free_rows.pop(), prompt_len=it.prompt_len or n,
-                                         last_used=time.monotonic())
+            m = BLOCK * len(mapped)
+            st = self.seqs[it.rid] = SeqState(it.rid, self._free_rows.pop(), prompt_len=it.prompt_len or n,
+                                              last_used=time.monotonic(), blocks=mapped, shared=m,
+                                              slots=[s for b in mapped for s in b.slots], tokens=it.tokens[:m])
+            self._map(st.table_row, st.slots)
+            self.cache.hits += m
         elif start < st.length:  # rewind
             self._truncate(st, start)
-        return n
+        return need
 
     # ---- forward ------------------------------------------------------------------------
     def step(self, items: list[VerifyItem]) -> list[StepOutput | ErrorReply]:
-        """Serve items in order; items of one rid go to successive forwards, the rest batch."""
+        """Serve items in order; items of one rid go to successive forwards, the rest batch. So do
+        new requests whose first uncached block is alike (n samples of one prompt, a preamble not
+        cached yet): the later ones map what the first computed (`_first_new_block`)."""
         out: list[StepOutput | ErrorReply | None] = [None] * len(items)
         pending = list(range(len(items)))
         while pending:
             batch, later, seen = [], [], set()
             for i in pending:
-                (later if items[i].rid in seen else batch).append(i)
-                seen.add(items[i].rid)
+                key = self._first_new_block(items[i])
+                (later if items[i].rid in seen or (key is not None and key in seen) else batch).append(i)
+                seen.update((items[i].rid, key))
             ok, errors = self._admit([items[i] for i in batch])
             for k, err in errors.items():
                 out[batch[k]] = err
@@ -198,6 +276,17 @@ class VerifierEngine:
                                             message=f"{type(e).__name__}: {e}")
             pending = later
         return out  # type: ignore[return-value]
+
+    def _first_new_block(self, it: VerifyItem) -> tuple | None:
+        """A new request's next block to compute past its cached prefix, if it could be reused by
+        another item of the same forward (None: nothing to share)."""
+        if it.rid in self.seqs or it.pos + 1 != len(it.tokens):
+            return None
+        k = len(self._reusable(it))
+        end = (k + 1) * BLOCK
+        if end > min(it.prompt_len or len(it.tokens), len(it.tokens)) - 1:
+            return None
+        return ("block", k, tuple(it.tokens[:end]))
 
     def _admit(self, items: list[VerifyItem]) -> tuple[list[int], dict[int, ErrorReply]]:
         """_check each item of one forward (distinct rids) in order, the pool slots of those
@@ -221,14 +310,17 @@ class VerifierEngine:
             st = self.seqs[it.rid]
             st.last_used = time.monotonic()
             start = it.pos + 1 - len(it.tokens)
-            new = [self._free.pop() for _ in it.tokens]
+            skip = st.length - start  # > 0: a new request's mapped prefix (_check), not computed
+            rows = it.tokens[skip:]
+            new = [self._free.pop() for _ in rows]
             prev_pred = st.last_pred
             st.slots.extend(new)
-            segs.append(Segment(row_start=len(tokens), n_rows=len(it.tokens), q_start=start,
+            st.tokens.extend(rows)
+            segs.append(Segment(row_start=len(tokens), n_rows=len(rows), q_start=start + skip,
                                 kv_indices=self.kv_table[st.table_row, : it.pos + 1]))
-            metas.append((st, start, prev_pred))
-            tokens.extend(it.tokens)
-            positions.extend(range(start, it.pos + 1))
+            metas.append((st, start, skip, prev_pred))
+            tokens.extend(rows)
+            positions.extend(range(start + skip, it.pos + 1))
             out_slots.extend(new)
             table_rows.extend([st.table_row] * len(new))
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=dev)  # noqa: E731
@@ -236,10 +328,10 @@ class VerifierEngine:
         # prompt_len - 1); rows inside the prompt decide nothing (not audited) and keep the greedy
         # argmax, which spares a long prompt's catch-up the noise of every row
         sampled: dict[int, tuple[float, int, int]] = {}
-        for it, seg, (st, start, _) in zip(items, segs, metas):
+        for it, seg, (st, _, _, _) in zip(items, segs, metas):
             if it.temperature > 0:
-                sampled.update({seg.row_start + j: (it.temperature, it.seed, start + j)
-                                for j in range(seg.n_rows) if start + j + 1 >= st.prompt_len})
+                sampled.update({seg.row_start + j: (it.temperature, it.seed, seg.q_start + j)
+                                for j in range(seg.n_rows) if seg.q_start + j + 1 >= st.prompt_len})
         if self.graphs is not None:  # the graph writes the new positions' slots into kv_table itself
             answers = [s.row_start + s.n_rows - 1 for s in segs]  # each item's answer row
             logits, top = self._graph_rows(tokens, positions, out_slots, table_rows, answers, sampled)
@@ -255,10 +347,10 @@ class VerifierEngine:
         self.forwards += 1
         ms = (time.perf_counter() - t0) * 1e3
         results = []
-        for it, seg, (st, start, prev_pred) in zip(items, segs, metas):
+        for it, seg, (st, start, skip, prev_pred) in zip(items, segs, metas):
             last = seg.row_start + seg.n_rows - 1
-            audit_t = preds[seg.row_start:last]
-            audit_m = margins[seg.row_start:last]
+            audit_t = [-1] * skip + preds[seg.row_start:last]  # (mapped rows: prompt rows, decide nothing)
+            audit_m = [math.nan] * skip + margins[seg.row_start:last]
             first_mm = -1
             if start >= st.prompt_len and prev_pred >= 0 and prev_pred != it.tokens[0]:
                 first_mm = start - 1
@@ -272,8 +364,9 @@ class VerifierEngine:
                 rid=it.rid, pos=it.pos, token=preds[last], margin=margins[last],
                 column=partial(self.pool.column, st.slots[it.pos]), logits=logits[last],
                 audit_tokens=audit_t, audit_margins=audit_m, first_mismatch=first_mm,
-                batch_rows=len(tokens), batch_requests=len(items), forward_ms=ms,
+                batch_rows=len(tokens), batch_requests=len(items), forward_ms=ms, reused=skip,
                 digest=_digest(logits[last]) if it.want_digest else b""))
+            self._register(st)
         return results
 
     def _graph_rows(self, tokens: list[int], positions: list[int], slots: list[int], table_rows: list[int],

@@ -142,7 +142,8 @@ class VerifierServer:
         rids = [f"mg-warm-up-{k}" for k in range(min(8, eng.max_requests))]
         n = max(18, min(150, eng.max_seq_len - 1, (eng.pool.n_tokens - 64) // len(rids)))  # a long prompt that fits
         calls = [[P.VerifyItem(rid=rids[0], pos=16, tokens=[1] * 17)], [P.VerifyItem(rid=rids[0], pos=17, tokens=[1])],
-                 [P.VerifyItem(rid=r, pos=n - 2, tokens=[1] * (n - 1)) for r in rids[1:]],
+                 # (distinct tokens: alike prompts of one call would be computed once, verifier/prefix.py)
+                 [P.VerifyItem(rid=r, pos=n - 2, tokens=[k + 2] * (n - 1)) for k, r in enumerate(rids[1:])],
                  [P.VerifyItem(rid=r, pos=n - 1 if k else 18, tokens=[1]) for k, r in enumerate(rids)],
                  [P.VerifyItem(rid="mg-warm-up-s", pos=16, tokens=[1] * 17, temperature=0.7, seed=1)],
                  [P.VerifyItem(rid="mg-warm-up-s", pos=17, tokens=[1], temperature=0.7, seed=1)]]
@@ -152,6 +153,7 @@ class VerifierServer:
                     raise RuntimeError(f"warm-up forward failed: [{res.code}] {res.message}")
         for r in [*rids, "mg-warm-up-s"]:
             self.engine.release(r)
+        self.engine.drop_cache()  # (the warm-up's blocks are nobody's prefix)
         print(f"[mg-verifier] kernels warmed up in {time.perf_counter() - t0:.1f}s", flush=True)
 
     # ---- handlers -----------------------------------------------------------------------
@@ -240,7 +242,7 @@ class VerifierServer:
         return P.VerifyResult(
             rid=res.rid, pos=res.pos, token=res.token, margin=res.margin,
             audit_tokens=res.audit_tokens, audit_margins=res.audit_margins,
-            first_mismatch=res.first_mismatch, digest=res.digest if digest else b"",
+            first_mismatch=res.first_mismatch, digest=res.digest if digest else b"", reused=res.reused,
             batch_rows=res.batch_rows, batch_requests=res.batch_requests, forward_ms=res.forward_ms)
 
     def _control(self, m: P.Message) -> P.Message:
@@ -252,7 +254,8 @@ class VerifierServer:
             e = self.engine
             return P.StatsReply(msg_id=m.msg_id, requests=len(e.seqs), pool_tokens_used=e.pool_used,
                                 pool_tokens=e.pool.n_tokens, served_items=self.served,
-                                forwards=e.forwards, errors=self.errors)
+                                forwards=e.forwards, errors=self.errors, cached_tokens=e.cache.idle_slots,
+                                reused_rows=e.cache.hits)
         if isinstance(m, P.Shutdown):
             self.running = False
             return P.Ack(msg_id=m.msg_id)

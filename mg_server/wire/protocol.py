@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import msgspec
 
-PROTOCOL_VERSION = 16  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
+PROTOCOL_VERSION = 17  # 4: seeded sampling (temperature, seed), weights_digest; 5: Finish end rules, corrections;
 # 10: window commit (StepRow.epoch, Rollback, CheckTail); 11: the window commit is the only one: Step is
 # one-way (no StepReply), WindowNews replaces Stops, and the other commits' fields and messages are gone;
 # 12: Finish.epoch, Finish one-way, ControllerInfo.verifier_max_requests; 13: a K/V column only on
 # request (VerifyItem.want_column); 14: StepRow.due (a held end's surplus); 15: no K/V slot buffer (ShmSpec,
 # want_column, slot/gen gone), the verifier on SGLang's weights (HelloReply.shared_weights,
-# ControllerInfo.verifier_dtype); 16: one model identity (model_id; weights_digest gone)
+# ControllerInfo.verifier_dtype); 16: one model identity (model_id; weights_digest gone); 17: the prefix cache
+# (VerifyResult.reused, StatsReply.cached_tokens / reused_rows) and Arrive (a prompt at its arrival)
 
 
 class ErrorCode:
@@ -112,7 +113,9 @@ class VerifyResult(msgspec.Struct, tag=True, kw_only=True, omit_defaults=True):
     first_mismatch: int = -1  # first q in [start-1, pos-1], q+1 >= prompt_len, whose verifier
     #                           token != the caller's t_{q+1} (a missed flip), -1 if none
     digest: bytes = b""
-    batch_rows: int = 0  # rows in the forward that served this item (for tests and metrics)
+    reused: int = 0  # leading positions of the item mapped from the verifier's prefix cache (their
+    #                 audit entries: -1 / NaN, prompt rows decide nothing)
+    batch_rows: int = 0  # rows computed in the forward that served this item (for tests and metrics)
     batch_requests: int = 0  # requests in that forward
     forward_ms: float = 0.0
 
@@ -145,6 +148,8 @@ class StatsReply(Message):
     served_items: int
     forwards: int
     errors: int
+    cached_tokens: int = 0  # pool slots held by the prefix cache's blocks no request maps now
+    reused_rows: int = 0  # positions mapped from the prefix cache so far (rows not computed)
 
 
 class Shutdown(Message):
@@ -205,6 +210,17 @@ class StepRow(msgspec.Struct, kw_only=True, omit_defaults=True):
     # A held end's surplus (seam/rollback.py): SGLang ended the request with unchecked tokens and
     # decodes on while they are checked; the controller checks them at once.
     due: bool = False
+
+
+class Arrive(Message):
+    """A deterministic request reached SGLang's scheduler (one way, before its first forward): the
+    controller has the verifier compute its prompt now, beside SGLang's prefill, so that its first
+    answer token is checked when its first step comes."""
+
+    rid: str
+    prompt: list[int]  # t_0 .. t_{n-1}
+    temperature: float = 0.0  # its decoding rule (as StepRow's)
+    seed: int = 0
 
 
 class Step(Message):
@@ -306,7 +322,7 @@ class VerdictReply(Message):
 
 
 AnyMessage = (Hello | HelloReply | Verify | VerifyReply | Release | Stats | StatsReply | Shutdown
-              | Ack | Error | ControllerHello | ControllerInfo | Step | Finish | Verdict
+              | Ack | Error | ControllerHello | ControllerInfo | Arrive | Step | Finish | Verdict
               | VerdictReply | WindowNews | WindowNewsReply | CheckTail | TailReply)
 
 _encoder = msgspec.msgpack.Encoder()

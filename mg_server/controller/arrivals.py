@@ -1,0 +1,103 @@
+"""The controller's arrival side (a mixin of `server.Controller`): prompts computed at arrival.
+
+SGLang's scheduler reports a deterministic request the moment it takes it (protocol `Arrive`,
+one way, ahead of its first step). The controller holds its state from then on (`arrived_at`
+until its first step; its verdict is `unknown` until then) and, at its next idle turn, has the
+verifier compute the prompt up to its last position, beside SGLang's own prefill: the
+verifier's first answer token is then known before, or soon after, the request's first step,
+which is checked against it at once with no verify call (`_first_token`). A prompt that begins
+like an earlier one is mapped from the verifier's prefix cache (verifier/prefix.py), so a
+shared preamble or n samples of one prompt cost it once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from mg_server.controller.state import ReqState
+from mg_server.wire import protocol as P
+
+log = logging.getLogger("mg.controller")
+
+# An arrived request without a step this long is forgotten (SGLang aborted it in its queue, or it
+# waits there still: its first step then starts it afresh); its verifier K/V is released.
+ARRIVAL_TTL_S = 120.0
+
+
+class ArrivalMixin:
+    def _arrive(self, msg: P.Arrive) -> None:
+        """A deterministic request reached SGLang's scheduler: its prompt is computed at the next
+        idle turn (`_prefill_arrivals`)."""
+        st = self.reqs.get(msg.rid)
+        if self.cfg.mode == "off" or not msg.prompt or (st is not None and not st.finished_at):
+            return
+        self.pending.pop(msg.rid, None)  # a finished request of the same id: its verdict is replaced
+        self.reqs[msg.rid] = ReqState(tokens=list(msg.prompt), prompt_len=len(msg.prompt), temperature=msg.temperature,
+                                      seed=msg.seed, arrived_at=time.monotonic())
+        self.arrivals[msg.rid] = None
+
+    def _prefill_arrivals(self) -> None:
+        """The verifier computes arrived prompts (one call's rows a turn, the oldest first): each
+        item answers for the prompt's last position, so the verifier's first answer token is known
+        (`st.pred`) before, or soon after, the request's first step. A failure here fails nothing:
+        the request's checks compute what is missing, as without an arrival."""
+        budget, todo = self._rows_per_call(), []
+        for rid in list(self.arrivals):
+            if budget <= 0:
+                break
+            del self.arrivals[rid]
+            st = self.reqs.get(rid)
+            if st is None or st.error or st.finished_at or st.verifier_len or not self.verifier_up():
+                continue
+            if self._catch_up(rid, st, st.prompt_len - 1):
+                continue
+            todo.append((rid, st))
+            budget -= st.prompt_len - st.verifier_len
+        if not todo:
+            return
+        results = self._verify([self._item(rid, st, st.prompt_len - 1) for rid, st in todo])
+        for (rid, st), res in zip(todo, results):
+            if isinstance(res, P.ErrorReply):
+                log.debug("request %s: its prompt's computation at arrival failed: [%s] %s", rid, res.code,
+                          res.message)
+                continue
+            self.m.arrival_prefills.inc()
+            self._audit(rid, st, res)
+            st.verifier_len = st.prompt_len
+            self._first_token(rid, st)
+
+    def _first_token(self, rid: str, st: ReqState) -> None:
+        """The first answer token against the verifier's, once both are known (no verify call:
+        the prefill at arrival predicted it); a disagreement is rolled back as a check's is."""
+        q = st.prompt_len - 1
+        if (st.steps < 1 or st.checked or st.error or st.mismatches or st.epoch or st.pred < 0
+                or st.verifier_len != st.prompt_len):
+            return
+        self.m.verify.inc()
+        if st.tokens[q + 1] == st.pred:
+            st.verified.append(q)
+            st.checked = 1
+            if st.steps == 1:
+                self.checks.pop(rid, None)  # nothing else of it waits for a check
+            return
+        self._missed_flip(rid, st, q, "first answer token differs from the verifier's", st.pred, st.pred_margin)
+        self._diverged(rid, st)
+        if st.epoch:  # rolled back to its first token: what was queued is moot (a check's rollback drops it too)
+            self.checks.pop(rid, None)
+
+    def _sweep_arrivals(self) -> None:
+        """Forget arrivals that never stepped (ARRIVAL_TTL_S), their verifier K/V released."""
+        now = time.monotonic()
+        if now - self._arrivals_swept < 1.0:
+            return
+        self._arrivals_swept = now
+        stale = [rid for rid, s in self.reqs.items() if s.arrived_at and now - s.arrived_at > ARRIVAL_TTL_S]
+        for rid in stale:
+            del self.reqs[rid]
+            self.arrivals.pop(rid, None)
+        if stale and self.vclient is not None and self.verifier_up():
+            try:
+                self.vclient.release(stale, timeout_s=5)
+            except Exception as e:  # noqa: BLE001 - a failed release only costs verifier memory
+                log.warning("release of %d stale arrival(s) failed: %s", len(stale), e)
