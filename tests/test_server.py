@@ -1,5 +1,7 @@
 """A real mg-server process (SGLang engine, SmolLM2-135M, CPU) answering the OpenAI API."""
 
+import concurrent.futures as cf
+import random
 import re
 import threading
 import time
@@ -232,3 +234,60 @@ def test_grammar_requests_are_400_and_never_take_the_server_down(server):
     ok = requests.post(server.url + "/v1/chat/completions", timeout=60,
                        json={"model": "default", "messages": PARIS, "max_tokens": 4})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"]
+
+
+# ---- prefix reuse: deterministic requests that share a preamble, and seeded samples of one
+# prompt, map the verifier's cached K/V of it (cold and warm told apart by
+# mg_verifier_reused_rows_total); every answer equals the verifier-alone reference of its prompt,
+# computed cold by a fresh engine; their prompts reach the verifier at arrival
+PREFIX_NEW = 12
+
+
+def _counter(url: str, name: str) -> float:
+    text = requests.get(url + "/metrics", timeout=30).text
+    line = next((x for x in text.splitlines() if x.startswith(name + " ")), f"{name} 0")
+    return float(line.split()[1])
+
+
+def _generate_ids(url: str, ids: list[int], **params) -> requests.Response:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": PREFIX_NEW, "ignore_eos": True, "temperature": 0,
+                                                  **params}}
+    r = requests.post(url + "/generate", json=body, headers=DET, timeout=600)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def _references(model, prompts, temperature=0.0, seeds=None):
+    from mg_server.verifier.reference import greedy_reference, load_engine
+
+    engine = load_engine(model)  # cold: a fresh engine, nothing cached
+    return [r.tokens for r in greedy_reference(engine, prompts, PREFIX_NEW, temperature=temperature, seeds=seeds)]
+
+
+def test_a_shared_preamble_is_reused_and_every_answer_is_the_reference(server, prepared_model):
+    rng = random.Random(4)
+    preamble = [rng.randrange(100, 40000) for _ in range(70)]  # 4 whole blocks of the verifier's cache
+    prompts = [preamble + [rng.randrange(100, 40000) for _ in range(5 + k)] for k in range(4)]
+    refs = _references(prepared_model, prompts)
+    reused0, arrived0 = _counter(server.url, "mg_verifier_reused_rows_total"), _counter(server.url,
+                                                                                      "mg_arrival_prefills_total")
+    first = _generate_ids(server.url, prompts[0])  # cold
+    assert _counter(server.url, "mg_verifier_reused_rows_total") == reused0
+    assert first.json()["output_ids"] == refs[0] and first.headers["x-mg-verdict"] == "verified"
+    with cf.ThreadPoolExecutor(3) as ex:  # warm: each maps the preamble's 64 positions
+        rs = list(ex.map(lambda p: _generate_ids(server.url, p), prompts[1:]))
+    assert [r.json()["output_ids"] for r in rs] == refs[1:]
+    assert all(r.headers["x-mg-verdict"] == "verified" for r in rs)
+    assert _counter(server.url, "mg_verifier_reused_rows_total") >= reused0 + 3 * 64
+    assert _counter(server.url, "mg_arrival_prefills_total") > arrived0
+
+
+def test_seeded_samples_of_one_prompt_reuse_it_and_equal_the_reference(server, prepared_model):
+    rng = random.Random(5)
+    prompt = [rng.randrange(100, 40000) for _ in range(40)]
+    seed, n = 77, 4
+    refs = _references(prepared_model, [prompt] * n, temperature=0.8, seeds=[seed + i for i in range(n)])
+    reused0 = _counter(server.url, "mg_verifier_reused_rows_total")
+    r = _generate_ids(server.url, prompt, n=n, temperature=0.8, sampling_seed=seed)
+    assert [o["output_ids"] for o in r.json()] == refs and r.headers["x-mg-verdict"] == "verified"
+    assert _counter(server.url, "mg_verifier_reused_rows_total") >= reused0 + 32  # some sample mapped another's
