@@ -733,3 +733,20 @@ def test_arrivals_in_mode_off_are_ignored(make_ctl):
     ctl = make_ctl("off", 0.0)
     ctl.handle(P.Arrive(rid="a", prompt=[1, 2]))
     assert not ctl.arrivals and "a" not in ctl.reqs
+
+
+def test_arrivals_and_due_checks_take_turns(make_ctl):
+    """A stream of arrivals never holds back the running requests' due checks: idle turns alternate."""
+    ctl = make_ctl("margin", 0.5)
+    toks = [4, 2]
+    ctl._step([_window_row(toks, 0, ref_next(toks), 0.1, rid="run")])  # a low margin: a check queued
+    ctl.forwards = ctl.window_due
+    for k in range(3):
+        ctl.handle(P.Arrive(rid=f"a{k}", prompt=[k + 1, 7]))
+    ctl._rows_per_call = lambda: 2  # one arrival per turn
+    ctl._idle_turn()  # an arrival
+    assert ctl.vclient.calls[-1] == ["a0"] and "run" in ctl.checks
+    ctl._idle_turn()  # the due check
+    assert ctl.vclient.calls[-1] == ["run"] and not ctl.checks
+    ctl._idle_turn()
+    assert ctl.vclient.calls[-1] == ["a1"]

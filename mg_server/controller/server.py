@@ -67,6 +67,7 @@ class Controller(ArrivalMixin, AuditMixin, WindowMixin, WorkerMixin):
         # Arrived requests whose prompt the verifier has not computed yet, in arrival order.
         self.arrivals: dict[str, None] = {}
         self._arrivals_swept = 0.0  # monotonic time of the last sweep of stale arrivals
+        self._prefilled = False  # the last idle turn computed arrivals (due checks go next)
         # Disagreements the seam has not been told yet (controller/window.py).
         self.rollbacks: dict[str, P.Rollback] = {}
         self.forwards = 0  # Steps so far (a forward each)
@@ -339,7 +340,11 @@ class Controller(ArrivalMixin, AuditMixin, WindowMixin, WorkerMixin):
         self.sock.send_multipart([ident, P.encode(reply)])
 
     def _idle_turn(self) -> None:
-        if self.arrivals:  # idle: arrived prompts first (a first token waits for them)
+        # idle: arrived prompts (a first token waits for them) and due checks take turns, so a
+        # stream of long arrivals never holds the running requests' checks back
+        prefill = bool(self.arrivals) and not (self._checks_due() and self._prefilled)
+        self._prefilled = prefill
+        if prefill:
             self._prefill_arrivals()
         elif self._checks_due():  # idle: due checks
             if self.window_due is not None:
