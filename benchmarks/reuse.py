@@ -147,7 +147,7 @@ def serve_parts(srv, kind: str, work: dict, args) -> dict:
     return res
 
 
-def summarize(res: dict, args) -> dict:
+def summarize(res: dict) -> dict:
     out: dict = {"ttft": [], "prefix": []}
     plain = res["servers"]["plain"]
     for kind in [k for k in res["servers"] if k != "plain"]:
@@ -235,7 +235,7 @@ def main() -> int:
         (args.out / "reuse.json").write_text(json.dumps(res))
     mg_answers = [res["servers"][k].get(p, {}).get("answers", {}) for k in ("mg", "mg_b") if k in res["servers"]
                   for p in ("eval",)]
-    res["summary"] = summarize(res, args)
+    res["summary"] = summarize(res)
     if len(mg_answers) == 2:
         res["summary"]["eval_answers_equal"] = mg_answers[0] == mg_answers[1]
     (args.out / "reuse.json").write_text(json.dumps(res))

@@ -33,8 +33,7 @@ class ArrivalMixin:
         if self.cfg.mode == "off" or not msg.prompt or (st is not None and not st.finished_at):
             return
         self.pending.pop(msg.rid, None)  # a finished request of the same id: its verdict is replaced
-        self.reqs[msg.rid] = ReqState(tokens=list(msg.prompt), prompt_len=len(msg.prompt), temperature=msg.temperature,
-                                      seed=msg.seed, arrived_at=time.monotonic())
+        self.reqs[msg.rid] = ReqState.of_prompt(msg.prompt, msg.temperature, msg.seed, arrived_at=time.monotonic())
         self.arrivals[msg.rid] = None
 
     def _prefill_arrivals(self) -> None:
@@ -96,8 +95,4 @@ class ArrivalMixin:
         for rid in stale:
             del self.reqs[rid]
             self.arrivals.pop(rid, None)
-        if stale and self.vclient is not None and self.verifier_up():
-            try:
-                self.vclient.release(stale, timeout_s=5)
-            except Exception as e:  # noqa: BLE001 - a failed release only costs verifier memory
-                log.warning("release of %d stale arrival(s) failed: %s", len(stale), e)
+        self._release(stale)

@@ -109,12 +109,16 @@ class AuditMixin:
             self._final_audits(todo)
         for _, st in done:
             st.audit_pending = False
-        if done and self.vclient is not None and self.verifier_up():
-            try:
-                self.vclient.release([rid for rid, _ in done], timeout_s=5)
-            except Exception as e:  # noqa: BLE001 - a failed release only costs verifier memory
-                log.warning("release of %d request(s) failed: %s", len(done), e)
+        self._release([rid for rid, _ in done])
         self._expire()
+
+    def _release(self, rids: list[str]) -> None:
+        """Free the verifier's shadow caches of these requests (if it is up)."""
+        if rids and self.vclient is not None and self.verifier_up():
+            try:
+                self.vclient.release(rids, timeout_s=5)
+            except Exception as e:  # noqa: BLE001 - a failed release only costs verifier memory
+                log.warning("release of %d request(s) failed: %s", len(rids), e)
 
     def _final_audits(self, todo: list[tuple[str, ReqState, int]]) -> None:
         """Each request's catch-up, then its last decided step (position n - 2), AUDIT_ITEMS per

@@ -160,8 +160,7 @@ class Controller(ArrivalMixin, AuditMixin, WindowMixin, WorkerMixin):
                 return st
             # another prompt under its id, or its arrival failed: start afresh (the verifier drops what it holds)
             self.arrivals.pop(row.rid, None)
-            st = self.reqs[row.rid] = ReqState(tokens=list(row.prompt), prompt_len=len(row.prompt),
-                                               temperature=row.temperature, seed=row.seed, rewind=True)
+            st = self.reqs[row.rid] = ReqState.of_prompt(row.prompt, row.temperature, row.seed, rewind=True)
             return st
         if not row.prompt:
             if st is None:
@@ -171,8 +170,7 @@ class Controller(ArrivalMixin, AuditMixin, WindowMixin, WorkerMixin):
             st.error = st.error or f"request id {row.rid!r} started twice"
             return st
         self.pending.pop(row.rid, None)  # a finished request of the same id: its verdict is replaced
-        st = self.reqs[row.rid] = ReqState(tokens=list(row.prompt), prompt_len=len(row.prompt),
-                                           temperature=row.temperature, seed=row.seed)
+        st = self.reqs[row.rid] = ReqState.of_prompt(row.prompt, row.temperature, row.seed)
         return st
 
     def _catch_up(self, rid: str, st: ReqState, pos: int) -> str:

@@ -45,6 +45,11 @@ class ReqState:
     margins: list[float] = field(default_factory=list)  # the fast margin of each answer token (-1: the verifier's)
     arrived_at: float = 0.0  # monotonic time of its Arrive while no step has come (0: it has stepped)
 
+    @classmethod
+    def of_prompt(cls, prompt: list[int], temperature: float, seed: int, **fields) -> "ReqState":
+        """A request's state from its prompt and decoding rule (its Arrive, or its first step)."""
+        return cls(tokens=list(prompt), prompt_len=len(prompt), temperature=temperature, seed=seed, **fields)
+
     @property
     def steps(self) -> int:
         return len(self.tokens) - self.prompt_len
