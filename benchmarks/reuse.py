@@ -232,6 +232,8 @@ def main() -> int:
             res["servers"][kind] = serve_parts(srv, kind, work, args)
         finally:
             srv.stop()
+            if srv.log_path.exists():  # one log per server kind (mg and mg_b would share a name)
+                srv.log_path.rename(args.out / f"server-{kind}.log")
         (args.out / "reuse.json").write_text(json.dumps(res))
     mg_answers = [res["servers"][k].get(p, {}).get("answers", {}) for k in ("mg", "mg_b") if k in res["servers"]
                   for p in ("eval",)]

@@ -665,20 +665,23 @@ def test_a_check_of_many_requests_is_split_into_calls_the_verifier_accepts(make_
     assert all(ctl.reqs[rid].checked == 5 and not ctl.reqs[rid].error for rid in toks)
 
 
-def test_an_arrived_prompt_is_computed_at_once_and_its_first_token_checked_without_a_call(make_ctl):
-    """Arrive (a deterministic request reached SGLang's scheduler): the next idle turn has the
-    verifier compute the prompt; the first step's token is then checked against its prediction
-    with no verify call and no check delay, so a held stream's first token leaves at once."""
+def test_an_arrived_prompt_is_computed_after_sglangs_prefill_and_its_first_token_checked_without_a_call(
+        make_ctl):
+    """Arrive (a deterministic request reached SGLang's scheduler): its prompt is computed at the
+    first idle turn after its first step (SGLang's prefill is over), and that step's token is
+    checked against the prediction in the same turn: no check call, no check delay."""
     ctl = make_ctl("margin", 0.5)
     prompt = [2, 9, 4]
     assert ctl.handle(P.Arrive(rid="a", prompt=prompt)) is None  # one way
     assert ctl._verdict("a").state == P.VerdictState.UNKNOWN  # no step yet: as if unseen
     ctl._idle_turn()
+    assert ctl.vclient.items == [] and "a" in ctl.arrivals  # SGLang prefills it: the verifier waits
+    ctl._step([_window_row(prompt, 0, ref_next(prompt), 0.1, rid="a")])  # a low margin
+    ctl._idle_turn()
     (item,) = ctl.vclient.items
     assert (item.pos, item.tokens, item.prompt_len) == (2, prompt, 3) and not ctl.arrivals
-    assert ctl.reqs["a"].pred == ref_next(prompt)
-    ctl._step([_window_row(prompt, 0, ref_next(prompt), 0.1, rid="a")])  # a low margin: checked already
     st = ctl.reqs["a"]
+    assert st.pred == ref_next(prompt)
     assert st.checked == 1 and st.verified == [2] and ctl.checks == {} and len(ctl.vclient.items) == 1
     assert ctl.handle(P.WindowNews()).verified == {"a": [0, 1]}
     toks = prompt + [ref_next(prompt)]
@@ -694,9 +697,9 @@ def test_a_first_token_that_differs_from_the_arrivals_prediction_is_rolled_back(
     ctl = make_ctl("margin", 0.5)
     prompt = [5, 1]
     ctl.handle(P.Arrive(rid="a", prompt=prompt))
-    ctl._idle_turn()
     wrong = (ref_next(prompt) + 1) % 50
     ctl._step([_window_row(prompt, 0, wrong, 0.1, rid="a")])
+    ctl._idle_turn()  # the prompt, then the first token against its prediction
     st = ctl.reqs["a"]
     assert st.epoch == 1 and st.tokens == prompt + [ref_next(prompt)] and st.checked == 1
     assert ctl.handle(P.WindowNews()).rollbacks == [P.Rollback(rid="a", index=0, token=ref_next(prompt), epoch=1)]
@@ -723,7 +726,12 @@ def test_an_arrival_that_never_steps_is_forgotten_and_released(make_ctl, monkeyp
     ctl = make_ctl("margin", 0.5)
     ctl.handle(P.Arrive(rid="gone", prompt=[4, 4]))
     ctl._idle_turn()
+    assert ctl.vclient.items == []  # held while SGLang may prefill it
+    monkeypatch.setattr(arrivals, "PREFILL_HOLD_S", 0.0)  # the hold is bounded: computed once it ends
+    ctl._idle_turn()
+    assert [it.rid for it in ctl.vclient.items] == ["gone"]
     monkeypatch.setattr(arrivals, "ARRIVAL_TTL_S", 0.0)
+    ctl._arrivals_swept = 0.0  # (the held turn swept already: sweeps are a second apart)
     ctl._sweep_arrivals()
     assert "gone" not in ctl.reqs and ctl.vclient.released == ["gone"]
     assert ctl._verdict("gone").state == P.VerdictState.UNKNOWN
@@ -735,8 +743,26 @@ def test_arrivals_in_mode_off_are_ignored(make_ctl):
     assert not ctl.arrivals and "a" not in ctl.reqs
 
 
-def test_arrivals_and_due_checks_take_turns(make_ctl):
+def test_one_arrival_in_sglangs_prefill_holds_every_arrived_prompt(make_ctl):
+    """While any arrival waits for its first step, no arrived prompt is computed (the verifier's
+    prefill would take turns with SGLang's); the last first step releases them all."""
+    ctl = make_ctl("margin", 0.5)
+    ctl.handle(P.Arrive(rid="a", prompt=[1, 5]))
+    ctl.handle(P.Arrive(rid="b", prompt=[2, 5]))
+    ctl._step([_window_row([1, 5], 0, ref_next([1, 5]), 3.0, rid="a")])
+    ctl._idle_turn()
+    assert ctl.vclient.items == [] and not ctl._arrivals_ready()  # b is still in SGLang's prefill
+    ctl._step([_window_row([2, 5], 0, ref_next([2, 5]), 3.0, rid="b")])
+    ctl._idle_turn()
+    assert sorted(it.rid for it in ctl.vclient.items) == ["a", "b"] and not ctl.arrivals
+    assert ctl.reqs["a"].checked == ctl.reqs["b"].checked == 1
+
+
+def test_arrivals_and_due_checks_take_turns(make_ctl, monkeypatch):
     """A stream of arrivals never holds back the running requests' due checks: idle turns alternate."""
+    from mg_server.controller import arrivals
+
+    monkeypatch.setattr(arrivals, "PREFILL_HOLD_S", 0.0)  # (the arrivals are ready: no hold)
     ctl = make_ctl("margin", 0.5)
     toks = [4, 2]
     ctl._step([_window_row(toks, 0, ref_next(toks), 0.1, rid="run")])  # a low margin: a check queued

@@ -208,7 +208,7 @@ def test_a_forward_is_pending_before_its_gate_is_enqueued(hook_mod, runner, tmp_
     assert seen == [[1]]
     monkeypatch.setattr(gate, "launch", lambda *a: (_ for _ in ()).throw(RuntimeError("launch failed")))
     try:
-        seam.lagged.launch(logits_with(20, 0.1), torch.tensor([2]), [(0, FakeReq("q", [4, 5]), "q")])
+        seam.lagged.launch(logits_with(20, 0.1), torch.tensor([2]), [(0, FakeReq("q", [4, 5]), "q")], [(0.0, 0)])
     except RuntimeError:
         pass
     assert [f.target for f in seam.lagged.pending] == [1]  # the failed launch left nothing to wait for
@@ -225,3 +225,29 @@ def test_a_host_failure_fails_the_forwards_rows(hook_mod, runner, tmp_path, monk
     assert not seam.lagged.pending and seam.lagged.fast[:2].tolist() == [20, 30]  # the fast tokens
     assert a.to_finish is not None and b.to_finish is not None  # both aborted, loudly
     assert not {"x", "y"} & set(seam.link.tracked)  # never committed: nothing to mark
+
+
+def test_seeded_rows_take_the_lagged_path_and_sample_as_the_synchronous_seam_does(hook_mod, runner, tmp_path,
+                                                                                   monkeypatch):
+    """A seeded row beside a greedy one goes lagged: its fast token and margin (logit units) are
+    sampling.sampled_choice's at its position, and its logits are forced to that token; the
+    greedy row keeps its argmax."""
+    from mg_server.config import DETERMINISTIC_PARAM, SEED_PARAM, TEMPERATURE_PARAM
+    from mg_server.verifier.sampling import sampled_choice
+
+    seam = lagged_seam(hook_mod, runner, tmp_path, monkeypatch, Policy("margin", 0.5))
+    seeded = FakeReq("s", [1, 2, 3], custom_params={DETERMINISTIC_PARAM: True, TEMPERATURE_PARAM: 0.8, SEED_PARAM: 11})
+    greedy = FakeReq("g", [1, 2, 3], pool_idx=1)
+    want, picked = [], set()
+    for pos in (2, 3, 4, 5):
+        logits = torch.cat([torch.zeros(1, VOCAB), logits_with(9, 2.0)])  # row 0 all tied: greedy picks id 0
+        want.append(sampled_choice(logits[0].clone(), 0.8, 11, pos))
+        seam(None, sampler_args([(seeded, True), (greedy, True)], logits, [pos, pos]))
+        assert len(seam.lagged.pending) == 1 and seam.gates.gates[-1][0] == 0  # lagged, no gate
+        assert int(logits[0].argmax()) == want[-1][0] and int(logits[1].argmax()) == 9  # forced
+        seam.lagged.drain(wait=True)
+        picked.add(want[-1][0])
+    rows = [r for r in seam.link.client.rows if r.rid == "s"]
+    assert [(r.fast_token, r.margin) for r in rows] == want
+    assert seam.link.tracked["s"].tokens == [1, 2, 3] + [t for t, _ in want]
+    assert len(picked) > 1  # the noise, not the (tied) logits, chose

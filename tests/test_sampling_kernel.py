@@ -4,9 +4,12 @@ sampled tokens follow softmax(logits / T)."""
 
 import math
 
+import pytest
 import torch
 
-from mg_server.verifier.sampling import _hash32, _log, _mul32, gumbel_noise, sampled_choice, sampled_scores
+from mg_server.verifier import sampling
+from mg_server.verifier.sampling import (_hash32, _log, _mul32, gumbel_noise, sampled_choice, sampled_pairs,
+                                        sampled_scores, sampled_scores_rows)
 
 V = 49152
 
@@ -47,6 +50,46 @@ def test_noise_is_bit_identical_across_threads_and_batches():
     assert torch.equal(sampled_scores(batch[3], 0.8, 5, 40), sampled_scores(alone, 0.8, 5, 40))
     small = torch.cat([torch.randn(2, V, dtype=torch.bfloat16), alone[None]])
     assert torch.equal(sampled_scores(small[2], 0.8, 5, 40), sampled_scores(batch[3], 0.8, 5, 40))
+
+
+def test_rows_computed_together_equal_each_row_alone(monkeypatch):
+    """The seam and the verifier compute all of a forward's seeded rows in one call: each row's
+    scores and (margin, token) equal that row computed alone, bit for bit, with mixed and equal
+    temperatures, and however the rows are chunked (NOISE_ELEMS)."""
+    logits = torch.randn(6, V, dtype=torch.bfloat16)
+    temps, seeds, poss = [0.8, 0.8, 1.3, 0.8, 0.5, 2.0], [5, 9, 5, 2 ** 40, 0, 7], [40, 40, 41, 3, 2 ** 33, 0]
+    alone = torch.stack([sampled_scores(logits[k].clone(), temps[k], seeds[k], poss[k]) for k in range(6)])
+    for elems in (sampling.NOISE_ELEMS, V, 3 * V):  # one chunk, one row a chunk, three rows a chunk
+        monkeypatch.setattr(sampling, "NOISE_ELEMS", elems)
+        assert torch.equal(sampled_scores_rows(logits, temps, seeds, poss), alone)
+        same_t = sampled_scores_rows(logits[:2], temps[:2], seeds[:2], poss[:2])  # one temperature
+        assert torch.equal(same_t, alone[:2])
+    pairs = sampled_pairs(logits, temps, seeds, poss).tolist()
+    assert [sampling.choice_of_pair(p, t) for p, t in zip(pairs, temps)] == [
+        sampled_choice(logits[k].clone(), temps[k], seeds[k], poss[k]) for k in range(6)]
+    try:
+        sampled_scores_rows(logits[:2], [0.8, 0.0], [1, 2], [3, 4])
+        raise AssertionError("a zero temperature was accepted")
+    except ValueError as e:
+        assert "temperature > 0" in str(e)
+
+
+@pytest.mark.gpu
+def test_rows_on_the_gpu_equal_the_rows_alone():
+    """The seam and the verifier both sample on CUDA: a batch of rows there (the pinned,
+    non-blocking key copy included) equals each row computed alone there, and the noise equals
+    the CPU's bit for bit (the scores do not: CUDA divides by a scalar as a multiplication by its
+    reciprocal, so both sides must run on one device type, as they do)."""
+    from mg_server.verifier.sampling import gumbel_rows, sampled_pair
+
+    logits = torch.randn(5, 49152, dtype=torch.float32, device="cuda")
+    temps, seeds, poss = [0.7, 0.7, 1.1, 0.7, 0.3], [1, 2, 3, 4, 2 ** 63], [9, 10, 11, 2 ** 35, 0]
+    noise = gumbel_rows(seeds, poss, 49152, "cuda").cpu()
+    assert torch.equal(noise, torch.stack([gumbel_noise(seeds[k], poss[k], 49152) for k in range(5)]))
+    alone = torch.stack([sampled_scores(logits[k], temps[k], seeds[k], poss[k]) for k in range(5)])
+    assert torch.equal(sampled_scores_rows(logits, temps, seeds, poss), alone)
+    pairs = torch.stack([sampled_pair(logits[k], temps[k], seeds[k], poss[k]) for k in range(5)])
+    assert torch.equal(sampled_pairs(logits, temps, seeds, poss), pairs)
 
 
 def test_noise_differs_per_seed_and_position():

@@ -2,12 +2,18 @@
 
 SGLang's scheduler reports a deterministic request the moment it takes it (protocol `Arrive`,
 one way, ahead of its first step). The controller holds its state from then on (`arrived_at`
-until its first step; its verdict is `unknown` until then) and, at its next idle turn, has the
-verifier compute the prompt up to its last position, beside SGLang's own prefill: the
-verifier's first answer token is then known before, or soon after, the request's first step,
-which is checked against it at once with no verify call (`_first_token`). A prompt that begins
-like an earlier one is mapped from the verifier's prefix cache (verifier/prefix.py), so a
-shared preamble or n samples of one prompt cost it once.
+until its first step; its verdict is `unknown` until then) and, once SGLang's own prefill is
+over (no arrival waits for its first step: `_arrivals_ready`), has the verifier compute the
+prompt up to its last position at an idle turn; the first answer token is checked against that
+prediction with no verify call (`_first_token`). A high-margin first token has left already (the
+seam's early release); a low-margin one waits for this computation. A prompt that begins like an
+earlier one is mapped from the verifier's prefix cache (verifier/prefix.py), so a shared
+preamble or n samples of one prompt cost it once.
+
+Why behind SGLang's prefill and not beside it: the two take turns on one GPU. Measured (one
+H200, Llama-3-8B shape, 32 cold prompts, 16 in flight, deterministic TTFT p50 over plain
+SGLang's): beside, 1.98x / 2.10x at 100 % deterministic (1,250 / 8,000-token prompts); behind,
+1.09x / 1.00x (p99 higher: a low-margin first token now waits for the whole prefill).
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ log = logging.getLogger("mg.controller")
 # An arrived request without a step this long is forgotten (SGLang aborted it in its queue, or it
 # waits there still: its first step then starts it afresh); its verifier K/V is released.
 ARRIVAL_TTL_S = 120.0
+# An arrival without its first step (SGLang still prefills it, or it waits in SGLang's queue) holds the
+# computation of arrived prompts this long at most
+PREFILL_HOLD_S = 5.0
 
 
 class ArrivalMixin:
@@ -35,6 +44,20 @@ class ArrivalMixin:
         self.pending.pop(msg.rid, None)  # a finished request of the same id: its verdict is replaced
         self.reqs[msg.rid] = ReqState.of_prompt(msg.prompt, msg.temperature, msg.seed, arrived_at=time.monotonic())
         self.arrivals[msg.rid] = None
+
+    def _arrivals_ready(self) -> bool:
+        """Arrived prompts may be computed now: no arrival younger than PREFILL_HOLD_S waits for
+        its first step. Why: the verifier's prefill and SGLang's take turns on one GPU, so
+        computing a prompt while SGLang prefills delays every first token; behind SGLang's prefill
+        only a low-margin first token waits for it (module doc's numbers)."""
+        if not self.arrivals:
+            return False
+        now = time.monotonic()
+        for rid in self.arrivals:
+            st = self.reqs.get(rid)
+            if st is not None and st.arrived_at and now - st.arrived_at < PREFILL_HOLD_S:
+                return False
+        return True
 
     def _prefill_arrivals(self) -> None:
         """The verifier computes arrived prompts (one call's rows a turn, the oldest first): each

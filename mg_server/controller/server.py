@@ -309,7 +309,7 @@ class Controller(ArrivalMixin, AuditMixin, WindowMixin, WorkerMixin):
                 failed_at = failed_at or time.monotonic()
                 if time.monotonic() - failed_at > START_ERROR_LINGER_S:
                     break
-            busy = self.arrivals or self.pending or self._checks_due()  # idle work waits: no blocking poll
+            busy = self._arrivals_ready() or self.pending or self._checks_due()  # idle work waits: no blocking poll
             # (a start in progress is looked at every 50 ms: the launcher's hello waits for it)
             if not self.sock.poll(0 if busy else 50 if self._start is not None else 200):
                 self._idle_turn()
@@ -340,7 +340,7 @@ class Controller(ArrivalMixin, AuditMixin, WindowMixin, WorkerMixin):
     def _idle_turn(self) -> None:
         # idle: arrived prompts (a first token waits for them) and due checks take turns, so a
         # stream of long arrivals never holds the running requests' checks back
-        prefill = bool(self.arrivals) and not (self._checks_due() and self._prefilled)
+        prefill = self._arrivals_ready() and not (self._checks_due() and self._prefilled)
         self._prefilled = prefill
         if prefill:
             self._prefill_arrivals()

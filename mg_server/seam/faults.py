@@ -35,9 +35,9 @@ def install(seam) -> None:
     if seam.lagged is not None and seam.lagged.inline:
         launch = seam.lagged.launch
 
-        def faulted_launch(logits: Tensor, positions: Tensor, rows) -> None:
+        def faulted_launch(logits: Tensor, positions: Tensor, rows, rules) -> None:
             flip_in_logits(faults, logits, positions, rows)
-            launch(logits, positions, rows)
+            launch(logits, positions, rows, rules)
 
         seam.lagged.launch = faulted_launch
 

@@ -24,7 +24,7 @@ A row is a step iff its position is n - 1; a smaller position is a non-final pre
 
 Seeded sampling (temperature > 0 and a seed in custom_params, set by the front): the row's fast
 token and margin are those of the perturbed scores logits / T + Gumbel(seed, position)
-(`mg_server.verifier.sampling.sampled_choice`, the function the verifier applies to its own fp32 row, so
+(`mg_server.verifier.sampling.sampled_pairs`, the function the verifier applies to its own fp32 rows, so
 the noise is bit-identical: elementwise integer and IEEE ops only, on the same device type).
 SGLang itself decodes such a request greedily (the front pins its temperature to 0) over the
 logits mg forces to the decided token.
@@ -46,7 +46,7 @@ from mg_server import env, metrics
 from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig,
                               instance_key)
 from mg_server.seam import guard
-from mg_server.verifier.sampling import sampled_choice
+from mg_server.verifier.sampling import choice_of_pair, sampled_pairs
 from mg_server.seam import rollback
 from mg_server.seam.link import ControllerLink, StepDecision, Tracked
 from mg_server.seam.reasons import OVER_BUDGET, over_budget, public_reason, unmodelled
@@ -161,13 +161,13 @@ class StepSeam(WindowSeam):
         if not rows:
             return None
         # The lagged path needs a sampler that does not wait for the gated stream: only mg's
-        # processor may be in the batch (a user's could read the logits on the host); seeded rows
-        # and a forward that carries a due rollback (news.py) take the synchronous path.
-        if self.lagged is not None and only_mg_processors(args[1]) and self._lag_ok() and not any(
-                sampling_rule(req)[0] > 0 for _, req, _ in rows) and self.lagged.fits(rows) and not (
-                self._rollback_due(rows)):
+        # processor may be in the batch (a user's could read the logits on the host); a forward
+        # that carries a due rollback (news.py) takes the synchronous path.
+        rules = [sampling_rule(req) for _, req, _ in rows]
+        if self.lagged is not None and only_mg_processors(args[1]) and self._lag_ok() and self.lagged.fits(
+                rows) and not self._rollback_due(rows):
             t0 = time.perf_counter()
-            self.lagged.launch(args[0].next_token_logits, args[5], rows)
+            self.lagged.launch(args[0].next_token_logits, args[5], rows, rules)
             self.control.observe(time.perf_counter() - t0)
             return None
         t0 = time.perf_counter()
@@ -179,19 +179,21 @@ class StepSeam(WindowSeam):
         # One device-to-host copy for all three; fp64 holds every token id and position exactly.
         packed = torch.stack([margin.double(), fast.double(), pos.double()], dim=1).tolist()
         steps = [(i, req, int(p), m, int(f), key) for (i, req, key), (m, f, p) in zip(rows, packed)]
-        for k, (i, req, p, _, _, key) in enumerate(steps):
-            temperature, seed = sampling_rule(req)
-            if temperature > 0:  # seeded sampling: the perturbed scores decide (module doc)
-                tok, m = sampled_choice(sub[k], temperature, seed, p)
+        if seeded_k := [k for k, (t, _) in enumerate(rules) if t > 0]:  # the perturbed scores decide (module doc)
+            temps, seeds = [rules[k][0] for k in seeded_k], [rules[k][1] for k in seeded_k]
+            pairs = sampled_pairs(sub[torch.tensor(seeded_k, device=sub.device)], temps, seeds,
+                                  [steps[k][2] for k in seeded_k]).tolist()  # [S, 2]: one more host copy
+            for k, t, pair in zip(seeded_k, temps, pairs):
+                i, req, p, _, _, key = steps[k]
+                tok, m = choice_of_pair(pair, t)
                 steps[k] = (i, req, p, m, tok, key)
         if self.link is None:
             # Mode off: count, and leave greedy rows' logits alone. Without mg's own token list, a
             # row is a step once its position reaches the prompt's last.
             self._count([s for s in steps if s[2] >= len(s[1].origin_input_ids) - 1])
             # Seeded rows still sample by mg's rule (SGLang decodes them greedily), unverified.
-            seeded = [(s[0], s[4]) for s in steps if sampling_rule(s[1])[0] > 0]
-            if seeded:
-                force_tokens(logits, [i for i, _ in seeded], [t for _, t in seeded])
+            if seeded_k:
+                force_tokens(logits, [steps[k][0] for k in seeded_k], [steps[k][4] for k in seeded_k])
             return None
         if not self._control(logits, steps):
             self.control.observe(time.perf_counter() - t0)

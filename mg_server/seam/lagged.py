@@ -14,7 +14,9 @@ Here the work is split between the device and the host:
   token count, current because every earlier forward was processed first). The step publisher
   (seam.publish: one kernel) writes those values to page-locked host memory. Every row is a
   window row (seam.decide's mode LAZY: committed fast, checked behind), so no row needs the
-  verifier before sampling; every protected row's logits are forced to its fast token.
+  verifier before sampling; every protected row's logits are forced to its fast token. A seeded
+  row's logits are first replaced by its perturbed scores (`_perturb`), so its fast token and
+  margin are seeded sampling's, as on the synchronous seam.
 - one forward later (`drain`: from the next sampler call, or from the finish watcher thread
   every 5 ms while the scheduler is busy elsewhere): the host reads those values (by then the
   GPU has the next forward queued, so this wait leaves no bubble) and reports the steps to the
@@ -54,6 +56,7 @@ class Forward:
 
     target: int  # this forward's tag in the gate's mailboxes
     rows: list[tuple[int, object, str]]  # (batch row, SGLang Req, instance key)
+    temps: list[float]  # per row: its seeded temperature, 0.0 for a greedy row
 
 
 def _wait(cond, what: str) -> None:
@@ -112,13 +115,18 @@ class LaggedControl:
             return len(req.origin_input_ids) - 1
         return -2 if (t.failed or t.req is not req) else len(t.tokens) - 1
 
-    def launch(self, logits: Tensor, positions: Tensor, rows: list[tuple[int, object, str]]) -> None:
+    def launch(self, logits: Tensor, positions: Tensor, rows: list[tuple[int, object, str]],
+               rules: list[tuple[float, int]]) -> None:
         """At the sampler: enqueue this forward's decision and gate; no host sync (module doc).
-        The caller drained every earlier forward first, so `expected` and the reused buffers
-        (meta_host, the publisher's mailbox) are free."""
+        rules[k]: row k's (temperature, seed), hook.sampling_rule. The caller drained every
+        earlier forward first, so `expected` and the reused buffers (meta_host, the publisher's
+        mailbox) are free."""
         link, n = self.link, len(rows)
         with link.lock:
             expected = [self.expected(req, key) for _, req, key in rows]
+        if seeded := [k for k, (t, _) in enumerate(rules) if t > 0]:
+            _perturb(logits, [rows[k][0] for k in seeded], [rules[k] for k in seeded],
+                     [max(0, expected[k]) for k in seeded])
         mh = self._meta_np
         mh[:n], mh[n:2 * n], mh[2 * n:3 * n] = [i for i, _, _ in rows], expected, LAZY
         self._tau_np[0] = link.policy.tau
@@ -131,7 +139,7 @@ class LaggedControl:
         decide(logits, positions.to(logits.device), self.meta_host, self.tau_host, link.policy.mode == "always",
                margin, fast, pos, need, rows_dev)
         self.last_target += 1
-        f = Forward(self.last_target, rows)
+        f = Forward(self.last_target, rows, [t for t, _ in rules])
         # pending first: only a forward in `pending` is processed by the watcher
         with self.lock:
             self.pending.append(f)
@@ -174,11 +182,28 @@ class LaggedControl:
         """Report the forward's steps to the controller and commit their fast tokens."""
         seam, link = self.seam, self.link
         values = self.gate.values(len(f.rows))
-        steps = [(i, req, int(p), m, int(tok), key) for (i, req, key), (m, tok, p, _) in zip(f.rows, values)]
+        # a seeded row's margin is in score units (its logits were the scores): T * it in logit units,
+        # as sampling.choice_of_pair has it
+        steps = [(i, req, int(p), m * t if t > 0 else m, int(tok), key)
+                 for (i, req, key), t, (m, tok, p, _) in zip(f.rows, f.temps, values)]
         with link.lock:
             live, fails = seam._classify(steps)
         seam._count(live)
         seam.commit(live, seam.report(live), fails)
+
+
+def _perturb(logits: Tensor, batch_rows: list[int], rules: list[tuple[float, int]], positions: list[int]) -> None:
+    """Seeded rows: logits[row] = its perturbed scores at the position mg expects (in place, no
+    host wait), so that decide's top-2 and argmax are seeded sampling's (hook module doc). A row
+    whose position is not the expected one is no step: its token is dropped or the request fails."""
+    from mg_server.verifier.sampling import sampled_scores_rows
+
+    idx = torch.tensor(batch_rows, dtype=torch.int64)
+    if logits.is_cuda:  # (pinned + non_blocking: see sampling.gumbel_rows)
+        idx = idx.pin_memory().to(logits.device, non_blocking=True)
+    scores = sampled_scores_rows(logits.index_select(0, idx), [t for t, _ in rules], [s for _, s in rules],
+                                 positions)  # [S, V] fp32
+    logits.index_copy_(0, idx, scores.to(logits.dtype))
 
 
 def attach(seam, config, runner) -> LaggedControl | None:

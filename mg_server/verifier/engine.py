@@ -10,7 +10,7 @@ A new request's prompt positions that begin like an earlier request's are mapped
 cache (verifier/prefix.py) instead of computed: the item's answer is the same bits, its rows
 there decide nothing (prompt rows are not audited: their audit entries are -1 / NaN).
 An item with temperature > 0 is decoded by seeded sampling (protocol module doc): its rows'
-tokens and margins come from `sampling.sampled_choice` (or its device half, `sampled_pair`) of
+tokens and margins come from `sampling.sampled_pairs` (all of a forward's seeded rows at once) of
 their fp32 logits row, the function mg's seam calls on the fast path's row, so both add
 bit-identical noise.
 """
@@ -339,9 +339,13 @@ class VerifierEngine:
             self.kv_table[t(table_rows), t(positions)] = t(out_slots)  # the new positions' slots
             logits = self.model.forward(t(tokens), t(positions), t(out_slots), segs, self.pool)  # [R, V] fp32
             top = ops.margin_rows(logits).tolist()  # [R, 2] fp64 (margin, argmax): one device-to-host copy
-            for r, (temp, seed, pos) in sampled.items():
-                tok, m = ops.sampled_choice(logits[r], temp, seed, pos)
-                top[r] = [m, float(tok)]
+            if sampled:  # all seeded rows' noise in one call, one more copy to the host
+                rows = list(sampled)
+                pairs = ops.sampled_pairs(logits[torch.tensor(rows, device=logits.device)],
+                                          *map(list, zip(*sampled.values()))).tolist()
+                for r, pair in zip(rows, pairs):
+                    tok, m = ops.choice_of_pair(pair, sampled[r][0])
+                    top[r] = [m, float(tok)]
         margins = [row[0] for row in top]
         preds = [int(row[1]) for row in top]
         self.forwards += 1
@@ -378,8 +382,8 @@ class VerifierEngine:
         when one replay serves all rows, else {answer row: [V] fp32} (RowGraphs.kept; the rest of a
         long catch-up's rows are never read, and R x V fp32 would be ~1 GB for an 8B vocabulary).
         Sampled rows are decided after their own replay, before the next overwrites them.
-        Nothing here allocates device or page-locked memory, and every copy is a kernel
-        (wire.zerocopy).
+        Nothing here allocates page-locked memory, and every copy is a kernel (wire.zerocopy) but
+        the seeded rows' noise keys (16 bytes a row, sampling.gumbel_rows).
         Why chunks keep every row's bits: a row reads only K/V of its own request's positions
         <= its own, and chunks go in row order, so those are written (by an earlier replay or this
         one) exactly as one forward would write them; each row's arithmetic does not depend on
@@ -395,7 +399,8 @@ class VerifierEngine:
             lg, top = g.run(tokens[a:a + n], positions[a:a + n], slots[a:a + n], table_rows[a:a + n])
             self.graph_forwards += 1
             if rows := [r for r in sampled if a <= r < a + n]:  # (temporaries: the caching allocator's)
-                pairs = g.read(torch.stack([ops.sampled_pair(lg[r - a], *sampled[r]) for r in rows]))
+                sub = torch.stack([lg[r - a] for r in rows])  # [S, V] fp32 (a gather by a kernel)
+                pairs = g.read(ops.sampled_pairs(sub, *map(list, zip(*(sampled[r] for r in rows)))))
                 for r, pair in zip(rows, pairs):
                     tok, m = ops.choice_of_pair(pair, sampled[r][0])
                     top[r - a] = [m, float(tok)]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mg_server.verifier.sampling import choice_of_pair, sampled_choice, sampled_pair  # noqa: F401 - re-exported
+from mg_server.verifier.sampling import choice_of_pair, sampled_choice, sampled_pair, sampled_pairs  # noqa: F401 - re-exported
 from mg_server.verifier.kernels import (  # noqa: F401 - re-exported
     add_rms_norm,
     attention_paged,

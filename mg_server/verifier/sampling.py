@@ -19,8 +19,9 @@ never a library log/exp, whose last bit can differ between torch's vectorised CP
 scalar tail (which depends on how many threads split the row) and the GPU. Each element depends
 only on its own (seed, position, id): no reduction, so the batch cannot enter.
 
-Shapes: `gumbel_noise(seed, position, vocab, device)` -> [vocab] fp32; `sampled_scores(logits,
-temperature, seed, position)` with logits [vocab] (any float dtype, any device) -> [vocab] fp32.
+Shapes: `gumbel_rows(seeds, positions, vocab, device)` -> [n, vocab] fp32; `sampled_scores_rows(
+logits, temperatures, seeds, positions)` with logits [n, vocab] (any float dtype, any device) ->
+[n, vocab] fp32; `gumbel_noise`, `sampled_scores`, `sampled_pair` are their one-row forms.
 """
 from __future__ import annotations
 
@@ -81,35 +82,73 @@ def _log(x: Tensor) -> Tensor:
     return e * _LN2 + 2.0 * s * acc
 
 
-def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> Tensor:
-    """-> [vocab] fp32 standard Gumbel noise of (seed, position); bit-identical on every device."""
-    k0, k1 = _key(seed, position)
-    ids = torch.arange(vocab, dtype=torch.int64, device=device)  # [V] int64
-    x = _hash32(_hash32(ids ^ k0) ^ k1)  # [V] int64 in [0, 2**32)
+# Rows of noise computed at once: at most this many elements (~16 MB per int64 / fp64 temporary), so
+# the transient memory of a forward's noise stays bounded in SGLang's process whatever the batch.
+NOISE_ELEMS = 1 << 21
+
+
+def gumbel_rows(seeds: list[int], positions: list[int], vocab: int, device: torch.device | str = "cpu") -> Tensor:
+    """-> [n, vocab] fp32 standard Gumbel noise, row k of (seeds[k], positions[k]); bit-identical on
+    every device, and row k equal to that row computed alone (only elementwise ops: see module doc)."""
+    keys = torch.tensor([_key(s, p) for s, p in zip(seeds, positions)], dtype=torch.int64)  # [n, 2] int64
+    # why pinned and non_blocking: the host never waits for the GPU here (the lagged seam calls
+    # this at the sampler); torch's caching host allocator keeps the block until the copy is done
+    if torch.device(device).type == "cuda":
+        keys = keys.pin_memory().to(device, non_blocking=True)
+    k0, k1 = keys[:, :1], keys[:, 1:]  # [n, 1] int64 each
+    ids = torch.arange(vocab, dtype=torch.int64, device=device)[None, :]  # [1, V] int64
+    x = _hash32(_hash32(ids ^ k0) ^ k1)  # [n, V] int64 in [0, 2**32)
     # u in (0, 1) from the top 24 bits: (k + 0.5) / 2**24 is exact in fp64, never 0 or 1.
     u = ((x >> 8).to(torch.float64) + 0.5) * (1.0 / (1 << 24))
     return (-_log(-_log(u))).to(torch.float32)
 
 
-def sampled_scores(logits: Tensor, temperature: float, seed: int, position: int) -> Tensor:
-    """logits [V] (any float dtype/device) -> perturbed scores [V] fp32 = logits / T + gumbel.
+def gumbel_noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> Tensor:
+    """-> [vocab] fp32 standard Gumbel noise of (seed, position); bit-identical on every device."""
+    return gumbel_rows([seed], [position], vocab, device)[0]
 
-    The seam and the verifier call this on one row at a time: the same elementwise ops on the
-    same shapes, so equal logits give equal scores bit for bit."""
-    if not temperature > 0:
-        raise ValueError(f"seeded sampling needs a temperature > 0, got {temperature!r}")
-    noise = gumbel_noise(seed, position, logits.shape[-1], logits.device)
-    return logits.float() / float(temperature) + noise
+
+def sampled_scores_rows(logits: Tensor, temperatures: list[float], seeds: list[int], positions: list[int]) -> Tensor:
+    """logits [n, V] (any float dtype/device) -> perturbed scores [n, V] fp32, row k = logits[k] /
+    T_k + gumbel(seed_k, position_k): the seam and the verifier both compute their rows here, so
+    equal logits give equal scores bit for bit, whatever rows share the call (elementwise ops;
+    the division by a Python scalar per temperature, as a row alone has it)."""
+    n, vocab = logits.shape
+    if any(not t > 0 for t in temperatures):
+        raise ValueError(f"seeded sampling needs a temperature > 0, got {temperatures!r}")
+    out = torch.empty((n, vocab), dtype=torch.float32, device=logits.device)
+    step = max(1, NOISE_ELEMS // max(1, vocab))
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        ts = temperatures[a:b]
+        if len(set(ts)) == 1:  # (one temperature: the usual case, one division)
+            scaled = logits[a:b].float() / float(ts[0])
+        else:
+            scaled = torch.stack([logits[a + j].float() / float(t) for j, t in enumerate(ts)])
+        out[a:b] = scaled + gumbel_rows(seeds[a:b], positions[a:b], vocab, logits.device)
+    return out
+
+
+def sampled_scores(logits: Tensor, temperature: float, seed: int, position: int) -> Tensor:
+    """logits [V] (any float dtype/device) -> perturbed scores [V] fp32 = logits / T + gumbel."""
+    return sampled_scores_rows(logits[None], [temperature], [seed], [position])[0]
+
+
+def sampled_pairs(logits: Tensor, temperatures: list[float], seeds: list[int], positions: list[int]) -> Tensor:
+    """logits [n, V] -> [n, 2] fp64 on logits' device: per row (top1 - top2 of the scores, computed
+    in fp32, then widened exactly; their argmax, ties -> lower id). Left on the device so that a
+    caller can read all rows back at once, by whatever copy it may use (the verifier:
+    wire.zerocopy). The top-2 is the verifier's batch-invariant one: a row's pair does not
+    depend on the others."""
+    from mg_server.verifier.kernels import top2  # the verifier's batch-invariant top-2
+
+    vals, idx = top2(sampled_scores_rows(logits, temperatures, seeds, positions))  # [n, 2] fp32, int64
+    return torch.stack(((vals[:, 0] - vals[:, 1]).double(), idx[:, 0].double()), dim=1)
 
 
 def sampled_pair(logits: Tensor, temperature: float, seed: int, position: int) -> Tensor:
-    """logits [V] -> [2] fp64 on logits' device: (top1 - top2 of the scores, computed in fp32,
-    then widened exactly; their argmax, ties -> lower id). Left on the device so that a caller can
-    read many rows back at once, by whatever copy it may use (the verifier: wire.zerocopy)."""
-    from mg_server.verifier.kernels import top2  # the verifier's batch-invariant top-2
-
-    vals, idx = top2(sampled_scores(logits, temperature, seed, position)[None])  # [1, 2] fp32, int64
-    return torch.stack(((vals[0, 0] - vals[0, 1]).double(), idx[0, 0].double()))
+    """logits [V] -> [2] fp64: sampled_pairs of one row."""
+    return sampled_pairs(logits[None], [temperature], [seed], [position])[0]
 
 
 def choice_of_pair(pair: list[float], temperature: float) -> tuple[int, float]:

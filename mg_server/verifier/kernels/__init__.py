@@ -45,7 +45,7 @@ Public API (shapes: M rows, K in-features, N out-features, T query tokens, S key
         returns q [R,Hq,D] contiguous (element-wise; one fused launch on CUDA)
     KERNEL_CONFIG, kernel_config_id(device=None)
 
-Seeded sampling (`gumbel_noise`, `sampled_scores`, `sampled_choice`, `sampled_pair`,
+Seeded sampling (`gumbel_rows`, `sampled_scores_rows`, `sampled_pairs` and their one-row forms,
 `choice_of_pair`) is `mg_server.verifier.sampling`: the seam computes it too, and its top-2 is `top2` here.
 """
 from __future__ import annotations
