@@ -21,6 +21,7 @@ from torch import Tensor
 
 from mg_server.checkpoint import Checkpoint, ModelSpec, read_checkpoint
 from mg_server.verifier import ops
+from mg_server.verifier import tp as tp_mod
 
 __all__ = ["KVPool", "ModelSpec", "Segment", "VerifierModel", "fused_checkpoint", "sglang_names"]
 
@@ -123,8 +124,9 @@ class VerifierModel:
     the vocabulary's padding rows (SGLang pads to a multiple of 64, with zeros) are cut by a view."""
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, Tensor], dtype: torch.dtype,
-                 device: torch.device, max_positions: int):
-        self.spec, self.dtype, self.device = spec, dtype, device
+                 device: torch.device, max_positions: int, tp=None):
+        # tp: verifier.tp.Ranks, `tensors` then this rank's shard (tp.shard); None: one rank
+        self.spec, self.dtype, self.device, self.tp = spec, dtype, device, tp
         s = spec
 
         def t(name: str) -> Tensor:
@@ -136,13 +138,15 @@ class VerifierModel:
         def opt(name: str) -> Tensor | None:
             return t(name) if name in tensors else None
 
-        self.embed = t("model.embed_tokens.weight")[: s.vocab]  # [V, H] dtype
+        vocab = s.vocab if tp is None else tp_mod.vocab_rows(s, tp.world)  # rows this rank holds
+        self.heads = (s.n_heads, s.n_kv_heads) if tp is None else tp_mod.local_heads(s, tp.world)  # (q, kv)
+        self.embed = t("model.embed_tokens.weight")[:vocab]  # [V, H] dtype (TP: the rank's rows)
         self.final_norm = t("model.norm.weight")  # [H] dtype
         lm = "lm_head.weight" if "lm_head.weight" in tensors and not s.tie_embeddings else "model.embed_tokens.weight"
         # Logits in fp32 (fp32 output of an fp32 accumulator): margins are not quantised to bf16
         # steps of ~0.1. The weight stays in the model dtype: an fp32 copy holds the same values
         # (twice the bytes, and no tensor cores on the GPU).
-        self.lm_head = ops.prepare_weight(t(lm)[: s.vocab])  # [V, H]
+        self.lm_head = ops.prepare_weight(t(lm)[:vocab])  # [V, H] (TP: the rank's rows)
         self.layers: list[Layer] = []
         for i in range(s.n_layers):
             p = f"model.layers.{i}."
@@ -239,10 +243,17 @@ class VerifierModel:
 
     def _run(self, tokens: Tensor, positions: Tensor, out_slots: Tensor, pool: KVPool, attend,
              logits_out: Tensor | None = None) -> Tensor:
-        s = self.spec
+        s, tp = self.spec, self.tp
         r = tokens.shape[0]
-        hq, hkv, d = s.n_heads, s.n_kv_heads, s.head_dim
-        residual = self.embed[tokens]  # [R, H] dtype
+        (hq, hkv), d = self.heads, s.head_dim
+        if tp is None:
+            residual = self.embed[tokens]  # [R, H] dtype
+        else:  # each token's row from the rank holding it, zeros elsewhere: the sum is exact
+            local = tokens - tp.rank * self.embed.shape[0]
+            mine = (local >= 0) & (local < self.embed.shape[0])
+            rows = self.embed[local.clamp(0, self.embed.shape[0] - 1)]
+            residual = tp.reduce(torch.where(mine[:, None], rows, torch.zeros_like(rows)))
+        reduce = (lambda x: x) if tp is None else tp.reduce  # noqa: E731 - a rank's partial sums
         m = None  # [R, H] dtype: the previous layer's MLP output, not yet added to the residual
         for li, lay in enumerate(self.layers):
             # each RMSNorm runs inside the next projection (ops.norm_matmul: one kernel on CUDA)
@@ -260,12 +271,16 @@ class VerifierModel:
             # RoPE on q and k heads, K (after RoPE) and V into the rows' slots: one fused launch
             q = ops.rope_store(qk, v, self.cos, self.sin, positions, out_slots, pool.k[li], pool.v[li], hq)
             attn = attend(li, q)  # [R, Hq, D] dtype
-            o = ops.matmul(attn.reshape(r, hq * d), lay.wo)  # [R, H] dtype
+            o = reduce(ops.matmul(attn.reshape(r, hq * d), lay.wo))  # [R, H] dtype
             gu, residual = ops.norm_matmul(o, residual, lay.ln2, s.eps, lay.w_gate_up)  # [R, 2I] dtype
             # silu via the kernels (torch's CPU silu changes bits with the number of rows), inside
             # the down projection on CUDA
-            m = ops.silu_matmul(gu, lay.w_down)  # [R, H] dtype
+            m = reduce(ops.silu_matmul(gu, lay.w_down))  # [R, H] dtype
         h, residual = ops.add_rms_norm(m, residual, self.final_norm, s.eps)
+        if tp is not None:  # (no graphs under TP yet: logits_out is the graphs')
+            if logits_out is not None:
+                raise ValueError("the TP verifier runs without CUDA graphs")
+            return tp.gather_vocab(ops.matmul(h, self.lm_head, out_dtype=torch.float32))[:, : s.vocab]  # [R, V] fp32
         if logits_out is not None:  # CUDA only: the kernel ops.matmul runs there, writing in place
             from mg_server.verifier.kernels.matmul_triton import matmul as matmul_into
 
