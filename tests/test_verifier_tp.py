@@ -34,7 +34,7 @@ def _forward(model, spec, pool_spec, requests):
     return model.forward(t(tokens), t(positions), t(slots), segs, pool)
 
 
-def _load(ckpt, dtype, rank=None, world=1):
+def _load(ckpt, dtype, rank=None, world=1, pad=1):
     from mg_server.checkpoint import read_checkpoint
     from mg_server.verifier import tp
     from mg_server.verifier.model import VerifierModel, fused_checkpoint
@@ -46,7 +46,7 @@ def _load(ckpt, dtype, rank=None, world=1):
     if rank is None:
         return VerifierModel(spec, fused, dtype, torch.device("cpu"), 64), spec, spec
     ranks = tp.Ranks(rank, world)
-    model = VerifierModel(spec, tp.shard(fused, spec, rank, world), dtype, torch.device("cpu"), 64, tp=ranks)
+    model = VerifierModel(spec, tp.shard(fused, spec, rank, world, pad), dtype, torch.device("cpu"), 64, tp=ranks)
     return model, spec, tp.local_spec(spec, world)
 
 
@@ -57,7 +57,9 @@ def _rank(rank: int, world: int, ckpt, init: str, out: str) -> None:
         model, spec, local = _load(ckpt, torch.bfloat16, rank, world)
         alone = _forward(model, spec, local, [A])
         mixed = _forward(model, spec, local, [B, A])
-        torch.save({"alone": alone, "mixed": mixed}, f"{out}/rank{rank}.pt")
+        padded, _, _ = _load(ckpt, torch.bfloat16, rank, world, pad=64)  # SGLang's padding: 128 rows a rank
+        torch.save({"alone": alone, "mixed": mixed, "padded": _forward(padded, spec, local, [A])},
+                   f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -80,6 +82,13 @@ def test_both_ranks_return_the_same_logits(runs):
 def test_a_requests_logits_do_not_depend_on_its_forwards_other_rows(runs):
     _, (r0, _) = runs
     assert torch.equal(r0["mixed"][len(B):], r0["alone"])
+
+
+def test_a_shard_padded_as_sglang_pads_it_gives_the_same_logits(runs):
+    """Vocabulary shards of 128 rows (211 ids padded to 256, SGLang's multiple of 64) against 106:
+    each rank's offset is its shard's row count, the padding columns are cut."""
+    _, (r0, r1) = runs
+    assert torch.equal(r0["padded"], r0["alone"]) and torch.equal(r1["padded"], r0["alone"])
 
 
 def test_tp2_is_close_to_tp1_on_the_same_weights(runs):

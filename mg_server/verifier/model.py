@@ -138,7 +138,9 @@ class VerifierModel:
         def opt(name: str) -> Tensor | None:
             return t(name) if name in tensors else None
 
-        vocab = s.vocab if tp is None else tp_mod.vocab_rows(s, tp.world)  # rows this rank holds
+        # TP: the rank's whole shard, padding rows included (their count sets the rank's offset;
+        # the gathered logits are cut to the vocabulary)
+        vocab = s.vocab if tp is None else None
         self.heads = (s.n_heads, s.n_kv_heads) if tp is None else tp_mod.local_heads(s, tp.world)  # (q, kv)
         self.embed = t("model.embed_tokens.weight")[:vocab]  # [V, H] dtype (TP: the rank's rows)
         self.final_norm = t("model.norm.weight")  # [H] dtype

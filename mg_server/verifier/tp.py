@@ -7,7 +7,8 @@ per-rank verifier and the seam's rank agreement wait for a two-GPU machine).
 Layout (SGLang's per-rank tensors, so a rank's verifier can map its own scheduler's weights):
 q, k and v heads split by rank inside the fused qkv rows, o_proj and down_proj split along their
 input, gate and up rows split inside gate_up, the embedding and the LM head split by vocabulary
-rows (padded to a multiple of the world size with zero rows).
+rows of zero-padded shards of one size (`shard` pads to a multiple of the world size; SGLang to
+its own multiple: the model takes a shard's row count as the rank's offset).
 
 Why a gather and a sum in rank order instead of an all-reduce: a ring or tree all-reduce chunks
 the message by its size, so the order in which an element's partial sums meet depends on how
@@ -70,15 +71,17 @@ def local_spec(spec: ModelSpec, world: int) -> ModelSpec:
     return replace(spec, n_heads=hq, n_kv_heads=hkv, intermediate=spec.intermediate // world)
 
 
-def vocab_rows(spec: ModelSpec, world: int) -> int:
-    """Vocabulary rows a rank holds (the vocabulary padded to a multiple of the world size)."""
-    return -(-spec.vocab // world)
+def vocab_rows(spec: ModelSpec, world: int, pad: int = 1) -> int:
+    """Vocabulary rows a rank holds: the vocabulary padded to a multiple of `pad` (SGLang: 64),
+    then split evenly (padded further to a multiple of the world size)."""
+    return -(-(-(-spec.vocab // pad) * pad) // world)
 
 
-def shard(tensors: dict[str, Tensor], spec: ModelSpec, rank: int, world: int) -> dict[str, Tensor]:
-    """Fused full tensors (model.fused_checkpoint) -> this rank's, in SGLang's TP layout (module doc)."""
+def shard(tensors: dict[str, Tensor], spec: ModelSpec, rank: int, world: int, pad: int = 1) -> dict[str, Tensor]:
+    """Fused full tensors (model.fused_checkpoint) -> this rank's, in SGLang's TP layout (module
+    doc); the vocabulary padded as `vocab_rows` says."""
     hq, hkv = local_heads(spec, world)
-    d, i_loc, vr = spec.head_dim, spec.intermediate // world, vocab_rows(spec, world)
+    d, i_loc, vr = spec.head_dim, spec.intermediate // world, vocab_rows(spec, world, pad)
 
     def rows(w: Tensor, start: int, n: int) -> Tensor:
         return w[start:start + n]
