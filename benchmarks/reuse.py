@@ -1,14 +1,18 @@
 """Time to first token of long prompts, and prefix-shaped deterministic traffic, mg beside plain SGLang:
 
     python benchmarks/reuse.py --out DIR [--model llama8b-planted] [--parts ttft,eval,rl]
-        [--lengths 1250,8000] [--shares 0.02,0.25,1] [--ab-tree DIR] [--kv-budget-gb X]
+        [--lengths 1250,8000] [--shares 0.02,0.25,1] [--spacing-ms 80,480] [--ab-tree DIR] [--kv-budget-gb X]
 
 Each server runs alone on the GPU at its own defaults (plain SGLang = mg-server with --mg-mode off;
 then mg; then, with --ab-tree, another checkout's mg), one after the other, every part on each:
 - ttft: for each length and share, --requests distinct random prompts (new ones each run: no
   radix-cache hit), at most --concurrency in flight, 16 tokens each, streamed one token per chunk;
   the first of every 1/share deterministic. TTFT (the first event carrying a token) p50 / p99 of
-  the deterministic requests on mg against the same requests on plain SGLang.
+  the deterministic requests on mg against the same requests on plain SGLang, and the plain rows
+  of the same run on each server. Two arrival protocols: a burst (every request at once, at most
+  --concurrency in flight: a request's TTFT is mostly its place in SGLang's queue, so a few
+  milliseconds of extra path can move it a whole prefill later) and, with --spacing-ms (one value
+  per length), request k sent k * spacing after the first (an open-loop rate).
 - eval: one 2,000-token preamble before 64 distinct ~40-token questions, all deterministic, 64
   tokens each, greedy: output tokens/s, and the verifier's rows per request (mg_verify_rows_sum:
   rows computed; mg_verifier_reused_rows_total: prompt rows mapped from its prefix cache).
@@ -48,12 +52,17 @@ def post(url: str, body: dict, det: bool, stream: bool = False):
                          timeout=900, stream=stream)
 
 
-def ttft_run(url: str, prompts: list[list[int]], det: set[int], concurrency: int, mg: bool) -> dict:
-    """TTFT of every request (seconds), its verdict and tokens."""
+def ttft_run(url: str, prompts: list[list[int]], det: set[int], concurrency: int, mg: bool,
+             spacing_s: float = 0.0) -> dict:
+    """TTFT of every request (seconds), its verdict and tokens; request k is sent k * spacing_s
+    after the first (0: all at once)."""
     out: dict[int, dict] = {}
     lock = threading.Lock()
+    start = time.perf_counter()
 
     def one(i: int) -> None:
+        if spacing_s:
+            time.sleep(max(0.0, start + i * spacing_s - time.perf_counter()))
         body = {"input_ids": prompts[i], "stream": True, "sampling_params": {
             "max_new_tokens": 16, "ignore_eos": True, "temperature": 0, "stream_interval": 1}}
         t0 = time.perf_counter()
@@ -108,8 +117,8 @@ def workloads(args) -> dict:
     preamble = ids(rng, 2000)
     return {
         # distinct prompts for every run: a prompt seen before would be a radix-cache hit in SGLang
-        "ttft": {f"{L}@{share}": [ids(rng, L) for _ in range(args.requests)] for L in args.lengths
-                 for share in args.shares},
+        "ttft": {f"{L}@{share}@{sp}": [ids(rng, L) for _ in range(args.requests)]
+                 for L, spacings in zip(args.lengths, args.spacings) for sp in spacings for share in args.shares},
         "eval": [{"input_ids": preamble + ids(rng, 30 + k % 20),
                   "sampling_params": {"max_new_tokens": 64, "ignore_eos": True, "temperature": 0}} for k in range(64)],
         "rl": [{"input_ids": ids(rng, 300), "sampling_params": {"max_new_tokens": 64, "ignore_eos": True, "n": 8,
@@ -128,9 +137,10 @@ def serve_parts(srv, kind: str, work: dict, args) -> dict:
         ttft_run(srv.url, [ids(rng, L) for L in args.lengths * 2], set(range(4)), 4, mg)  # (shapes compiled)
         res["ttft"] = {}
         for key, prompts in work["ttft"].items():
-            det = det_indices(len(prompts), float(key.split("@")[1]))  # (plain: the same requests, no header)
+            _, share, spacing = key.split("@")
+            det = det_indices(len(prompts), float(share))  # (plain: the same requests, no header)
             before = scrape(srv.url, ROWS) if mg else {}
-            runs = ttft_run(srv.url, prompts, det, args.concurrency, mg)
+            runs = ttft_run(srv.url, prompts, det, args.concurrency, mg, float(spacing) / 1e3)
             after = scrape(srv.url, ROWS) if mg else {}
             res["ttft"][key] = {"runs": runs, "det": sorted(det), "counters": {k: after[k] - before[k] for k in after}}
             E.log(f"{kind} ttft {key}: done")
@@ -153,15 +163,22 @@ def summarize(res: dict) -> dict:
     for kind in [k for k in res["servers"] if k != "plain"]:
         got = res["servers"][kind]
         for key, run in got.get("ttft", {}).items():
-            L, share = key.split("@")
+            L, share, spacing = key.split("@")
             base = plain["ttft"][key]["runs"]
             det = run["det"]
-            d = [run["runs"][i]["ttft_s"] for i in det if run["runs"][i].get("ttft_s") is not None]
-            p = [base[i]["ttft_s"] for i in det if base[i].get("ttft_s") is not None]
+
+            def ttfts(runs: dict, rows) -> list[float]:
+                return [runs[i]["ttft_s"] for i in rows if runs[i].get("ttft_s") is not None]
+
+            d, p = ttfts(run["runs"], det), ttfts(base, det)
+            others = [i for i in run["runs"] if i not in set(det)]  # the run's plain rows, on each server
+            mo, po = ttfts(run["runs"], others), ttfts(base, others)
             states = [s for i in det for s in run["runs"][i].get("states", [])]
-            row = {"server": kind, "prompt": int(L), "share": float(share), "n": len(d),
+            row = {"server": kind, "prompt": int(L), "share": float(share), "spacing_ms": float(spacing), "n": len(d),
                    "det_p50_ms": 1e3 * pct(d, 0.5), "det_p99_ms": 1e3 * pct(d, 0.99),
                    "plain_p50_ms": 1e3 * pct(p, 0.5), "plain_p99_ms": 1e3 * pct(p, 0.99),
+                   "others_p50_ms": 1e3 * pct(mo, 0.5) if mo else None,
+                   "others_plain_p50_ms": 1e3 * pct(po, 0.5) if po else None,
                    "verified": sum(s == "verified" for s in states), "errors": sum("error" in r for r in run["runs"].values()),
                    "counters": run["counters"]}
             row["p50_ratio"] = row["det_p50_ms"] / row["plain_p50_ms"]
@@ -179,11 +196,18 @@ def summarize(res: dict) -> dict:
 
 
 def table(s: dict) -> str:
-    lines = ["| server | prompt | det. share | det. TTFT p50 / p99 ms | plain p50 / p99 ms | p50 ratio | verified |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| server | prompt | arrivals | det. share | det. TTFT p50 / p99 ms | same rows on plain p50 / p99 ms | "
+             "p50 ratio | other rows p50 mg / plain ms | verified |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def ms(x) -> str:
+        return "-" if x is None else f"{x:.0f}"
+
     for r in s["ttft"]:
-        lines.append(f"| {r['server']} | {r['prompt']} | {r['share']:.0%} | {r['det_p50_ms']:.0f} / {r['det_p99_ms']:.0f} | "
-                     f"{r['plain_p50_ms']:.0f} / {r['plain_p99_ms']:.0f} | {r['p50_ratio']:.2f}× | {r['verified']}/{r['n']} |")
+        arrivals = f"every {r['spacing_ms']:.0f} ms" if r["spacing_ms"] else "burst"
+        lines.append(f"| {r['server']} | {r['prompt']} | {arrivals} | {r['share']:.0%} | {r['det_p50_ms']:.0f} / "
+                     f"{r['det_p99_ms']:.0f} | {r['plain_p50_ms']:.0f} / {r['plain_p99_ms']:.0f} | {r['p50_ratio']:.2f}× | "
+                     f"{ms(r['others_p50_ms'])} / {ms(r['others_plain_p50_ms'])} | {r['verified']}/{r['n']} |")
     lines += ["", "| server | workload | requests | verifier rows / request | reused / request | mg / plain tok/s | verdicts |",
               "|---|---|---|---|---|---|---|"]
     for r in s["prefix"]:
@@ -203,6 +227,8 @@ def main() -> int:
     ap.add_argument("--parts", default="ttft,eval,rl")
     ap.add_argument("--lengths", default="1250,8000")
     ap.add_argument("--shares", default="0.02,0.25,1")
+    ap.add_argument("--spacing-ms", default="", help="per length: also send the TTFT requests this far apart "
+                    "(after the burst), e.g. 80,480")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--tau", type=float, default=0.117, help="mg's tau (the 8B shape's benchmarks' tau: 10 %% of steps below it)")
@@ -212,6 +238,10 @@ def main() -> int:
     args.parts = args.parts.split(",")
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.shares = [float(x) for x in args.shares.split(",")]
+    spacing = [float(x) for x in args.spacing_ms.split(",")] if args.spacing_ms else []
+    if spacing and len(spacing) != len(args.lengths):
+        ap.error("--spacing-ms takes one value per length")
+    args.spacings = [[0.0, sp] for sp in spacing] if spacing else [[0.0] for _ in args.lengths]
     E.setup_python(args.wheels)
     args.tokenizer = args.tokenizer or E._default_tokenizer()
     args.out.mkdir(parents=True, exist_ok=True)

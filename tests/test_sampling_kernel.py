@@ -3,6 +3,10 @@ id), bit-identical whatever the batch or thread count, distinct per seed and pos
 sampled tokens follow softmax(logits / T)."""
 
 import math
+import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -90,6 +94,50 @@ def test_rows_on_the_gpu_equal_the_rows_alone():
     assert torch.equal(sampled_scores_rows(logits, temps, seeds, poss), alone)
     pairs = torch.stack([sampled_pair(logits[k], temps[k], seeds[k], poss[k]) for k in range(5)])
     assert torch.equal(sampled_pairs(logits, temps, seeds, poss), pairs)
+
+
+@pytest.mark.gpu
+def test_the_noise_kernel_gives_the_torch_ops_bits_on_cuda():
+    """kernels/noise_triton.py against the torch ops it replaces, both on CUDA: the noise and the
+    scores (bf16 and fp32 logits, one and mixed temperatures, a 128k vocabulary, huge seeds and
+    positions) bit for bit; the noise also against the CPU's."""
+    g = torch.Generator().manual_seed(3)
+    V, n = 128256, 70
+    seeds = [int(x) for x in torch.randint(0, 2 ** 62, (n,), generator=g)] + [2 ** 64 - 1, 0]
+    poss = [int(x) for x in torch.randint(0, 2 ** 40, (n,), generator=g)] + [0, 2 ** 33 + 7]
+    n = len(seeds)
+    temps = [0.8] * n
+    mixed = [0.3 + 0.05 * (k % 17) for k in range(n)]
+    noise = sampling.gumbel_rows(seeds, poss, V, "cuda")
+    assert torch.equal(noise, sampling._gumbel_torch(seeds, poss, V, "cuda"))
+    assert torch.equal(noise[-4:].cpu(), sampling._gumbel_torch(seeds[-4:], poss[-4:], V, "cpu"))
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(n, V, generator=g) * 4).to(dtype).cuda()
+        for ts in (temps, mixed):
+            assert torch.equal(sampled_scores_rows(logits, ts, seeds, poss),
+                               sampling._scores_torch(logits, ts, seeds, poss)), (dtype, ts[:3])
+
+
+def test_the_noise_kernel_computes_the_torch_ops_in_the_interpreter():
+    """The kernel's logic (hash on uint32 lanes, frexp from the bits, the series) through
+    TRITON_INTERPRET=1 on the CPU: the CPU noise bit for bit, and logits / T + noise."""
+    pytest.importorskip("triton")
+    script = textwrap.dedent("""
+        import torch
+        from mg_server.verifier import sampling as S
+        from mg_server.verifier.kernels.noise_triton import noise_rows
+        seeds, poss, V = [0, 1, 2 ** 64 - 1, 12345678901234], [0, 7, 2 ** 33 + 5, 300], 3001
+        ref = S.gumbel_rows(seeds, poss, V)
+        got = noise_rows(S._keys(seeds, poss), V, torch.device("cpu"))
+        assert torch.equal(ref, got), (ref - got).abs().max()
+        lg, T = torch.randn(4, V) * 5, [0.8, 0.8, 1.3, 0.7]
+        scaled = S._scaled(lg, T)
+        assert torch.equal(noise_rows(S._keys(seeds, poss), V, torch.device("cpu"), scaled.clone()), scaled + ref)
+        print("ok")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
 def test_noise_differs_per_seed_and_position():

@@ -19,6 +19,10 @@ never a library log/exp, whose last bit can differ between torch's vectorised CP
 scalar tail (which depends on how many threads split the row) and the GPU. Each element depends
 only on its own (seed, position, id): no reduction, so the batch cannot enter.
 
+On CUDA one Triton kernel (kernels/noise_triton.py) computes these same ops per element in
+registers (6 ms -> a fraction of it for a decode step's 64 rows of a 128k vocabulary); tested bit
+for bit against the torch ops on CUDA, which the CPU path runs.
+
 Shapes: `gumbel_rows(seeds, positions, vocab, device)` -> [n, vocab] fp32; `sampled_scores_rows(
 logits, temperatures, seeds, positions)` with logits [n, vocab] (any float dtype, any device) ->
 [n, vocab] fp32; `gumbel_noise`, `sampled_scores`, `sampled_pair` are their one-row forms.
@@ -87,13 +91,30 @@ def _log(x: Tensor) -> Tensor:
 NOISE_ELEMS = 1 << 21
 
 
+def _keys(seeds: list[int], positions: list[int]) -> Tensor:
+    """[n, 2] int64 on the host: each row's two 32-bit keys."""
+    return torch.tensor([_key(s, p) for s, p in zip(seeds, positions)], dtype=torch.int64).reshape(-1, 2)
+
+
+def _on_gpu(device) -> bool:
+    return torch.device(device).type == "cuda"
+
+
 def gumbel_rows(seeds: list[int], positions: list[int], vocab: int, device: torch.device | str = "cpu") -> Tensor:
     """-> [n, vocab] fp32 standard Gumbel noise, row k of (seeds[k], positions[k]); bit-identical on
-    every device, and row k equal to that row computed alone (only elementwise ops: see module doc)."""
-    keys = torch.tensor([_key(s, p) for s, p in zip(seeds, positions)], dtype=torch.int64)  # [n, 2] int64
-    # why pinned and non_blocking: the host never waits for the GPU here (the lagged seam calls
-    # this at the sampler); torch's caching host allocator keeps the block until the copy is done
-    if torch.device(device).type == "cuda":
+    every device, and row k equal to that row computed alone (only elementwise ops: see module doc).
+    On CUDA one kernel computes the torch ops' bits (kernels/noise_triton.py)."""
+    if _on_gpu(device):
+        from mg_server.verifier.kernels.noise_triton import noise_rows
+
+        return noise_rows(_keys(seeds, positions), vocab, torch.device(device))
+    return _gumbel_torch(seeds, positions, vocab, device)
+
+
+def _gumbel_torch(seeds: list[int], positions: list[int], vocab: int, device: torch.device | str) -> Tensor:
+    """gumbel_rows in torch ops (the CPU's path; on CUDA the kernel's reference)."""
+    keys = _keys(seeds, positions)
+    if _on_gpu(device):  # (pinned + non_blocking: see noise_triton._to_device)
         keys = keys.pin_memory().to(device, non_blocking=True)
     k0, k1 = keys[:, :1], keys[:, 1:]  # [n, 1] int64 each
     ids = torch.arange(vocab, dtype=torch.int64, device=device)[None, :]  # [1, V] int64
@@ -112,20 +133,36 @@ def sampled_scores_rows(logits: Tensor, temperatures: list[float], seeds: list[i
     """logits [n, V] (any float dtype/device) -> perturbed scores [n, V] fp32, row k = logits[k] /
     T_k + gumbel(seed_k, position_k): the seam and the verifier both compute their rows here, so
     equal logits give equal scores bit for bit, whatever rows share the call (elementwise ops;
-    the division by a Python scalar per temperature, as a row alone has it)."""
+    the division by a Python scalar per temperature, as a row alone has it). On CUDA the noise
+    and the add are one kernel (kernels/noise_triton.py) on the same division's output."""
     n, vocab = logits.shape
     if any(not t > 0 for t in temperatures):
         raise ValueError(f"seeded sampling needs a temperature > 0, got {temperatures!r}")
+    if logits.is_cuda:
+        from mg_server.verifier.kernels.noise_triton import noise_rows
+
+        return noise_rows(_keys(seeds, positions), vocab, logits.device, _scaled(logits, temperatures))
+    return _scores_torch(logits, temperatures, seeds, positions)
+
+
+def _scaled(logits: Tensor, temperatures: list[float]) -> Tensor:
+    """logits [n, V] -> [n, V] fp32 logits / T, a division by a Python scalar per row (one for all
+    rows when they share T), as a row alone is divided."""
+    if len(set(temperatures)) == 1:  # (one temperature: the usual case, one division)
+        return logits.float() / float(temperatures[0])
+    return torch.stack([logits[j].float() / float(t) for j, t in enumerate(temperatures)])
+
+
+def _scores_torch(logits: Tensor, temperatures: list[float], seeds: list[int], positions: list[int]) -> Tensor:
+    """sampled_scores_rows in torch ops, in row chunks of NOISE_ELEMS (the CPU's path; on CUDA the
+    reference the kernel is tested against)."""
+    n, vocab = logits.shape
     out = torch.empty((n, vocab), dtype=torch.float32, device=logits.device)
     step = max(1, NOISE_ELEMS // max(1, vocab))
     for a in range(0, n, step):
         b = min(n, a + step)
-        ts = temperatures[a:b]
-        if len(set(ts)) == 1:  # (one temperature: the usual case, one division)
-            scaled = logits[a:b].float() / float(ts[0])
-        else:
-            scaled = torch.stack([logits[a + j].float() / float(t) for j, t in enumerate(ts)])
-        out[a:b] = scaled + gumbel_rows(seeds[a:b], positions[a:b], vocab, logits.device)
+        out[a:b] = _scaled(logits[a:b], temperatures[a:b]) + _gumbel_torch(seeds[a:b], positions[a:b], vocab,
+                                                                           logits.device)
     return out
 
 

@@ -146,6 +146,9 @@ KERNEL_CONFIG: dict = {
     "rowwise": {"CHUNK": 2048, "num_warps": 8},
     # Fused RoPE + K/V store: element-wise, one program per row (num_warps changes no bits).
     "rope": {"num_warps": 4},
+    # Seeded sampling's noise (+ logits / T) in one kernel (noise_triton): element-wise, one program
+    # per (row, BLOCK ids); no reduction, so neither BLOCK nor num_warps changes a bit.
+    "noise": {"BLOCK": 1024, "num_warps": 4},
     # Attention: fixed KV split size (keys per split), not a fixed number of splits.
     # why: a query at absolute position p always reduces splits [0, KS), [KS, 2KS), ... up to p,
     # in that order, whether it comes in a prefill chunk of any size or a decode step.
