@@ -67,6 +67,7 @@ class VerifierConfig:
     # controller computes an evicted one again from position 0: the pool is a cache, verifier.budget)
     evict_idle_s: float = 0.0
     max_batch_items: int = 64  # items per message and coalesced into one step
+    tp: int = 1  # tensor-parallel ranks: one process each, rank 0 serving (verifier/ranks.py; a CPU only for now)
     num_threads: int = 0  # torch CPU threads (0: leave torch's default); results do not depend on it
     kv_budget_gb: float = 0.0  # CUDA: the K/V pool's size (0: verifier.budget's default share)
     # CUDA: SGLang's --mem-fraction-static (its K/V estimate for the default; SGLang's own default when

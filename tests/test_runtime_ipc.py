@@ -3,7 +3,6 @@ batching, typed errors, and that the worker keeps serving after every bad reques
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 
@@ -11,12 +10,11 @@ import pytest
 import torch
 import zmq
 
-from verifier_helpers import make_tiny
+from verifier_helpers import make_tiny, served_worker
 
 from mg_server.verifier.client import VerifierClient, VerifierError
 from mg_server.verifier.server import VerifierConfig, start_verifier
 from mg_server.wire import protocol as P
-from mg_server.wire.liveness import beat_path
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 
@@ -27,17 +25,8 @@ def worker(tmp_path_factory):
     ipc = f"/tmp/mgv-test-{uuid.uuid4().hex[:8]}.sock"
     cfg = VerifierConfig(model_path=str(d), ipc_path=ipc, max_seq_len=64, max_requests=4, pool_tokens=256,
                          max_batch_items=5, num_threads=1)
-    proc = start_verifier(cfg)
-    client = VerifierClient(ipc, timeout_s=60)
-    info = client.connect()
-    yield cfg, client, info
-    client.shutdown()
-    client.close()
-    proc.join(20)
-    for path in (ipc, beat_path(ipc)):  # a stopped worker leaves its socket and beat file to its owner
-        if os.path.exists(path):
-            os.unlink(path)
-    assert proc.exitcode == 0
+    for client, info in served_worker(cfg):
+        yield cfg, client, info
 
 
 def alive(client: VerifierClient) -> None:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from verifier_helpers import random_checkpoint
+from verifier_helpers import random_checkpoint, served_worker
 
 CFG = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=2,
            num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=211,
@@ -107,3 +107,52 @@ def test_shapes_that_do_not_split_are_refused():
     spec = ModelSpec.from_hf_config(dict(CFG, num_key_value_heads=1, num_attention_heads=4))
     with pytest.raises(ValueError, match="split evenly"):
         tp.local_heads(spec, 2)
+
+
+@pytest.fixture(scope="module")
+def tp_worker(runs):
+    """A served TP-2 verifier (rank 0 the worker, rank 1 its follower) on the runs' checkpoint."""
+    import uuid
+
+    from mg_server.verifier.server import VerifierConfig
+    from mg_server.wire.liveness import beat_path
+
+    ckpt, _ = runs
+    ipc = f"/tmp/mgv-tp-{uuid.uuid4().hex[:8]}.sock"
+    cfg = VerifierConfig(model_path=str(ckpt), ipc_path=ipc, max_seq_len=64, max_requests=3, pool_tokens=64,
+                         num_threads=1, tp=2)
+    yield from served_worker(cfg, timeout_s=120, extra_files=(beat_path(ipc + ".rank1"),))
+
+
+def test_a_served_tp2_verifier_answers_with_the_tp2_forward(runs, tp_worker):
+    """Rank 0's answer is the TP-2 model's (argmax and margin of its last row), alone or beside
+    another request, and its kernel id names the degree."""
+    _, (r0, _) = runs
+    client, info = tp_worker
+    assert info.kernel_config_id.endswith("-tp2")
+    row = r0["alone"][-1]
+    top = torch.topk(row, 2).values
+    alone = client.verify("a", len(A) - 1, A)
+    assert alone.token == int(row.argmax()) and alone.margin == float(top[0] - top[1])
+    assert alone.audit_tokens == r0["alone"][:-1].argmax(-1).tolist()
+    client.release(["a"])
+    from mg_server.wire import protocol as P
+
+    both = client.verify_many([P.VerifyItem(rid="b", pos=len(B) - 1, tokens=B),
+                               P.VerifyItem(rid="a", pos=len(A) - 1, tokens=A)])
+    assert (both[1].token, both[1].margin, both[1].audit_tokens) == (alone.token, alone.margin, alone.audit_tokens)
+    client.release(["a", "b"])
+
+
+def test_the_followers_release_and_evict_as_rank_0_does(tp_worker):
+    """Releases and LRU evictions (a pool of 64 tokens, 3 requests at most) reach the follower in
+    the same order: every later call still runs on both ranks (a rank that held other requests
+    would refuse an item and leave rank 0 waiting in a collective) and gives the first answers."""
+    client, _ = tp_worker
+    prompts = {f"p{k}": [(11 * k + j) % 211 for j in range(9 + k)] for k in range(6)}
+    first = {rid: client.verify(rid, len(p) - 1, p) for rid, p in prompts.items()}  # evicts as it goes
+    client.release(["p1", "p4"])
+    for rid, p in reversed(prompts.items()):  # evicted ones come back from position 0
+        again = client.verify(rid, len(p) - 1, p, rewind=True)
+        assert (again.token, again.margin) == (first[rid].token, first[rid].margin), rid
+    client.release(list(prompts))

@@ -184,3 +184,26 @@ def assert_same(ref: Trace, got: Trace) -> None:
     for p, kv in ref.kv.items():  # columns the other run computed during catch-up
         if p < got.cache.shape[2]:
             assert torch.equal(got.cache[:, :, p], kv), f"catch-up K/V column of {p} != verified one"
+
+
+def served_worker(cfg, timeout_s: float = 60, extra_files: tuple[str, ...] = ()):
+    """A verifier worker process of `cfg` and its client: yields (client, hello); at the end a
+    shutdown, which must exit 0, and its socket and beat files removed (a stopped worker leaves
+    them to its owner)."""
+    import os
+
+    from mg_server.verifier.client import VerifierClient
+    from mg_server.verifier.server import start_verifier
+    from mg_server.wire.liveness import beat_path
+
+    proc = start_verifier(cfg)
+    client = VerifierClient(cfg.ipc_path, timeout_s=timeout_s)
+    info = client.connect()
+    yield client, info
+    client.shutdown()
+    client.close()
+    proc.join(30)
+    for path in (cfg.ipc_path, beat_path(cfg.ipc_path), *extra_files):
+        if os.path.exists(path):
+            os.unlink(path)
+    assert proc.exitcode == 0

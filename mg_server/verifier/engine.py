@@ -44,7 +44,7 @@ class SeqState:
     caching: bool = True  # its next whole block may be registered (False after an unaligned cut)
     last_pred: int = -1  # the verifier's token for position len (from its last forward)
     prompt_len: int = 0  # t_q with q < prompt_len are prompt tokens: not audited
-    last_used: float = 0.0  # time.monotonic() of the last forward (for idle eviction)
+    last_used: float = 0.0  # the engine's clock at the last forward (for idle eviction)
 
     @property
     def length(self) -> int:
@@ -87,7 +87,7 @@ class VerifierEngine:
         self.evict_idle_s = evict_idle_s  # when full, requests idle this long are dropped (LRU first)
         self.max_requests = max_requests
         self.max_seq_len = min(max_seq_len, model.max_positions)
-        self.pool = pool or KVPool(model.spec, pool_tokens, model.dtype, model.device)
+        self.pool = pool or KVPool(model.pool_spec, pool_tokens, model.dtype, model.device)
         pool_tokens = self.pool.n_tokens
         scratch = pool_tokens - 1  # the padding rows of a CUDA graph read and write only this slot
         self._free: list[int] = list(range(scratch - 1, -1, -1))  # stack of free slots
@@ -100,6 +100,9 @@ class VerifierEngine:
         self.cache = PrefixCache()  # computed K/V blocks, reused by requests that begin alike
         self._map_host = None  # graphs: [max_seq_len] int64 page-locked, a mapped prefix's slots (_map)
         self.forwards = 0
+        # the time of the call in progress (step's `now`): every LRU and idle decision reads it, so
+        # the ranks of a TP verifier, given the same calls and times, decide alike (verifier/ranks.py)
+        self.now = 0.0
         self.graph_forwards = 0  # graph replays (a forward of more rows than the largest bucket takes several)
         self.graphs = None
         if cuda_graphs and model.device.type == "cuda":
@@ -153,7 +156,7 @@ class VerifierEngine:
             return len(self._free) >= need_tokens and len(self.seqs) + need_requests <= self.max_requests
 
         idle = None
-        now = time.monotonic()
+        now = self.now
         while not met():  # (the common case: met at once, no sort of the whole table)
             if len(self._free) < need_tokens and (slots := self.cache.evict_one()):
                 self._free.extend(reversed(slots))
@@ -240,7 +243,7 @@ class VerifierEngine:
         if st is None:
             m = BLOCK * len(mapped)
             st = self.seqs[it.rid] = SeqState(it.rid, self._free_rows.pop(), prompt_len=it.prompt_len or n,
-                                              last_used=time.monotonic(), blocks=mapped, shared=m,
+                                              last_used=self.now, blocks=mapped, shared=m,
                                               slots=[s for b in mapped for s in b.slots], tokens=it.tokens[:m])
             self._map(st.table_row, st.slots)
             self.cache.hits += m
@@ -249,10 +252,12 @@ class VerifierEngine:
         return need
 
     # ---- forward ------------------------------------------------------------------------
-    def step(self, items: list[VerifyItem]) -> list[StepOutput | ErrorReply]:
-        """Serve items in order; items of one rid go to successive forwards, the rest batch. So do
+    def step(self, items: list[VerifyItem], now: float | None = None) -> list[StepOutput | ErrorReply]:
+        """Serve items in order (`now`: the call's time; time.monotonic() if not given); items of one
+        rid go to successive forwards, the rest batch. So do
         new requests whose first uncached block is alike (n samples of one prompt, a preamble not
         cached yet): the later ones map what the first computed (`_first_new_block`)."""
+        self.now = time.monotonic() if now is None else now
         out: list[StepOutput | ErrorReply | None] = [None] * len(items)
         pending = list(range(len(items)))
         while pending:
@@ -308,7 +313,7 @@ class VerifierEngine:
         tokens, positions, out_slots, table_rows, segs, metas = [], [], [], [], [], []
         for it in items:
             st = self.seqs[it.rid]
-            st.last_used = time.monotonic()
+            st.last_used = self.now
             start = it.pos + 1 - len(it.tokens)
             skip = st.length - start  # > 0: a new request's mapped prefix (_check), not computed
             rows = it.tokens[skip:]

@@ -178,11 +178,16 @@ class VerifierModel:
         self.max_positions = max_positions
         self.scale = 1.0 / math.sqrt(s.head_dim)
 
+    @property
+    def pool_spec(self) -> ModelSpec:
+        """The spec this process's K/V pool is sized from (under TP: its rank's heads)."""
+        return self.spec if self.tp is None else tp_mod.local_spec(self.spec, self.tp.world)
+
     @classmethod
     def load(cls, model: str | Path | Checkpoint, dtype: torch.dtype, device: torch.device | str,
-             max_positions: int) -> "VerifierModel":
+             max_positions: int, tp=None) -> "VerifierModel":
         """From a checkpoint (a folder, or as the launcher read it), its tensors fused into SGLang's
-        layout on the way."""
+        layout on the way (tp: verifier.tp.Ranks, then this rank's shard of them)."""
         from safetensors import safe_open
 
         ck = model if isinstance(model, Checkpoint) else read_checkpoint(model, identify=False)
@@ -195,7 +200,10 @@ class VerifierModel:
             with safe_open(str(f), framework="pt") as sf:
                 for k in sf.keys():
                     tensors[k] = sf.get_tensor(k)
-        return cls(spec, fused_checkpoint(tensors, spec), dtype, torch.device(device), max_positions)
+        fused = fused_checkpoint(tensors, spec)
+        if tp is not None:
+            fused = tp_mod.shard(fused, spec, tp.rank, tp.world)
+        return cls(spec, fused, dtype, torch.device(device), max_positions, tp=tp)
 
     @classmethod
     def shared(cls, spec: ModelSpec, tensors: dict[str, Tensor], dtype: torch.dtype,

@@ -47,6 +47,7 @@ class VerifierServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(cfg.endpoint)
         self.engine = None
+        self.leader = None  # tensor parallelism: rank 0's followers (verifier/ranks.py)
         self.spec = None  # the model's (verifier.model.ModelSpec), known from stage 1
         self.pool = None  # CUDA: the K/V pool allocated in stage 1, the engine's once it exists
         self.load_error = ""
@@ -76,7 +77,8 @@ class VerifierServer:
                 read_checkpoint(cfg.model_path)
             self.spec = self.checkpoint.require_spec()
             self.model_id = self.checkpoint.identity
-            self.kernel_config_id = ops.config_id(device)  # the backend that serves the device
+            # the backend that serves the device; under TP also the degree: its reductions are other sums
+            self.kernel_config_id = ops.config_id(device) + (f"-tp{cfg.tp}" if cfg.tp > 1 else "")
             if device.type != "cuda":
                 return self._build(None)
             device = torch.device("cuda", device.index or 0)  # (set_device and mem_get_info need an index)
@@ -107,16 +109,21 @@ class VerifierServer:
 
     def _build(self, shared: dict | None) -> None:
         """The model (on SGLang's tensors, or loaded from the checkpoint) and its engine."""
+        from mg_server.verifier import ranks
         from mg_server.verifier.engine import VerifierEngine
         from mg_server.verifier.model import VerifierModel
 
         cfg, dtype = self.cfg, getattr(torch, self.cfg.dtype)
         if shared is not None:
             model = VerifierModel.shared(self.spec, shared, dtype, cfg.max_seq_len)
+            self.engine = VerifierEngine(model, cfg.max_requests, cfg.pool_tokens, cfg.max_seq_len, cfg.evict_idle_s,
+                                         pool=self.pool)
         else:
-            model = VerifierModel.load(self.checkpoint, dtype, cfg.device, cfg.max_seq_len)
-        self.engine = VerifierEngine(model, cfg.max_requests, cfg.pool_tokens, cfg.max_seq_len, cfg.evict_idle_s,
-                                     pool=self.pool)
+            if cfg.tp > 1:
+                self.leader = ranks.Leader(cfg)
+            self.engine = ranks.build_engine(cfg, self.leader.ranks if self.leader else None, self.checkpoint,
+                                             self.pool)
+        model = self.engine.model
         self.pool = self.engine.pool
         if model.device.type == "cuda":
             self._warm_up()
@@ -192,7 +199,7 @@ class VerifierServer:
         trace = self.cfg.trace_calls > 0 and self.engine.model.device.type == "cuda"
         t = [time.perf_counter()]
         allocs = self._alloc_count() if trace else -1
-        outs = iter(self.engine.step(items)) if items else iter(())
+        outs = iter(self._step(items)) if items else iter(())
         t.append(time.perf_counter())
         replies: list[list] = [[] for _ in batch]
         for n, k in enumerate(owners):
@@ -209,6 +216,27 @@ class VerifierServer:
             self._send(ident, P.VerifyReply(msg_id=m.msg_id, results=results))
         if trace:
             self._trace(items, now, t + [time.perf_counter()], allocs)
+
+    def _step(self, items: list[P.VerifyItem]) -> list:
+        """One engine step; under TP every follower makes it first (verifier/ranks.py), at this
+        rank's clock. A failed TP step may have left the ranks apart: the worker then stops
+        (after these replies), and the controller starts a new one."""
+        from mg_server.verifier import ranks
+
+        now = time.monotonic()
+        if self.leader is None:
+            return self.engine.step(items, now)
+        try:
+            self.leader.send(ranks.STEP, items, now)
+            out = self.engine.step(items, now)
+        except Exception:
+            self.running = False
+            raise
+        if any(isinstance(r, P.ErrorReply) and r.code == P.ErrorCode.INTERNAL for r in out):
+            print("[mg-verifier] a tensor-parallel step failed; stopping (the controller starts a new worker)",
+                  flush=True)
+            self.running = False
+        return out
 
     def _alloc_count(self) -> int:  # (-1: not counted; memory_stats builds a big dict, its garbage feeds gc)
         if self.cfg.trace_calls < 2:
@@ -249,6 +277,10 @@ class VerifierServer:
         if isinstance(m, P.Hello):
             return self._hello(m)
         if isinstance(m, P.Release):
+            if self.leader is not None:
+                from mg_server.verifier import ranks
+
+                self.leader.send(ranks.RELEASE, list(m.rids))
             return P.Ack(msg_id=m.msg_id, n=sum(self.engine.release(r) for r in m.rids))
         if isinstance(m, P.Stats):
             e = self.engine
@@ -322,6 +354,8 @@ class VerifierServer:
                     self._finish_now()  # stage 2 once the first hellos are answered (module doc)
                     continue
                 if not self.sock.poll(self.cfg.poll_ms):
+                    if self.leader is not None:
+                        self.leader.keep()  # (a follower's wait for the next call has a timeout)
                     continue
                 frames = []
                 while len(frames) < self.cfg.max_batch_items:  # drain what is queued: one batch
@@ -334,6 +368,8 @@ class VerifierServer:
             self.close()
 
     def close(self) -> None:
+        if self.leader is not None:
+            self.leader.stop()
         self.sock.close(0)
         self.ctx.term()
 

@@ -1,8 +1,9 @@
 """The verifier's tensor-parallel forward: one rank's shard of the weights, fixed-order reductions.
 
 Status: the model's TP forward, tested over gloo in two CPU processes
-(tests/test_verifier_tp.py); not yet served (`mg-server serve --tp` still refuses TP, and the
-per-rank verifier and the seam's rank agreement wait for a two-GPU machine).
+(tests/test_verifier_tp.py); a worker of several ranks serves it on a CPU (verifier/ranks.py).
+`mg-server serve --tp` still refuses TP: the seam's rank agreement and the per-rank weight export
+on CUDA are not built.
 
 Layout (SGLang's per-rank tensors, so a rank's verifier can map its own scheduler's weights):
 q, k and v heads split by rank inside the fused qkv rows, o_proj and down_proj split along their
