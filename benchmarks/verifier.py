@@ -8,6 +8,7 @@ random weights made on the device (nothing downloaded); each writes JSON.
     python benchmarks/verifier.py tiles --out T.json [--ms 1,8,64,256,1024] [--shapes 8b] [--candidates table]
     python benchmarks/verifier.py fused --out F.json [--ms 1,8,17,32,64] [--shapes 135m,8b]
     python benchmarks/verifier.py lm-head --out L.json [--rows 1,8,32,64]
+    python benchmarks/verifier.py noise --out N.json [--rows 8,64,128] [--vocab 128256]
 
 - `calls`: per model shape, prefill of a context, then a verify call's latency for a catch-up of
   g tokens plus the current step (g+1 rows, g = 0/1/16/64), alone and with 7 other requests in
@@ -29,6 +30,8 @@ random weights made on the device (nothing downloaded); each writes JSON.
   ops they replace, pointer and TMA weight loads, and whether their outputs are bit-equal. CUDA.
 - `lm-head`: the fast path's LM head GEMM with bf16 output plus SGLang's cast, and with fp32 output
   (`--enable-fp32-lm-head`, which mg passes on CUDA), at the SmolLM2 and 8B LM heads. CUDA.
+- `noise`: seeded sampling's scores (logits / T + Gumbel noise) of n rows, the one kernel
+  (kernels/noise_triton.py) against the torch ops it computes, and whether they are bit-equal. CUDA.
 
 GPU timings replay CUDA graphs where the served path does (tiles, fused, lm-head, cost), cycling
 the weights through L2 as a decode step streams them.
@@ -953,8 +956,37 @@ def lm_head_main(argv=None) -> dict:
     return res
 
 
+def noise_main(argv=None) -> dict:
+    from mg_server.verifier import sampling
+
+    ap = argparse.ArgumentParser(prog="verifier.py noise")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", default="8,64,128")
+    ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args(argv)
+    res = {"device": torch.cuda.get_device_name(), "vocab": args.vocab, "cases": []}
+    for n in (int(x) for x in args.rows.split(",")):
+        call = (torch.randn(n, args.vocab, device="cuda"), [0.8] * n, list(range(n)), [300 + k for k in range(n)])
+        row = {"rows": n, "equal": torch.equal(sampling.sampled_scores_rows(*call), sampling._scores_torch(*call))}
+        for name, fn in (("kernel_ms", sampling.sampled_scores_rows), ("torch_ms", sampling._scores_torch)):
+            fn(*call)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(args.iters):
+                fn(*call)
+            end.record()
+            torch.cuda.synchronize()
+            row[name] = round(start.elapsed_time(end) / args.iters, 4)
+        res["cases"].append(row)
+        print(json.dumps(row), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
 COMMANDS = {"calls": calls_main, "windows": windows_main, "cost": windows_main, "kernels": kernels_main,
-            "tiles": tiles_main, "fused": fused_main, "lm-head": lm_head_main}
+            "tiles": tiles_main, "fused": fused_main, "lm-head": lm_head_main, "noise": noise_main}
 
 
 def main(argv: list[str] | None = None):
