@@ -52,11 +52,12 @@ class Leader:
             raise ValueError(f"a tensor-parallel verifier ({cfg.tp} ranks) runs on a CPU only for now (module doc)")
         init = f"file://{os.path.dirname(cfg.ipc_path) or '.'}/verifier-tp-{uuid.uuid4().hex[:8]}"
         # new interpreters, not multiprocessing children (the worker is a daemon process, which may
-        # have none); each gets its call on stdin
+        # have none), importing what this one imports; each gets its call on stdin
         self.procs = []
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         for r in range(1, cfg.tp):
             p = subprocess.Popen([sys.executable, "-c", "from mg_server.verifier.ranks import main; main()"],
-                                 stdin=subprocess.PIPE)
+                                 stdin=subprocess.PIPE, env=env)
             p.stdin.write(pickle.dumps((replace(cfg, parent_pid=os.getpid()), r, init)))
             p.stdin.close()
             self.procs.append(p)
