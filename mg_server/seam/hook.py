@@ -46,7 +46,7 @@ from mg_server import env, metrics
 from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig,
                               instance_key)
 from mg_server.seam import guard
-from mg_server.verifier.sampling import choice_of_pair, sampled_pairs
+from mg_server.verifier.sampling import choice_of_pair, sampled_pairs, warm_up_sampling
 from mg_server.seam import rollback
 from mg_server.seam.link import ControllerLink, StepDecision, Tracked
 from mg_server.seam.reasons import OVER_BUDGET, over_budget, public_reason, unmodelled
@@ -139,6 +139,9 @@ class StepSeam(WindowSeam):
             rollback.install()
 
             self.lagged = attach(self, config, runner)
+        if str(getattr(runner, "device", "cpu")).startswith("cuda"):
+            # compiled now, not in the scheduler thread at the first seeded request (seconds)
+            warm_up_sampling(torch.device("cuda", int(getattr(runner, "gpu_id", 0) or 0)))
 
     def __call__(self, module, args):
         # Sampler.forward(logits_output, sampling_info, return_logprob, top_logprobs_nums,

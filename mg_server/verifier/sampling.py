@@ -166,6 +166,14 @@ def _scores_torch(logits: Tensor, temperatures: list[float], seeds: list[int], p
     return out
 
 
+def warm_up_sampling(device: torch.device) -> None:
+    """Compile and load the CUDA noise kernel (its sizes are not specialised on: one compile)."""
+    if _on_gpu(device):
+        sampled_scores_rows(torch.zeros((1, 16), dtype=torch.float32, device=device), [1.0], [0], [0])
+        gumbel_rows([0], [0], 16, device)
+        torch.cuda.synchronize(device)
+
+
 def sampled_scores(logits: Tensor, temperature: float, seed: int, position: int) -> Tensor:
     """logits [V] (any float dtype/device) -> perturbed scores [V] fp32 = logits / T + gumbel."""
     return sampled_scores_rows(logits[None], [temperature], [seed], [position])[0]

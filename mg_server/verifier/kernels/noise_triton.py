@@ -77,7 +77,7 @@ def _log64(x, c_ptr, RN: tl.constexpr):  # sampling._log of positive normal fp64
     return _add(_mul(ef, tl.load(c_ptr), RN), _mul(_add(s, s, RN), acc, RN), RN)  # (s + s: 2 s, exact)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["V", "s_sc", "s_out"])  # (one compile for every vocabulary: warm_up_sampling)
 def _noise_kernel(sc_ptr, keys_ptr, c_ptr, out_ptr, V, s_sc, s_out,
                   HAS_SCALED: tl.constexpr, RN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
