@@ -196,11 +196,9 @@ def _perturb(logits: Tensor, batch_rows: list[int], rules: list[tuple[float, int
     """Seeded rows: logits[row] = its perturbed scores at the position mg expects (in place, no
     host wait), so that decide's top-2 and argmax are seeded sampling's (hook module doc). A row
     whose position is not the expected one is no step: its token is dropped or the request fails."""
-    from mg_server.verifier.sampling import sampled_scores_rows
+    from mg_server.verifier.sampling import host_to_device, sampled_scores_rows
 
-    idx = torch.tensor(batch_rows, dtype=torch.int64)
-    if logits.is_cuda:  # (pinned + non_blocking: see sampling.gumbel_rows)
-        idx = idx.pin_memory().to(logits.device, non_blocking=True)
+    idx = host_to_device(torch.tensor(batch_rows, dtype=torch.int64), logits.device)
     scores = sampled_scores_rows(logits.index_select(0, idx), [t for t, _ in rules], [s for _, s in rules],
                                  positions)  # [S, V] fp32
     logits.index_copy_(0, idx, scores.to(logits.dtype))

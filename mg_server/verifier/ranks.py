@@ -106,7 +106,9 @@ def run_follower(cfg: VerifierConfig, rank: int, init: str) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=cfg.tp, timeout=GROUP_TIMEOUT)
     try:
-        engine = build_engine(cfg, Ranks(rank, cfg.tp))
+        if cfg.num_threads > 0:  # (as rank 0's VerifierServer.reserve)
+            torch.set_num_threads(cfg.num_threads)
+        engine = build_engine(cfg, load_model(cfg, Ranks(rank, cfg.tp)))
         while True:
             box: list = [None]
             dist.broadcast_object_list(box, src=0)
@@ -123,18 +125,20 @@ def run_follower(cfg: VerifierConfig, rank: int, init: str) -> None:
         lifeline.stop()
 
 
-def build_engine(cfg: VerifierConfig, ranks: Ranks | None, checkpoint=None, pool=None):
-    """The engine every rank builds alike: its shard of the checkpoint (the whole model for one
-    rank) under the config's limits."""
+def load_model(cfg: VerifierConfig, ranks: Ranks | None, checkpoint=None):
+    """The model every rank loads alike: its shard of the checkpoint (the whole model for one rank)."""
     from mg_server.checkpoint import read_checkpoint
-    from mg_server.verifier.engine import VerifierEngine
     from mg_server.verifier.model import VerifierModel
 
-    if cfg.num_threads > 0:
-        torch.set_num_threads(cfg.num_threads)
     ck = checkpoint or (cfg.model if cfg.model is not None else read_checkpoint(cfg.model_path, identify=False))
-    model = VerifierModel.load(ck, getattr(torch, cfg.dtype), cfg.device, cfg.max_seq_len, tp=ranks)
+    return VerifierModel.load(ck, getattr(torch, cfg.dtype), cfg.device, cfg.max_seq_len, tp=ranks)
+
+
+def build_engine(cfg: VerifierConfig, model, pool=None):
+    """A model's engine under the config's limits (every worker and rank builds its own here)."""
+    from mg_server.verifier.engine import VerifierEngine
+
     return VerifierEngine(model, cfg.max_requests, cfg.pool_tokens, cfg.max_seq_len, cfg.evict_idle_s, pool=pool)
 
 
-__all__ = ["Leader", "build_engine", "main", "run_follower", "KEEP", "KEEP_S", "STEP", "RELEASE", "STOP"]
+__all__ = ["Leader", "build_engine", "load_model", "main", "run_follower", "KEEP", "KEEP_S", "STEP", "RELEASE", "STOP"]

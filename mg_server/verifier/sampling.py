@@ -100,6 +100,15 @@ def _on_gpu(device) -> bool:
     return torch.device(device).type == "cuda"
 
 
+def host_to_device(host: Tensor, device: torch.device | str) -> Tensor:
+    """A small host tensor (keys, row indices) on `device`. Why pinned and non_blocking on CUDA:
+    the lagged seam calls this at the sampler, where the host must not wait for the GPU; torch's
+    caching host allocator keeps the block until the copy is done."""
+    if not _on_gpu(device):
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def gumbel_rows(seeds: list[int], positions: list[int], vocab: int, device: torch.device | str = "cpu") -> Tensor:
     """-> [n, vocab] fp32 standard Gumbel noise, row k of (seeds[k], positions[k]); bit-identical on
     every device, and row k equal to that row computed alone (only elementwise ops: see module doc).
@@ -107,15 +116,13 @@ def gumbel_rows(seeds: list[int], positions: list[int], vocab: int, device: torc
     if _on_gpu(device):
         from mg_server.verifier.kernels.noise_triton import noise_rows
 
-        return noise_rows(_keys(seeds, positions), vocab, torch.device(device))
+        return noise_rows(host_to_device(_keys(seeds, positions), device), vocab, torch.device(device))
     return _gumbel_torch(seeds, positions, vocab, device)
 
 
 def _gumbel_torch(seeds: list[int], positions: list[int], vocab: int, device: torch.device | str) -> Tensor:
     """gumbel_rows in torch ops (the CPU's path; on CUDA the kernel's reference)."""
-    keys = _keys(seeds, positions)
-    if _on_gpu(device):  # (pinned + non_blocking: see noise_triton._to_device)
-        keys = keys.pin_memory().to(device, non_blocking=True)
+    keys = host_to_device(_keys(seeds, positions), device)
     k0, k1 = keys[:, :1], keys[:, 1:]  # [n, 1] int64 each
     ids = torch.arange(vocab, dtype=torch.int64, device=device)[None, :]  # [1, V] int64
     x = _hash32(_hash32(ids ^ k0) ^ k1)  # [n, V] int64 in [0, 2**32)
@@ -141,7 +148,8 @@ def sampled_scores_rows(logits: Tensor, temperatures: list[float], seeds: list[i
     if logits.is_cuda:
         from mg_server.verifier.kernels.noise_triton import noise_rows
 
-        return noise_rows(_keys(seeds, positions), vocab, logits.device, _scaled(logits, temperatures))
+        return noise_rows(host_to_device(_keys(seeds, positions), logits.device), vocab, logits.device,
+                          _scaled(logits, temperatures))
     return _scores_torch(logits, temperatures, seeds, positions)
 
 
@@ -170,7 +178,6 @@ def warm_up_sampling(device: torch.device) -> None:
     """Compile and load the CUDA noise kernel (its sizes are not specialised on: one compile)."""
     if _on_gpu(device):
         sampled_scores_rows(torch.zeros((1, 16), dtype=torch.float32, device=device), [1.0], [0], [0])
-        gumbel_rows([0], [0], 16, device)
         torch.cuda.synchronize(device)
 
 

@@ -30,6 +30,7 @@ import torch
 import zmq
 
 from mg_server.config import VerifierConfig
+from mg_server.verifier import ranks
 from mg_server.wire import protocol as P
 
 __all__ = ["VerifierConfig", "VerifierServer", "run_verifier", "start_verifier"]
@@ -109,21 +110,16 @@ class VerifierServer:
 
     def _build(self, shared: dict | None) -> None:
         """The model (on SGLang's tensors, or loaded from the checkpoint) and its engine."""
-        from mg_server.verifier import ranks
-        from mg_server.verifier.engine import VerifierEngine
         from mg_server.verifier.model import VerifierModel
 
-        cfg, dtype = self.cfg, getattr(torch, self.cfg.dtype)
+        cfg = self.cfg
         if shared is not None:
-            model = VerifierModel.shared(self.spec, shared, dtype, cfg.max_seq_len)
-            self.engine = VerifierEngine(model, cfg.max_requests, cfg.pool_tokens, cfg.max_seq_len, cfg.evict_idle_s,
-                                         pool=self.pool)
+            model = VerifierModel.shared(self.spec, shared, getattr(torch, cfg.dtype), cfg.max_seq_len)
         else:
             if cfg.tp > 1:
                 self.leader = ranks.Leader(cfg)
-            self.engine = ranks.build_engine(cfg, self.leader.ranks if self.leader else None, self.checkpoint,
-                                             self.pool)
-        model = self.engine.model
+            model = ranks.load_model(cfg, self.leader.ranks if self.leader else None, self.checkpoint)
+        self.engine = ranks.build_engine(cfg, model, self.pool)
         self.pool = self.engine.pool
         if model.device.type == "cuda":
             self._warm_up()
@@ -221,8 +217,6 @@ class VerifierServer:
         """One engine step; under TP every follower makes it first (verifier/ranks.py), at this
         rank's clock. A failed TP step may have left the ranks apart: the worker then stops
         (after these replies), and the controller starts a new one."""
-        from mg_server.verifier import ranks
-
         now = time.monotonic()
         if self.leader is None:
             return self.engine.step(items, now)
@@ -278,8 +272,6 @@ class VerifierServer:
             return self._hello(m)
         if isinstance(m, P.Release):
             if self.leader is not None:
-                from mg_server.verifier import ranks
-
                 self.leader.send(ranks.RELEASE, list(m.rids))
             return P.Ack(msg_id=m.msg_id, n=sum(self.engine.release(r) for r in m.rids))
         if isinstance(m, P.Stats):

@@ -100,15 +100,7 @@ def _consts(device: torch.device) -> Tensor:
     return c
 
 
-def _to_device(host: Tensor, device: torch.device) -> Tensor:
-    # why pinned and non_blocking: the lagged seam calls this at the sampler, where the host must
-    # not wait for the GPU; torch's caching host allocator keeps the block until the copy is done
-    if device.type != "cuda":  # (the Triton interpreter's CPU tests)
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
-
-
-def noise_rows(keys: Tensor,  # [n, 2] int64 on the host: each row's two 32-bit keys (sampling._key)
+def noise_rows(keys: Tensor,  # [n, 2] int64 on `device`: each row's two 32-bit keys (sampling._key)
                vocab: int, device: torch.device,
                scaled: Tensor | None = None) -> Tensor:  # [n, vocab] fp32 on `device`: logits / T
     """-> [n, vocab] fp32 on `device`: the noise, or scaled + noise (written into `scaled`)."""
@@ -116,10 +108,9 @@ def noise_rows(keys: Tensor,  # [n, 2] int64 on the host: each row's two 32-bit 
     out = scaled if scaled is not None else torch.empty((n, vocab), dtype=torch.float32, device=device)
     if n == 0:
         return out
-    keys_d = _to_device(keys.contiguous(), device)
     cfg = KERNEL_CONFIG["noise"]
     grid = (n, triton.cdiv(vocab, cfg["BLOCK"]))
-    _noise_kernel[grid](out, keys_d, _consts(device), out, vocab, out.stride(0), out.stride(0),
+    _noise_kernel[grid](out, keys.contiguous(), _consts(device), out, vocab, out.stride(0), out.stride(0),
                         HAS_SCALED=scaled is not None, RN=device.type == "cuda", BLOCK=cfg["BLOCK"],
                         num_warps=cfg["num_warps"])
     return out
