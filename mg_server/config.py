@@ -116,6 +116,7 @@ class HookConfig:
     # the longest wait for the controller (the finish barrier's check of a request); the launcher
     # raises it to a whole context's catch-up
     step_timeout_s: float = 60.0
+    tp: int = 1  # SGLang's tensor-parallel ranks, each with a seam (seam/ranks.py); the verifier's too
 
     def to_json_dict(self) -> dict:
         return asdict(self)

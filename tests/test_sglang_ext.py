@@ -288,7 +288,7 @@ def _args(**over):
 
 @pytest.mark.parametrize("over,needle", [
     (dict(speculative_algorithm="EAGLE"), "speculative"),
-    (dict(tp_size=2), "parallelism"),
+    (dict(tp_size=2), "--tp 2 on a GPU"),
     (dict(attn_dp_size=2), "parallelism"),
     (dict(dcp_size=2), "parallelism"),
     (dict(kv_cache_dtype="fp8_e4m3"), "kv-cache-dtype"),
@@ -307,6 +307,11 @@ def test_unsupported_configurations_are_refused_unless_mg_is_off(over, needle):
     with pytest.raises(ValueError, match=needle):
         refuse_unsupported(_args(**over), "margin")
     refuse_unsupported(_args(**over), "off")
+    if over == dict(tp_size=2):  # tensor parallelism: on a CPU (seam/ranks.py, verifier/ranks.py)
+        refuse_unsupported(_args(**over), "margin", cpu=True)
+    else:
+        with pytest.raises(ValueError, match=needle):
+            refuse_unsupported(_args(**over), "margin", cpu=True)
 
 
 @pytest.mark.parametrize("config_dtype,flag,ok", [

@@ -99,7 +99,7 @@ def wants_fp32_logits(cfg: ServeConfig) -> bool:
     return free
 
 
-def refuse_unsupported(server_args, mode: str) -> None:
+def refuse_unsupported(server_args, mode: str, cpu: bool = False) -> None:
     """Configurations in which mg could not see or repair every step: refused at start-up."""
     if mode == "off":
         return
@@ -108,8 +108,11 @@ def refuse_unsupported(server_args, mode: str) -> None:
     if a.speculative_algorithm:
         problems.append(f"--speculative-algorithm {a.speculative_algorithm}: speculative decoding emits "
                         "tokens that mg's per-step seam does not decide")
-    if a.enable_dp_attention or any((getattr(a, n) or 1) > 1 for n in PARALLEL_SIZES):
-        problems.append("tensor/pipeline/data/context parallelism: mg's seam runs in a single scheduler process")
+    if a.enable_dp_attention or any((getattr(a, n) or 1) > 1 for n in PARALLEL_SIZES if n != "tp_size"):
+        problems.append("pipeline/data/context parallelism: mg's seam agrees across tensor-parallel ranks only")
+    if (a.tp_size or 1) > 1 and not cpu:
+        problems.append(f"--tp {a.tp_size} on a GPU: mg's tensor-parallel verifier runs on a CPU only for now (its "
+                        "per-rank weights on CUDA are not built)")
     if a.kv_cache_dtype not in ("auto", "bfloat16"):
         problems.append(f"--kv-cache-dtype {a.kv_cache_dtype}: the τ profiles are measured on bfloat16 K/V")
     if a.dtype not in ("auto", "bfloat16"):
@@ -174,7 +177,7 @@ def verifier_pool_tokens(context_len: int) -> int:
 
 
 def start_runtime(cfg: ServeConfig, context_len: int = VerifierConfig.max_seq_len,
-                  sglang_fraction: float | None = None):
+                  sglang_fraction: float | None = None, tp: int = 1):
     """Start the controller (which starts the verifier), wait until the verifier is up (CPU) or has
     allocated its K/V pool (CUDA: it then waits for SGLang's weights), then supervise it
     (launch.runtime: restarts). The verifier accepts sequences as long as SGLang's (`context_len`).
@@ -198,7 +201,7 @@ def start_runtime(cfg: ServeConfig, context_len: int = VerifierConfig.max_seq_le
         pool_tokens=verifier_pool_tokens(context_len) if cfg.cpu else 0, kv_budget_gb=cfg.kv_budget_gb or 0.0,
         sglang_fraction=sglang_fraction or VerifierConfig.sglang_fraction,
         weights_bytes=0 if cfg.cpu else model.spec.weight_bytes(),
-        trace_calls=env.trace_calls(),
+        trace_calls=env.trace_calls(), tp=tp,  # a verifier rank per SGLang rank (verifier/ranks.py)
     )
     ccfg = ControllerConfig(ipc_path=str(Path(cfg.run_dir) / "controller.sock"), mode=cfg.mg_mode, tau=tau,
                             metrics_dir=cfg.metrics_dir, verifier=verifier, verify_timeout_s=cfg.verify_timeout_s,
@@ -290,7 +293,7 @@ def serve(cfg: ServeConfig) -> None:
     # ServerArgs' fields by their names. The hook's config is set in it once the controller is up.
     ns = parser.parse_args(sglang_argv(cfg, fp32_logits=fp32_logits))
     refuse_on_host(ns, cfg.profile)
-    refuse_unsupported(ns, cfg.mg_mode)
+    refuse_unsupported(ns, cfg.mg_mode, cfg.cpu)
     refuse_dtype_mismatch(ns, cfg.mg_mode, cfg.model)
     context_len = served_context(ns, cfg.model)
     from mg_server.front import admission
@@ -298,7 +301,7 @@ def serve(cfg: ServeConfig) -> None:
 
     shutdown.install(cleanup, cfg.drain_timeout_s, (admission.stop, admission.drained, admission.cut))
     leftovers.track(cfg.run_dir)
-    controller_ipc, info = start_runtime(cfg, context_len, ns.mem_fraction_static)
+    controller_ipc, info = start_runtime(cfg, context_len, ns.mem_fraction_static, ns.tp_size or 1)
 
     from mg_server.front.middleware import DeterministicMiddleware
     from mg_server.seam import guard
@@ -314,7 +317,7 @@ def serve(cfg: ServeConfig) -> None:
     # The finish barrier may wait for a whole context's catch-up, one verify timeout per chunk (a dead or
     # stopped controller is noticed from its beat within seconds, whatever this bound).
     chunks = -(-context_len // cfg.catchup_chunk) + 1
-    hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc,
+    hook = HookConfig(metrics_dir=cfg.metrics_dir, controller_ipc=controller_ipc, tp=ns.tp_size or 1,
                       step_timeout_s=max(HookConfig.step_timeout_s, chunks * cfg.verify_timeout_s))
     ns.forward_hooks = hook_spec(hook)  # (sglang_argv's --forward-hooks, parsed: its JSON list)
     server_args = ServerArgs.from_cli_args(ns)

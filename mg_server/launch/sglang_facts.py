@@ -240,6 +240,13 @@ def check(allow: str = "") -> str:
             problems.append(f"launch_server has no {name} parameter with SGLang's entry point as its default")
     if not hasattr(http_server, "app"):
         problems.append("sglang.srt.entrypoints.http_server.app is missing")
+    # seam/ranks.py: the TP ranks' CPU group, this rank, rank 0's global rank
+    from sglang.srt.distributed import parallel_state
+
+    if not callable(getattr(parallel_state, "get_tp_group", None)):
+        problems.append("sglang.srt.distributed.parallel_state.get_tp_group is missing")
+    problems += [f"GroupCoordinator has no {n!r}" for n in ("cpu_group", "first_rank", "rank_in_group", "world_size")
+                 if n not in _code(inspect.getsource(parallel_state.GroupCoordinator))]
     if problems:
         raise SeamMismatch("SGLang seams do not match:\n  - " + "\n  - ".join(problems))
     return version

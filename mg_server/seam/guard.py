@@ -15,7 +15,7 @@ SGLang any other way:
   its `custom_params` (a random value of this server start that only the front knows) and mg's
   sampling fields of the types the front writes; otherwise its processor and params are dropped
   and it is aborted (400) before it is scheduled. The step seam reads marked rows only
-  (hook.protected_rows), so no client can pose as deterministic.
+  (rows.protected_rows), so no client can pose as deterministic.
 - A marked deterministic `Req` that passes is announced to the seam (`on_admit`: its prompt goes to
   the controller at once, protocol `Arrive`).
 """

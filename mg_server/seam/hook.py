@@ -36,14 +36,13 @@ import logging
 import os
 import sys
 import time
-import weakref
 from http import HTTPStatus
 
 import torch
 from torch import Tensor
 
 from mg_server import env, metrics
-from mg_server.config import (DETERMINISTIC_PARAM, INSTANCE_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig,
+from mg_server.config import (INSTANCE_PARAM, SEED_PARAM, TEMPERATURE_PARAM, HookConfig,
                               instance_key)
 from mg_server.seam import guard
 from mg_server.verifier.sampling import choice_of_pair, sampled_pairs, warm_up_sampling
@@ -51,42 +50,11 @@ from mg_server.seam import rollback
 from mg_server.seam.link import ControllerLink, StepDecision, Tracked
 from mg_server.seam.reasons import OVER_BUDGET, over_budget, public_reason, unmodelled
 from mg_server.seam.news import WindowSeam
+from mg_server.seam.ranks import RankSeam, SeamRanks, sglang_ranks
+from mg_server.seam.rows import force_tokens, only_mg_processors, protected_rows, top2
 from mg_server.wire import protocol as P
 
 log = logging.getLogger(__name__)
-
-
-def the_req(ref):
-    """SGLang's Req behind custom_params["__req__"]: the object itself, or (0.5.23) a weak proxy.
-    mg keeps the Req until it has reported the request's end (link.Tracked), after SGLang may
-    have dropped it, so it holds the object: a bound method's __self__ is the proxy's referent."""
-    return ref.finished.__self__ if isinstance(ref, weakref.ProxyTypes) else ref
-
-
-def protected_rows(sampling_info, mark: str) -> list[tuple[int, object, str]]:
-    """(row, Req, instance key) of the batch's requests that carry mg's flag and the server's
-    mark (guard.py: only the front sets them) (cheap: CPU lists only). The key (rid + the
-    front's instance id) names the request in all of mg's bookkeeping."""
-    if sampling_info is None or not sampling_info.has_custom_logit_processor:
-        return []  # plain batches: mg's flag travels with a custom logit processor, so none here
-    params = sampling_info.custom_params or ()
-    return [(i, req, instance_key(req.rid, p.get(INSTANCE_PARAM)))
-            for i, p in enumerate(params) if p and p.get(DETERMINISTIC_PARAM) and guard.marked(p, mark)
-            for req in [the_req(p["__req__"])]]
-
-
-def only_mg_processors(sampling_info) -> bool:
-    """True if every custom logit processor of the batch is mg's no-op flag carrier (SGLang
-    applies it with index kernels only: no host wait)."""
-    entries = getattr(sampling_info, "custom_logit_processor", None) or {}
-    return bool(entries) and all(type(e.processor).__name__ == "MgFlagProcessor"
-                                 and type(e.processor).__module__.startswith("mg_server") for e in entries.values())
-
-
-def top2(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """logits: [rows, vocab] -> (margin [rows] fp32 = top1 - top2, argmax [rows] int64)."""
-    top = logits.float().topk(2, dim=-1)  # ties: topk order; only the margin (0) matters then
-    return top.values[:, 0] - top.values[:, 1], top.indices[:, 0]
 
 
 def sampling_rule(req) -> tuple[float, int]:
@@ -94,15 +62,6 @@ def sampling_rule(req) -> tuple[float, int]:
     params = req.sampling_params.custom_params or {}
     temperature = params.get(TEMPERATURE_PARAM) or 0.0
     return (float(temperature), int(params.get(SEED_PARAM) or 0)) if temperature > 0 else (0.0, 0)
-
-
-def force_tokens(logits: Tensor, rows: list[int], tokens: list[int]) -> None:
-    """Make any sampler pick tokens[k] in rows[k] (in place): greedy argmax, and a one-hot
-    softmax for the sampling path a mixed batch takes."""
-    dev = logits.device
-    sel = torch.tensor(rows, dtype=torch.int64, device=dev)
-    logits.index_fill_(0, sel, float("-inf"))
-    logits[sel, torch.tensor(tokens, dtype=torch.int64, device=dev)] = 0.0
 
 
 def find_model_runner():
@@ -122,18 +81,25 @@ def find_model_runner():
                        "SGLang attaches forward hooks differently from the supported versions")
 
 
-class StepSeam(WindowSeam):
+class StepSeam(WindowSeam, RankSeam):
     """The forward pre-hook on SGLang's Sampler (see module doc)."""
 
-    def __init__(self, config: HookConfig, runner):
+    def __init__(self, config: HookConfig, runner, ranks=None):
         self.config = config
         self.mark = env.request_mark()  # the front's mark of deterministic requests (guard.py)
         self.runner = runner
         self.steps, self.margin, self.control = metrics.hook_metrics(config.margin_buckets)
-        self.link = ControllerLink(config) if config.controller_ipc else None
+        # Under TP rank 0 decides and the other ranks follow it (ranks.py): a follower has no link.
+        self.ranks = ranks if ranks is not None else SeamRanks()  # (make_hook passes SGLang's)
+        self.follower = bool(config.controller_ipc) and not self.ranks.leader
+        self.plan = None  # rank 0 under TP: the forward's decisions being recorded (ranks.Plan)
+        self.link = ControllerLink(config) if config.controller_ipc and not self.follower else None
         self.lagged = None  # CUDA: the one-forward-late control path (lagged.py)
         self._released_first: set[str] = set()  # first rows released early (news.py)
-        if self.link is not None:
+        if config.controller_ipc and self.ranks.size > 1:  # (a CPU: make_hook refuses CUDA; no lagged path)
+            rollback.install()
+            rollback.ranks = self.ranks  # the finish rules agree too
+        elif self.link is not None:
             from mg_server.seam.lagged import attach
 
             rollback.install()
@@ -146,6 +112,8 @@ class StepSeam(WindowSeam):
     def __call__(self, module, args):
         # Sampler.forward(logits_output, sampling_info, return_logprob, top_logprobs_nums,
         #                 token_ids_logprobs, positions); checked by sglang_facts.check().
+        if self.ranks.size > 1 and self.config.controller_ipc:
+            return self._tp_call(args)  # (ranks.py: its own error handling, on every rank alike)
         try:
             return self._forward(args)
         except Exception as e:  # noqa: BLE001 - why: a raise here would stop SGLang's scheduler, every request with it
@@ -248,6 +216,9 @@ class StepSeam(WindowSeam):
         done = self.commit(live, self.report(live), fails) + rolled
         if done:
             force_tokens(logits, [i for i, _ in done], [d.token for _, d in done])
+            if self.plan is not None:  # (TP: the followers force the same, ranks.py)
+                for i, d in done:
+                    self.plan.at(i).token = d.token
         return any(d.verified for _, d in done)
 
     def report(self, live) -> list[StepDecision]:
@@ -294,6 +265,8 @@ class StepSeam(WindowSeam):
                     t.failed = True
         for req, _, why in fails:
             self._fail(req, why)
+            if self.plan is not None and not self.plan.of(req).fail:  # (TP: the followers fail it too)
+                self.plan.of(req).fail = why
 
     def arrived(self, req) -> None:
         """A deterministic request reached the scheduler (guard.py's on_admit, in its Req's
@@ -368,11 +341,17 @@ def make_hook(config: dict):
     runner = find_model_runner()
     check_runner(runner)
     cfg = HookConfig.from_json_dict(config)
-    if cfg.controller_ipc and str(runner.device).startswith("cuda"):  # before the link's hello, which waits for it
+    ranks = sglang_ranks()
+    if cfg.controller_ipc and ranks.size != cfg.tp:
+        raise RuntimeError(f"mg: SGLang runs {ranks.size} tensor-parallel ranks, mg's verifier {cfg.tp}")
+    cuda = str(runner.device).startswith("cuda")
+    if cfg.controller_ipc and cuda and ranks.size > 1:  # (the launcher refuses it first)
+        raise RuntimeError("mg under tensor parallelism runs on a CPU only for now (seam/ranks.py)")
+    if cfg.controller_ipc and cuda:  # before the link's hello, which waits for it
         from mg_server.seam.export import export
 
         export(runner.model, os.path.dirname(cfg.controller_ipc))
-    seam = StepSeam(cfg, runner)
+    seam = StepSeam(cfg, runner, ranks)
     if env.faults().active:  # test-only (seam/faults.py)
         from mg_server.seam import faults
 

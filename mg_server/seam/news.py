@@ -72,6 +72,8 @@ class WindowSeam:
             except Exception as e:  # noqa: BLE001 - fail the request loudly, never emit unchecked tokens
                 fails.append((req, key, f"rollback failed: {e}"))
                 continue
+            if self.plan is not None:  # (TP: the followers roll back alike, ranks.py)
+                self.plan.at(i).rollback = (len(t.tokens) - o, rb.index)
             log.debug("mg: request %s rolled back to answer index %d (token %d)", key, rb.index, rb.token)
             del t.tokens[o + rb.index:]
             t.tokens.append(rb.token)

@@ -60,6 +60,7 @@ hold_ends = False
 seq_limit = 0  # tokens a request may reach (prompt + answer): SGLang's context, its req_to_token width
 SURPLUS_MAX = 64  # a held end's surplus tokens before the barrier checks it instead
 only_ends = False  # the last launched forward carried held ends only (set by the seam's hook)
+ranks = None  # SGLang's TP ranks (seam/ranks.py), set by the seam under TP: the finish rules agree
 
 
 class HeldOutputs(array):
@@ -127,6 +128,7 @@ def hold(req, check_tail, lock, on_end=None) -> Hold:
     def gone(_ref, key=key, h=h):
         if _holds.get(key) is h:
             del _holds[key]
+            _seq_fixups.pop(key, None)  # (a TP follower reports no end to untrack it by)
 
     h.req = weakref.ref(req, gone)
     _holds[key] = h
@@ -226,20 +228,39 @@ def _update_finish_state(orig):
             orig(self, *args, **kwargs)
             if type(self.finished_reason).__name__ == "FINISH_ABORT":
                 return  # cut short: its verdict says so, and the hold sends only the verified prefix
-            if h.end is not None:  # a held end: what SGLang decides about the surplus is moot
-                _held_end(self, h)
-            elif self.finished() and h.verified < len(self.output_ids):
-                # why: a finished request is released to the radix tree and its client; a later
-                # rollback could not take that back, so its tail is checked first
-                n = _answer_len(self)
-                if hold_ends and _may_hold(self, h) and not only_ends:
-                    h.end = (n, self.finished_reason)  # checked beside SGLang's forwards instead
-                    self.finished_reason = self.finished_len = None
-                elif h.check_tail(self, n) is not None:
-                    self.finished_reason = self.finished_len = None
-            if not ended_before:
-                _checked_end(self, h)
+            if ranks is not None and (h.end is not None or self.finished()):
+                return _agree_finish(self, h, ended_before, ranks)  # (every rank reads the same here)
+            _finish_rules(self, h, ended_before)
     return update_finish_state
+
+
+def _agree_finish(req, h: Hold, ended_before: bool, ranks) -> None:
+    """Under TP (seam/ranks.py): rank 0 applies mg's finish rules and every other rank takes its
+    outcome (a follower's hold lags rank 0's checked length, and only rank 0 can check a tail)."""
+    from mg_server.seam.ranks import finish_outcome, take_finish
+
+    if ranks.leader:
+        _finish_rules(req, h, ended_before)
+        ranks.share(finish_outcome(req, h))
+    else:
+        take_finish(req, h, ranks.share(None))
+
+
+def _finish_rules(req, h: Hold, ended_before: bool) -> None:
+    """mg's finish rules of a held request SGLang has just stepped (module doc)."""
+    if h.end is not None:  # a held end: what SGLang decides about the surplus is moot
+        _held_end(req, h)
+    elif req.finished() and h.verified < len(req.output_ids):
+        # why: a finished request is released to the radix tree and its client; a later
+        # rollback could not take that back, so its tail is checked first
+        n = _answer_len(req)
+        if hold_ends and _may_hold(req, h) and not only_ends:
+            h.end = (n, req.finished_reason)  # checked beside SGLang's forwards instead
+            req.finished_reason = req.finished_len = None
+        elif h.check_tail(req, n) is not None:
+            req.finished_reason = req.finished_len = None
+    if not ended_before:
+        _checked_end(req, h)
 
 
 def _checked_end(req, h: Hold) -> None:
