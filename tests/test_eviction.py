@@ -59,3 +59,21 @@ def test_a_check_of_more_requests_than_the_pool_holds_goes_in_turns(make_ctl):  
     while ctl.checks:
         ctl._run_checks()
     assert all(ctl.reqs[r].checked == 2 and not ctl.reqs[r].error for r in toks)
+
+
+def test_the_finish_barrier_checks_its_own_request_first_when_the_pool_is_full(make_ctl):  # noqa: F811
+    """Measured on a GPU at mg's default pool (16,640 tokens, 16 deterministic 8k-token prompts in
+    flight): the barrier's request was the one a full pool deferred, and it failed ("1 of 16
+    tokens checked"). The barrier's request goes first; the others wait for the next turn."""
+    from types import SimpleNamespace
+
+    ctl = make_ctl("margin", 0.5)
+    ctl.vinfo = SimpleNamespace(pool_tokens=20)
+    toks = {r: [1 + k, 2, 3, 4, 5, 6] for k, r in enumerate("abcde")}
+    for k in range(2):  # two low-margin steps each, no check yet
+        for rid, t in toks.items():
+            ctl._step([_window_row(t, k, ref_next(t), 0.1, rid=rid)])
+            t.append(ref_next(t))
+    reply = ctl._check_tail("e")  # the last of five: a pool of 20 holds two of them
+    assert not reply.error and reply.verified == 2 and reply.rollback is None
+    assert "e" not in ctl.checks and set(ctl.checks)  # others deferred, not the barrier's

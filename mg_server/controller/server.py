@@ -218,9 +218,12 @@ class Controller(ArrivalMixin, AuditMixin, WindowMixin, WorkerMixin):
         (res,) = self._call_verifier([self._item(it.rid, st, it.pos)])
         return res
 
-    def _run_checks(self) -> None:
-        """Check the resumable requests that committed low-margin steps (module doc), in one call."""
+    def _run_checks(self, first: str = "") -> None:
+        """Check the resumable requests that committed low-margin steps (module doc), in one call;
+        `first` (the finish barrier's request) before the others, so it is never the one deferred."""
         todo, self.checks = self.checks, {}
+        if first in todo:
+            todo = {first: todo.pop(first), **todo}
         batch, held = [], 0  # held: the K/V tokens of this call's requests in the verifier's pool
         room = (f := self.verifier_facts()) and f.pool_tokens or 0
         for rid, positions in todo.items():

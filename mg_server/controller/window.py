@@ -108,7 +108,7 @@ class WindowMixin:
             return P.TailReply(error=st.error if st is not None else "unknown request")
         if st.checked < st.steps and not st.mismatches and rid not in self.rollbacks:
             self._all_window_checks()
-            self._run_checks()
+            self._run_checks(first=rid)  # (never the one a full pool defers to the next turn)
         if st.error:
             return P.TailReply(error=st.error)
         self.rollbacks.pop(rid, None)
