@@ -15,7 +15,7 @@ from server_util import ServerProcess
 
 pytestmark = pytest.mark.server
 
-N_PROMPTS = int(os.environ.get("MG_DET_PROMPTS", "10"))
+N_PROMPTS = int(os.environ.get("MG_DET_PROMPTS", "8"))
 MAX_NEW = int(os.environ.get("MG_DET_TOKENS", "32"))
 
 
