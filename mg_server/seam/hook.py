@@ -96,13 +96,12 @@ class StepSeam(WindowSeam, RankSeam):
         self.link = ControllerLink(config) if config.controller_ipc and not self.follower else None
         self.lagged = None  # CUDA: the one-forward-late control path (lagged.py)
         self._released_first: set[str] = set()  # first rows released early (news.py)
-        if config.controller_ipc and self.ranks.size > 1:  # (a CPU: make_hook refuses CUDA; no lagged path)
+        if config.controller_ipc:
             rollback.install()
+        if config.controller_ipc and self.ranks.size > 1:  # (a CPU: make_hook refuses CUDA; no lagged path)
             rollback.ranks = self.ranks  # the finish rules agree too
         elif self.link is not None:
             from mg_server.seam.lagged import attach
-
-            rollback.install()
 
             self.lagged = attach(self, config, runner)
         if str(getattr(runner, "device", "cpu")).startswith("cuda"):
@@ -117,16 +116,21 @@ class StepSeam(WindowSeam, RankSeam):
         try:
             return self._forward(args)
         except Exception as e:  # noqa: BLE001 - why: a raise here would stop SGLang's scheduler, every request with it
-            log.exception("mg: step seam error; this forward's deterministic requests fail")
-            rows = protected_rows(args[1], self.mark)
-            if self.link is not None and rows:
-                self.fail([(req, key, f"mg step seam error: {e!r}") for _, req, key in rows])
+            self._seam_error(protected_rows(args[1], self.mark), e)
             return None
 
-    def _forward(self, args):
+    def _seam_error(self, rows, e: Exception) -> None:
+        """An error inside the seam: this forward's deterministic requests fail, SGLang goes on."""
+        log.exception("mg: step seam error; this forward's deterministic requests fail")
+        if self.link is not None and rows:
+            self.fail([(req, key, f"mg step seam error: {e!r}") for _, req, key in rows])
+
+    def _forward(self, args, rows=None):
+        """`rows`: the forward's protected rows, where the caller has them (ranks.py)."""
         if self.lagged is not None:
             self.lagged.drain(wait=True)  # earlier forwards first: their tokens set this one's positions
-        rows = protected_rows(args[1], self.mark)
+        if rows is None:
+            rows = protected_rows(args[1], self.mark)
         if self.lagged is not None:
             rollback.note_forward(args[0].next_token_logits.shape[0], rows)
         if not rows:

@@ -23,11 +23,13 @@ state rank 0's threads move between forwards). With one rank nothing here runs.
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from mg_server.seam.rows import protected_rows
+from mg_server.seam import rollback
+from mg_server.seam.rows import force_tokens, protected_rows
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +114,9 @@ class RankSeam:
         else:
             self.plan = Plan(index={id(req): i for i, req, _ in rows})
             try:
-                self._forward(args)
+                self._forward(args, rows)
             except Exception as e:  # noqa: BLE001 - as StepSeam.__call__
-                log.exception("mg: step seam error; this forward's deterministic requests fail")
-                self.fail([(req, key, f"mg step seam error: {e!r}") for _, req, key in rows])
+                self._seam_error(rows, e)
             plan, self.plan = self.plan, None
             plan.holds, plan.index = self._hold_states(rows), {}
             self.ranks.share(plan)
@@ -132,18 +133,11 @@ class RankSeam:
 
     @staticmethod
     def _hold_states(rows) -> list[tuple[int, int, int, object]]:
-        from mg_server.seam import rollback
-
         return [(i, h.verified, h.released, h.end) for i, req, _ in rows if (h := rollback.held(req)) is not None]
 
     def _apply(self, plan: Plan, logits, rows) -> list[int]:
         """A follower's copy of rank 0's decisions (rollbacks, failures, holds, forced tokens), in
         rank 0's order; returns the rows whose rollback raised here."""
-        import threading
-
-        from mg_server.seam import rollback
-        from mg_server.seam.rows import force_tokens
-
         by_row = {i: req for i, req, _ in rows}
         if set(plan.rows) - set(by_row) or {h[0] for h in plan.holds} - set(by_row):
             raise RuntimeError("rank 0's plan names rows this rank's batch does not protect")
@@ -167,11 +161,3 @@ class RankSeam:
             force_tokens(logits, [rp.row for rp in forced], [rp.token for rp in forced])
         return bad
 
-
-def finish_outcome(req, h) -> tuple:
-    """What rank 0's finish rules left of a held request (rollback.py's `_agree_finish`)."""
-    return req.finished_reason, req.finished_len, req.to_finish, h.verified, h.released, h.end
-
-
-def take_finish(req, h, outcome: tuple) -> None:
-    req.finished_reason, req.finished_len, req.to_finish, h.verified, h.released, h.end = outcome

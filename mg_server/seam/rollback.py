@@ -237,13 +237,11 @@ def _update_finish_state(orig):
 def _agree_finish(req, h: Hold, ended_before: bool, ranks) -> None:
     """Under TP (seam/ranks.py): rank 0 applies mg's finish rules and every other rank takes its
     outcome (a follower's hold lags rank 0's checked length, and only rank 0 can check a tail)."""
-    from mg_server.seam.ranks import finish_outcome, take_finish
-
     if ranks.leader:
         _finish_rules(req, h, ended_before)
-        ranks.share(finish_outcome(req, h))
+        ranks.share((req.finished_reason, req.finished_len, req.to_finish, h.verified, h.released, h.end))
     else:
-        take_finish(req, h, ranks.share(None))
+        req.finished_reason, req.finished_len, req.to_finish, h.verified, h.released, h.end = ranks.share(None)
 
 
 def _finish_rules(req, h: Hold, ended_before: bool) -> None:
