@@ -40,7 +40,7 @@ LOG_KEYS = ("disable_cuda_graph", "disable_overlap_schedule", "attention_backend
 
 # Extra server flags per model: the 8B shape's vocabulary is larger than the SmolLM2 tokenizer's,
 # so its servers skip the tokenizer (every request here sends and receives token ids).
-MODEL_FLAGS = {"smol": [], "llama8b": ["--skip-tokenizer-init"], "llama8b-planted": ["--skip-tokenizer-init"]}
+MODEL_FLAGS = {"smol": [], **{m: ["--skip-tokenizer-init"] for m in ("llama8b", "llama8b-planted", "llama31-8b", "qwen3-8b")}}
 # Every server of a model gets the same K/V pool size, so mode is the only difference between
 # them (SGLang derives kernel settings from the pool size); two servers share the GPU at once.
 POOL_TOKENS = {"smol": 262144, "llama8b": 32768, "llama8b-planted": 32768}

@@ -430,8 +430,9 @@ def test_attention_rows_windows_bit_equal_gpu(hq, hkv, monkeypatch):
     """The verifier's window shapes: 8 requests (each its own keys and table) x 17 or 65 rows at
     positions across the split boundaries, plus padding rows (the scratch table, position 0), in
     one call: each row's bits equal its request's prefill row, equal those of calls of one row
-    or of 7 rows (other blocks and segments), and do not change when the fp32 partials go in
-    row chunks."""
+    or of 7 rows (other blocks and segments: under 16 rows the splits go through fp32 partials and
+    the merge kernel, from 16 rows they are merged in registers), and do not change when the
+    partials go in row chunks."""
     from mg_server.verifier.kernels import attention_triton as AT
 
     d, S, n_req = 128, 700, 8
@@ -457,8 +458,11 @@ def test_attention_rows_windows_bit_equal_gpu(hq, hkv, monkeypatch):
             per_row = torch.cat([K.attention_rows(qr[i:i + small], kb, vb, table, trow[i:i + small],
                                                   pos[i:i + small], 768) for i in range(0, len(pos), small)])
             assert torch.equal(got, per_row), f"8 x {width}: calls of {small} rows differ"
-        monkeypatch.setattr(AT, "_PARTIAL_BUDGET", 3 * hq * 3 * (d + 2) * 4 * 64)  # chunks of 192 rows
-        assert torch.equal(K.attention_rows(qr, kb, vb, table, trow, pos, 768), got), "partial chunks"
+        # calls under 16 rows go through fp32 partials (SPLIT_PAR): in chunks of 2 rows, the same bits
+        monkeypatch.setattr(AT, "_PARTIAL_BUDGET", hq * 3 * (d + 2) * 4 * 2)
+        per7 = torch.cat([K.attention_rows(qr[i:i + 7], kb, vb, table, trow[i:i + 7], pos[i:i + 7], 768)
+                          for i in range(0, len(pos), 7)])
+        assert torch.equal(per7, got), "partial chunks"
         monkeypatch.undo()
 
 
@@ -475,6 +479,14 @@ def test_attention_long_context_gpu():
         assert torch.equal(K.attention(q[t:t + 1], k[:t + 1], v[:t + 1], t), full[t:t + 1])
     ref = _attn_ref(q[-64:], k, v, S - 64)
     assert rel_err(full[-64:], ref) < TOL[torch.bfloat16] * 2
+    # the graphs' row-wise kernel at a 128k context's max_len: a long prefill chunk and 16 rows
+    # (splits merged in registers), 15 rows and a decode row (fp32 partials): the prefill's bits
+    table = torch.zeros(2, 131072, dtype=torch.int64, device="cuda")
+    table[1, :S] = torch.arange(S, device="cuda")
+    for a, b in ((4096, 4736), (1000, 1016), (1000, 1015), (4999, 5000)):
+        rows = torch.arange(a, b, device="cuda")
+        got = K.attention_rows(q[a:b], k, v, table, torch.ones_like(rows), rows, 131072)
+        assert torch.equal(got, full[a:b]), f"rows {a}..{b}"
 
 
 def test_kernel_config_id_stable():

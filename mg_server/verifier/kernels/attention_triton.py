@@ -185,9 +185,22 @@ def attention_paged(q: Tensor, k_buffer: Tensor, v_buffer: Tensor, kv_indices: T
 # serves any rows. A row's splits, sub-blocks, masks and merge order are those of `_attention`,
 # so its bits equal that row's bits there (a row's result does not depend on which tile row
 # holds it or which other rows share the tile, the invariance the prefill/decode tests check).
+@triton.jit
+def _merge_into(m, l_s, acc, m_j, l_j, acc_j, keep):
+    """`_merge_row`'s step for a tile of rows held in registers: split j's (m_j, l_j, acc_j)
+    merged into the running (m, l_s, acc) where `keep`, the same fp32 operations in the same
+    order as the merge kernel's (so the same bits); the other rows unchanged."""
+    m_new = tl.maximum(m, m_j)
+    a = tl.exp2(m - m_new)
+    b = tl.exp2(m_j - m_new)
+    l_s = tl.where(keep, l_s * a + l_j * b, l_s)
+    acc = tl.where(keep[:, None], acc * a[:, None] + acc_j * b[:, None], acc)
+    return tl.where(keep, m_new, m), l_s, acc
+
+
 @triton.jit(do_not_specialize=["R", "n_blocks", "n_pairs"])
-def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, trow_ptr, pos_ptr, m_ptr, l_ptr, o_ptr,
-                            R, n_blocks, n_pairs, sm_scale, sqt, sqh, sks, skh, svs, svh, stab,
+def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, trow_ptr, pos_ptr, m_ptr, l_ptr, o_ptr, out_ptr,
+                            R, n_blocks, n_pairs, sm_scale, sqt, sqh, sks, skh, svs, svh, stab, sot, soh,
                             NS, HQ: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                             KV_SPLIT: tl.constexpr, SPLIT_PAR: tl.constexpr, PREC: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -196,6 +209,10 @@ def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, trow_ptr, pos_ptr, m_p
     window's rows share each split's K/V tiles, a decode row of many requests gets a program of
     its own. Work item (k, b) is block b's k-th segment, in k-major order (every block's first
     segment first); program p takes items p, p + P, ... and splits jp, jp + SPLIT_PAR, ... of it.
+    SPLIT_PAR 1: one program walks all of a segment's splits, so it merges them in registers as
+    it goes (split 0, 1, 2, ...: the merge kernel's order and arithmetic) and writes the output
+    itself, with no fp32 partials (their size follows max_len: at a 128k context they bounded a
+    launch to ~60 rows). SPLIT_PAR > 1: partials, merged by `_attn_rows_merge_kernel`.
     why the grid does not follow max_len: splits past the segment's last position are never
     launched, so a long served context costs no idle programs."""
     S: tl.constexpr = BLOCK_M // G
@@ -205,6 +222,7 @@ def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, trow_ptr, pos_ptr, m_p
     t_in = i // G
     head = kvh * G + i % G
     dd = tl.arange(0, D)
+    qk_scale = sm_scale * 1.4426950408889634
     for item in range(tl.program_id(0), n_pairs, tl.num_programs(0)):
         b = item % n_blocks
         tok = b * S + t_in
@@ -220,17 +238,30 @@ def _attn_rows_split_kernel(q_ptr, k_ptr, v_ptr, tab_ptr, trow_ptr, pos_ptr, m_p
             tab = tab_ptr + tl.max(tl.where(mine, trow, 0), axis=0) * stab  # the segment's slot table
             q = tl.load(q_ptr + tok[:, None].to(tl.int64) * sqt + head[:, None] * sqh + dd[None, :],
                         mask=mine[:, None], other=0.0)
-            out_row = (tok.to(tl.int64) * HQ + head) * NS
-            for j in range(jp, last // KV_SPLIT + 1, SPLIT_PAR):
-                split0 = j * KV_SPLIT
+            if SPLIT_PAR == 1:
+                # split 0 (every row sees it) starts the merge, as in the merge kernel
                 # why the split ends at the segment's last position + 1: a prefill chunk's rule
-                m_i, l_i, acc = _split_reduce(q, k_ptr, v_ptr, tab, pos, kvh, split0,
-                                              tl.minimum(split0 + KV_SPLIT, last + 1), sm_scale * 1.4426950408889634,
-                                              sks, skh, svs, svh, D, True, PREC, BLOCK_M, BLOCK_N)
-                keep = mine & (pos >= split0)  # the rows that see this split
-                tl.store(m_ptr + out_row + j, m_i, mask=keep)
-                tl.store(l_ptr + out_row + j, l_i, mask=keep)
-                tl.store(o_ptr + (out_row + j)[:, None] * D + dd[None, :], acc, mask=keep[:, None])
+                m_r, l_r, acc_r = _split_reduce(q, k_ptr, v_ptr, tab, pos, kvh, 0, tl.minimum(KV_SPLIT, last + 1),
+                                                qk_scale, sks, skh, svs, svh, D, True, PREC, BLOCK_M, BLOCK_N)
+                for j in range(1, last // KV_SPLIT + 1):
+                    split0 = j * KV_SPLIT
+                    m_j, l_j, acc_j = _split_reduce(q, k_ptr, v_ptr, tab, pos, kvh, split0,
+                                                    tl.minimum(split0 + KV_SPLIT, last + 1), qk_scale,
+                                                    sks, skh, svs, svh, D, True, PREC, BLOCK_M, BLOCK_N)
+                    m_r, l_r, acc_r = _merge_into(m_r, l_r, acc_r, m_j, l_j, acc_j, mine & (pos >= split0))
+                o = out_ptr + tok[:, None].to(tl.int64) * sot + head[:, None] * soh + dd[None, :]
+                tl.store(o, (acc_r / l_r[:, None]).to(out_ptr.dtype.element_ty), mask=mine[:, None])
+            else:
+                out_row = (tok.to(tl.int64) * HQ + head) * NS
+                for j in range(jp, last // KV_SPLIT + 1, SPLIT_PAR):
+                    split0 = j * KV_SPLIT
+                    m_i, l_i, acc = _split_reduce(q, k_ptr, v_ptr, tab, pos, kvh, split0,
+                                                  tl.minimum(split0 + KV_SPLIT, last + 1), qk_scale,
+                                                  sks, skh, svs, svh, D, True, PREC, BLOCK_M, BLOCK_N)
+                    keep = mine & (pos >= split0)  # the rows that see this split
+                    tl.store(m_ptr + out_row + j, m_i, mask=keep)
+                    tl.store(l_ptr + out_row + j, l_i, mask=keep)
+                    tl.store(o_ptr + (out_row + j)[:, None] * D + dd[None, :], acc, mask=keep[:, None])
 
 
 @triton.jit
@@ -264,13 +295,17 @@ def attention_rows(q: Tensor,  # [R, Hq, D] bf16/fp32 cuda: one query token per 
     ns = triton.cdiv(max_len, ksplit)  # partials per row; the merge reads 0 .. position // KV_SPLIT
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     out = torch.empty((R, hq, d), device=q.device, dtype=q.dtype)
-    # Rows in chunks only to bound the fp32 partials (rows are independent: chunking changes no bits).
-    step = max(1, _PARTIAL_BUDGET // (hq * ns * (d + 2) * 4))
-    rc = min(R, step)
-    m_buf = torch.empty((rc, hq, ns), device=q.device, dtype=torch.float32)  # [rows, Hq, splits] running max
-    l_buf = torch.empty_like(m_buf)  # [rows, Hq, splits] fp32 softmax sums
-    o_buf = torch.empty((rc, hq, ns, d), device=q.device, dtype=torch.float32)  # [rows, Hq, splits, D] fp32
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    split_par = [n for rows, n in cfg["SPLIT_PAR"] if R >= rows][-1]
+    if split_par == 1:  # merged in registers: no partials (the kernel's stores to them are not compiled)
+        step, m_buf = R, out
+        l_buf = o_buf = out
+    else:  # fp32 partials, in row chunks only to bound their memory (rows are independent: no bits change)
+        step = max(1, _PARTIAL_BUDGET // (hq * ns * (d + 2) * 4))
+        rc = min(R, step)
+        m_buf = torch.empty((rc, hq, ns), device=q.device, dtype=torch.float32)  # [rows, Hq, splits] running max
+        l_buf = torch.empty_like(m_buf)  # [rows, Hq, splits] fp32 softmax sums
+        o_buf = torch.empty((rc, hq, ns, d), device=q.device, dtype=torch.float32)  # [rows, Hq, splits, D] fp32
     for t0 in range(0, R, step):
         tc = min(step, R - t0)
         qc, tr, ps, oc = q[t0:t0 + tc], table_row[t0:t0 + tc], positions[t0:t0 + tc], out[t0:t0 + tc]
@@ -279,13 +314,13 @@ def attention_rows(q: Tensor,  # [R, Hq, D] bf16/fp32 cuda: one query token per 
         # one program per segment when each request's rows are consecutive (at most one more
         # segment per request than blocks); more segments are taken in turns
         progs = min(n_pairs, n_blocks + kv_table.shape[0])
-        split_par = [n for rows, n in cfg["SPLIT_PAR"] if tc >= rows][-1]
         _attn_rows_split_kernel[(progs, hkv, split_par)](
-            qc, k_buffer, v_buffer, kv_table, tr, ps, m_buf, l_buf, o_buf, tc, n_blocks, n_pairs, scale,
+            qc, k_buffer, v_buffer, kv_table, tr, ps, m_buf, l_buf, o_buf, oc, tc, n_blocks, n_pairs, scale,
             qc.stride(0), qc.stride(1), k_buffer.stride(0), k_buffer.stride(1), v_buffer.stride(0),
-            v_buffer.stride(1), kv_table.stride(0), ns, HQ=hq, G=g, D=d, KV_SPLIT=ksplit,
-            SPLIT_PAR=split_par, PREC=prec, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+            v_buffer.stride(1), kv_table.stride(0), oc.stride(0), oc.stride(1), ns, HQ=hq, G=g, D=d,
+            KV_SPLIT=ksplit, SPLIT_PAR=split_par, PREC=prec, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        _attn_rows_merge_kernel[(tc, hq)](m_buf, l_buf, o_buf, oc, ps, oc.stride(0), oc.stride(1),
-                                          ns, HQ=hq, D=d, KV_SPLIT=ksplit, num_warps=cfg["MERGE_num_warps"])
+        if split_par > 1:
+            _attn_rows_merge_kernel[(tc, hq)](m_buf, l_buf, o_buf, oc, ps, oc.stride(0), oc.stride(1),
+                                              ns, HQ=hq, D=d, KV_SPLIT=ksplit, num_warps=cfg["MERGE_num_warps"])
     return out
