@@ -98,6 +98,9 @@ class ControllerMetrics:
         # requests between their first step and their Finish: 0 once traffic stops (else a leak)
         self.live_requests = Gauge("mg_live_requests", "Deterministic requests the controller holds without their "
                                    "end yet", multiprocess_mode="mostrecent")
+        self.pool_waiting = Gauge("mg_verifier_pool_waiting", "Deterministic requests whose checks wait for room "
+                                  "in the verifier's K/V pool (many: raise --mg-kv-budget-gb)",
+                                  multiprocess_mode="mostrecent")
         self.verifier_up = verifier_up()
         self.verifier_restarts = Counter("mg_verifier_restarts", "Deterministic verifier processes the controller "
                                          "started again after one exited or stopped beating (each start counts, a "

@@ -1,6 +1,6 @@
 """The verifier's K/V pool is sized to the deterministic load: a request whose shadow K/V it
 evicted for others' is computed again from position 0 by the controller (fake verifier), with
-the same answer; a check of more requests than the pool holds goes in turns."""
+the same answer; requests the pool has no room for wait until one leaves it (controller/pool.py)."""
 
 from test_controller import FakeVerifier, _due_check_calls, _window_row, make_ctl, ref_next  # noqa: F401
 
@@ -48,23 +48,34 @@ def test_an_evicted_request_is_computed_again_from_position_0(make_ctl):  # noqa
     assert ctl._verdict("a").state == "verified"
 
 
-def test_a_check_of_more_requests_than_the_pool_holds_goes_in_turns(make_ctl):  # noqa: F811
+def test_requests_the_pool_has_no_room_for_wait_until_one_leaves_it(make_ctl):  # noqa: F811
+    """A pool of 20 tokens holds two of these requests: the others' checks are parked, and go
+    (two at a time) once those it holds have ended; none is computed twice."""
     from types import SimpleNamespace
 
     ctl = make_ctl("margin", 0.5)
     ctl.vinfo = SimpleNamespace(pool_tokens=20)
-    toks = {r: [1 + k, 2, 3, 4, 5, 6] for k, r in enumerate("abcde")}  # 5 requests of ~8 tokens: 2 a turn
+    recomputes = ctl.m.recomputes._value.get()  # (the counter is the process's)
+    toks = {r: [1 + k, 2, 3, 4, 5, 6] for k, r in enumerate("abcde")}  # 5 requests of ~8 tokens
     calls = _due_check_calls(ctl, toks, 2)
-    assert max(len(c) for c in calls) <= 2 and set(ctl.checks)  # the others wait for the next turn
-    while ctl.checks:
-        ctl._run_checks()
+    assert [set(c) for c in ctl.vclient.calls] == [{"a", "b"}] and max(len(c) for c in calls) == 2
+    assert set(ctl.parked) == {"c", "d", "e"} and not ctl.checks
+    ctl._idle_turn()  # nothing is due while the pool is full
+    assert len(ctl.vclient.calls) == 1
+    for done in ("ab", "cd"):
+        for r in done:
+            ctl._finish(P.Finish(rid=r, output=toks[r][6:]))
+        ctl._complete(list(done))  # their K/V released: the parked checks are due again
+        ctl._idle_turn()
+    assert [set(c) for c in ctl.vclient.calls] == [{"a", "b"}, {"c", "d"}, {"e"}]
     assert all(ctl.reqs[r].checked == 2 and not ctl.reqs[r].error for r in toks)
+    assert ctl.m.recomputes._value.get() == recomputes
 
 
 def test_the_finish_barrier_checks_its_own_request_first_when_the_pool_is_full(make_ctl):  # noqa: F811
     """Measured on a GPU at mg's default pool (16,640 tokens, 16 deterministic 8k-token prompts in
     flight): the barrier's request was the one a full pool deferred, and it failed ("1 of 16
-    tokens checked"). The barrier's request goes first; the others wait for the next turn."""
+    tokens checked"). The barrier's request goes first; the others wait for room in the pool."""
     from types import SimpleNamespace
 
     ctl = make_ctl("margin", 0.5)
@@ -76,4 +87,4 @@ def test_the_finish_barrier_checks_its_own_request_first_when_the_pool_is_full(m
             t.append(ref_next(t))
     reply = ctl._check_tail("e")  # the last of five: a pool of 20 holds two of them
     assert not reply.error and reply.verified == 2 and reply.rollback is None
-    assert "e" not in ctl.checks and set(ctl.checks)  # others deferred, not the barrier's
+    assert "e" not in ctl.checks and "e" not in ctl.parked and set(ctl.parked)  # others wait, not the barrier's

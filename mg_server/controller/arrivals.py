@@ -57,17 +57,25 @@ class ArrivalMixin:
             st = self.reqs.get(rid)
             if st is not None and st.arrived_at and now - st.arrived_at < PREFILL_HOLD_S:
                 return False
-        return True
+        return self._arrival_fits(next(iter(self.arrivals)))
+
+    def _arrival_fits(self, rid: str, held: int | None = None) -> bool:
+        """The verifier's pool has room for this arrival's prompt (controller/pool.py); a request
+        gone or computed already takes none (its entry is dropped by `_prefill_arrivals`)."""
+        st = self.reqs.get(rid)
+        if st is None or st.verifier_len or not (room := self._pool_room()):
+            return True
+        return self._may_enter(st, self._pool_held() if held is None else held, room)
 
     def _prefill_arrivals(self) -> None:
         """The verifier computes arrived prompts (one call's rows a turn, the oldest first): each
         item answers for the prompt's last position, so the verifier's first answer token is known
         (`st.pred`) before, or soon after, the request's first step. A failure here fails nothing:
         the request's checks compute what is missing, as without an arrival."""
-        budget, todo = self._rows_per_call(), []
+        budget, todo, held = self._rows_per_call(), [], self._pool_held()
         for rid in list(self.arrivals):
-            if budget <= 0:
-                break
+            if budget <= 0 or not self._arrival_fits(rid, held):
+                break  # (the oldest first: one that does not fit waits until a request leaves the pool)
             del self.arrivals[rid]
             st = self.reqs.get(rid)
             if st is None or st.error or st.finished_at or st.verifier_len or not self.verifier_up():
@@ -76,6 +84,7 @@ class ArrivalMixin:
                 continue
             todo.append((rid, st))
             budget -= st.prompt_len - st.verifier_len
+            held += st.prompt_len
         if not todo:
             return
         results = self._verify([self._item(rid, st, st.prompt_len - 1) for rid, st in todo])

@@ -110,6 +110,8 @@ class AuditMixin:
         for _, st in done:
             st.audit_pending = False
         self._release([rid for rid, _ in done])
+        if done:
+            self._unpark()
         self._expire()
 
     def _release(self, rids: list[str]) -> None:
@@ -178,6 +180,7 @@ class AuditMixin:
     def _count_live(self) -> None:
         """mg_live_requests: after each tail audit and at idle turns, so 0 once traffic stops."""
         self.m.live_requests.set(sum(1 for s in self.reqs.values() if not s.finished_at and not s.arrived_at))
+        self.m.pool_waiting.set(len(self.parked))
 
     def _expire(self) -> None:
         self._count_live()

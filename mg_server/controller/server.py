@@ -1,11 +1,10 @@
 """The controller process: MarginGate policy, verifier dispatch, audit, counters.
 
 It owns the verifier worker (spawned as its child: controller/worker.py), and watches its beat.
-Clients: mg's forward hook in SGLang's scheduler (a one-way `Arrive` when a deterministic request
-reaches the scheduler, whose prompt the verifier computes at once, beside SGLang's prefill, so its
-first answer token is checked when its first step comes; one one-way `Step` per fast-path forward holding
-every protected row, `WindowNews` and `CheckTail` for its window commit, and a one-way `Finish`
-when a protected request ends) and the HTTP front (`Verdict`). Every row was committed fast; the policy
+Clients: mg's forward hook in SGLang's scheduler (one-way: `Arrive` as a deterministic request
+reaches it, controller/arrivals.py; `Step` per fast-path forward, every protected row; `Finish` as
+one ends; and `WindowNews`, `CheckTail` for its window commit) and the HTTP front (`Verdict`);
+the verifier's K/V pool is taken in order (controller/pool.py). Every row was committed fast; the policy
 only says how soon it is checked (controller/window.py): the pending rows of every request go to
 the verifier in one message (it serves them in one batched, batch-invariant forward), each
 carrying the tokens the verifier has not seen, so its catch-up audits every token decided so
@@ -35,6 +34,7 @@ from mg_server.controller.arrivals import ArrivalMixin
 from mg_server.controller.audit import AuditMixin
 from mg_server.controller.catchup import catch_up
 from mg_server.controller.correct import AnswerCompletion
+from mg_server.controller.pool import PoolMixin
 from mg_server.controller.state import ReqState
 from mg_server.controller.window import WindowMixin
 from mg_server.controller.worker import WorkerMixin
@@ -50,7 +50,7 @@ IDLE_AUDITS = 8  # finished requests' tail audits per idle turn (one verify call
 START_ERROR_LINGER_S = 30.0  # a verifier that did not start: how long its error waits for the launcher's hello
 
 
-class Controller(ArrivalMixin, AuditMixin, WindowMixin, WorkerMixin):
+class Controller(ArrivalMixin, AuditMixin, PoolMixin, WindowMixin, WorkerMixin):
     def __init__(self, cfg: ControllerConfig, lifeline: Lifeline | None = None):
         from mg_server.metrics import controller_metrics
 
@@ -64,6 +64,8 @@ class Controller(ArrivalMixin, AuditMixin, WindowMixin, WorkerMixin):
         self.pending: dict[str, None] = {}
         # Requests with steps to check (rid -> their low-margin positions) (controller/window.py).
         self.checks: dict[str, list[int]] = {}
+        # Checks of requests the verifier's pool has no room for yet (controller/pool.py), in order.
+        self.parked: dict[str, list[int]] = {}
         # Arrived requests whose prompt the verifier has not computed yet, in arrival order.
         self.arrivals: dict[str, None] = {}
         self._arrivals_swept = 0.0  # monotonic time of the last sweep of stale arrivals
@@ -212,28 +214,31 @@ class Controller(ArrivalMixin, AuditMixin, WindowMixin, WorkerMixin):
         logits depend only on the tokens before it (batch- and chunk-invariant kernels)."""
         st = self.reqs[it.rid]
         self.m.recomputes.inc()
-        st.verifier_len, st.rewind = 0, False
+        st.verifier_len, st.rewind, st.freed = 0, False, False
         if err := self._catch_up(it.rid, st, it.pos):
             return P.ErrorReply(code=P.ErrorCode.INTERNAL, rid=it.rid, message=err)
         (res,) = self._call_verifier([self._item(it.rid, st, it.pos)])
         return res
 
     def _run_checks(self, first: str = "") -> None:
-        """Check the resumable requests that committed low-margin steps (module doc), in one call;
-        `first` (the finish barrier's request) before the others, so it is never the one deferred."""
+        """Check the requests with steps to check in one call; `first` (the finish barrier's) before
+        the others, never deferred; one the verifier's pool has no room for is parked (pool.py)."""
         todo, self.checks = self.checks, {}
-        if first in todo:
-            todo = {first: todo.pop(first), **todo}
-        batch, held = [], 0  # held: the K/V tokens of this call's requests in the verifier's pool
-        room = (f := self.verifier_facts()) and f.pool_tokens or 0
-        for rid, positions in todo.items():
+        batch, in_call = [], 0  # in_call: the K/V tokens of this call's requests in the verifier's pool
+        room = self._pool_room()
+        held = self._pool_held() if room else 0  # the pool's tokens of every request it holds
+        for rid, positions in self._check_order(todo, first):
             st = self.reqs.get(rid)
-            if st is None or st.error or st.finished_at or st.mismatches:
-                continue  # gone, failed, diverged already, or finished (its tail audit covers it)
-            if room and batch and held + len(st.tokens) > room:
+            if st is None or st.error or st.finished_at or st.mismatches or st.freed:
+                continue  # gone, failed, diverged already, finished (its tail audit covers it), or its end checked
+            if rid != first and not self._holds(st) and not self._may_enter(st, held, room):
+                self._park(rid, positions)  # until a request leaves the pool
+                continue
+            if room and batch and in_call + len(st.tokens) > room:
                 self.checks[rid] = positions  # next turn: together they would evict each other in the pool
                 continue
-            held += len(st.tokens)
+            in_call += len(st.tokens)
+            held += len(st.tokens) - (st.verifier_len if self._holds(st) else 0)
             pos = len(st.tokens) - 2  # up to the latest decided token t_{pos+1}
             if not self.verifier_up():
                 st.error = "deterministic verifier is not running"
@@ -258,6 +263,7 @@ class Controller(ArrivalMixin, AuditMixin, WindowMixin, WorkerMixin):
                 self._diverged(rid, st)
             else:
                 st.checked = pos + 2 - st.prompt_len
+                self._free_checked_end(rid, st)
 
     def _fresh_deadlines(self, items: list[P.VerifyItem]) -> None:
         """The verify timeout counts from this call (items of a split check wait for the calls before)."""

@@ -39,6 +39,10 @@ class WindowMixin:
             st.released = st.steps
         if row.due and st.due_from is None:
             st.due_from = st.steps - 1
+        if row.rid in self.parked and st.due_from is None:  # no room in the verifier's pool yet: no call
+            if low:
+                self.parked[row.rid].append(row.pos)
+            return
         # why only until the end is checked: the surplus past it is never shown, so checking it
         # would only add verifier calls (a flip there is moot)
         if (row.due and st.checked < st.due_from) or st.steps - st.checked >= self.cfg.window:

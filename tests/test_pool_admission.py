@@ -1,0 +1,105 @@
+"""The verifier's pool under more live deterministic requests than it holds (controller with a
+fake verifier whose pool forgets its least recently used requests, as the engine evicts idle
+ones): a request the verifier holds stays until its end, a new one enters when its tokens fit, so
+every token is computed about once; before, each arrival and each turn of a check evicted a live
+request that its next check computed again from position 0."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+from test_controller import FakeVerifier, _window_row, make_ctl, ref_next  # noqa: F401
+
+from mg_server.wire import protocol as P
+
+
+class PoolVerifier(FakeVerifier):
+    """A pool of `pool` tokens: before each item, the least recently used requests outside the
+    call are forgotten until the item's new tokens fit (the engine's `_evict_idle`); `rows`
+    counts the positions it computes."""
+
+    def __init__(self, pool: int):
+        super().__init__()
+        self.pool, self.rows, self.used, self.clock = pool, 0, {}, 0
+
+    def verify_many(self, items, timeout_s=None):
+        self.clock += 1
+        inside = {it.rid for it in items}
+        out = []
+        for it in items:
+            start = it.pos + 1 - len(it.tokens)
+            if it.rid not in self.seen and start != 0:
+                out.append(P.ErrorReply(code=P.ErrorCode.UNKNOWN_REQUEST, message="evicted", rid=it.rid))
+                continue
+            held = sum(map(len, self.seen.values()))
+            for rid in sorted((r for r in self.seen if r not in inside), key=self.used.get):
+                if held + len(it.tokens) <= self.pool:
+                    break
+                held -= len(self.seen.pop(rid))
+            self.rows += len(it.tokens)
+            self.used[it.rid] = self.clock
+            out += super().verify_many([it], timeout_s)
+        return out
+
+    def release(self, rids, timeout_s=None):
+        for rid in rids:
+            self.seen.pop(rid, None)
+        return super().release(rids, timeout_s)
+
+
+def serve(ctl, n: int, prompt_len: int, answer: int, every: int, held: bool = False,
+          seed: int = 0) -> dict[str, list[int]]:
+    """n requests of `prompt_len` random tokens, request k arriving at forward k * every; each
+    decodes `answer` tokens (30 % of steps low-margin) fast and equal to the verifier's, then
+    ends through the finish barrier (CheckTail, then Finish), or (`held`, the GPU's held end)
+    decodes a surplus of `due` rows until its end is checked (at most 64, the seam's limit);
+    two idle turns a forward."""
+    rng = random.Random(seed)
+    toks = {f"r{k}": [rng.randrange(50) for _ in range(prompt_len)] for k in range(n)}
+    steps = dict.fromkeys(toks, 0)
+    live: list[str] = []
+    fwd = 0
+    while fwd <= (n - 1) * every or live:
+        for rid in [r for k, r in enumerate(toks) if k * every == fwd]:
+            ctl._arrive(P.Arrive(rid=rid, prompt=list(toks[rid])))
+            live.append(rid)
+        rows = []
+        for rid in live:
+            t = toks[rid]
+            rows.append(_window_row(t, steps[rid], ref_next(t), 0.1 if rng.random() < 0.3 else 0.9, rid=rid))
+            rows[-1].due = steps[rid] >= answer
+            t.append(ref_next(t))
+            steps[rid] += 1
+        ctl._step(rows)
+        for _ in range(2):
+            ctl._idle_turn()
+        for rid in [r for r in live if steps[r] >= answer]:
+            if held and ctl.reqs[rid].checked < answer:
+                assert steps[rid] < answer + 64, f"{rid}: its held end was not checked in 64 forwards"
+                continue
+            if not held:
+                reply = ctl._check_tail(rid)
+                assert not reply.error and reply.verified == answer, (rid, reply)
+            ctl._finish(P.Finish(rid=rid, output=toks[rid][prompt_len:prompt_len + answer]))
+            del toks[rid][prompt_len + answer:]  # (a held end's surplus is never emitted)
+            live.remove(rid)
+        fwd += 1
+    ctl._complete(list(ctl.pending))
+    return toks
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["barrier", "held-end"])
+@pytest.mark.parametrize("every", [0, 6], ids=["burst", "spaced"])
+def test_every_token_is_computed_about_once_when_the_pool_holds_two_requests(make_ctl, every, held):  # noqa: F811
+    ctl = make_ctl("margin", 0.5)
+    prompt_len, answer, n = 150, 40, 8
+    ctl.vinfo = SimpleNamespace(pool_tokens=2 * (prompt_len + answer) + 20)
+    ctl.vclient = fake = PoolVerifier(ctl.vinfo.pool_tokens)
+    recomputes = ctl.m.recomputes._value.get()  # (the counter is the process's)
+    toks = serve(ctl, n, prompt_len, answer, every, held)
+    assert [ctl._verdict(rid).state for rid in toks] == ["verified"] * n
+    tokens = sum(len(t) - 1 for t in toks.values())
+    print(f"{every=} {held=}: rows {fake.rows} for {tokens} tokens, recomputes {ctl.m.recomputes._value.get() - recomputes}")
+    assert fake.rows <= 1.1 * tokens and ctl.m.recomputes._value.get() == recomputes
