@@ -180,7 +180,10 @@ def summarize(res: dict) -> dict:
                    "others_p50_ms": 1e3 * pct(mo, 0.5) if mo else None,
                    "others_plain_p50_ms": 1e3 * pct(po, 0.5) if po else None,
                    "verified": sum(s == "verified" for s in states), "errors": sum("error" in r for r in run["runs"].values()),
-                   "counters": run["counters"]}
+                   "counters": run["counters"],
+                   # the verifier's work per deterministic request (prompt + answer tokens, more where recomputed)
+                   "rows_per_det": run["counters"].get("mg_verify_rows_sum", 0) / max(1, len(det)),
+                   "recomputes": run["counters"].get("mg_verifier_recomputes_total", 0)}
             row["p50_ratio"] = row["det_p50_ms"] / row["plain_p50_ms"]
             out["ttft"].append(row)
         for part in ("eval", "rl"):
@@ -197,8 +200,8 @@ def summarize(res: dict) -> dict:
 
 def table(s: dict) -> str:
     lines = ["| server | prompt | arrivals | det. share | det. TTFT p50 / p99 ms | same rows on plain p50 / p99 ms | "
-             "p50 ratio | other rows p50 mg / plain ms | verified |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "p50 ratio | other rows p50 mg / plain ms | verifier rows / det. request, recomputes | verified |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
 
     def ms(x) -> str:
         return "-" if x is None else f"{x:.0f}"
@@ -207,7 +210,8 @@ def table(s: dict) -> str:
         arrivals = f"every {r['spacing_ms']:.0f} ms" if r["spacing_ms"] else "burst"
         lines.append(f"| {r['server']} | {r['prompt']} | {arrivals} | {r['share']:.0%} | {r['det_p50_ms']:.0f} / "
                      f"{r['det_p99_ms']:.0f} | {r['plain_p50_ms']:.0f} / {r['plain_p99_ms']:.0f} | {r['p50_ratio']:.2f}× | "
-                     f"{ms(r['others_p50_ms'])} / {ms(r['others_plain_p50_ms'])} | {r['verified']}/{r['n']} |")
+                     f"{ms(r['others_p50_ms'])} / {ms(r['others_plain_p50_ms'])} | {r['rows_per_det']:.0f}, "
+                     f"{r['recomputes']:.0f} | {r['verified']}/{r['n']} |")
     lines += ["", "| server | workload | requests | verifier rows / request | reused / request | mg / plain tok/s | verdicts |",
               "|---|---|---|---|---|---|---|"]
     for r in s["prefix"]:
