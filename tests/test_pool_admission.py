@@ -103,3 +103,107 @@ def test_every_token_is_computed_about_once_when_the_pool_holds_two_requests(mak
     tokens = sum(len(t) - 1 for t in toks.values())
     print(f"{every=} {held=}: rows {fake.rows} for {tokens} tokens, recomputes {ctl.m.recomputes._value.get() - recomputes}")
     assert fake.rows <= 1.1 * tokens and ctl.m.recomputes._value.get() == recomputes
+
+
+def _steps(ctl, toks: dict[str, list[int]], n: int, margin: float = 0.1, due=()) -> None:
+    for _ in range(n):
+        for rid, t in toks.items():
+            row = _window_row(t, len(t) - ctl.reqs[rid].prompt_len if rid in ctl.reqs else 0, ref_next(t), margin,
+                              rid=rid)
+            row.due = rid in due
+            ctl._step([row])
+            t.append(ref_next(t))
+
+
+def test_n_samples_of_one_prompt_count_its_shared_blocks_once(make_ctl):  # noqa: F811
+    """The verifier maps a prompt's whole blocks an earlier request computed: four requests of one
+    40-token prompt take 32 shared positions once, so all four enter a pool of 100 (two a call:
+    blocks computed in one forward are not shared)."""
+    ctl = make_ctl("margin", 0.5)
+    ctl.vinfo = SimpleNamespace(pool_tokens=100)
+    toks = {f"s{k}": [7] * 40 for k in range(4)}
+    _steps(ctl, toks, 3)
+    ctl.forwards = ctl.window_due
+    ctl._idle_turn()
+    ctl._idle_turn()
+    assert not ctl.parked and all(ctl.reqs[r].checked == 3 for r in toks)
+
+
+def test_a_long_request_is_not_overtaken_by_younger_short_ones(make_ctl):  # noqa: F811
+    ctl = make_ctl("margin", 0.5)
+    ctl.vinfo = SimpleNamespace(pool_tokens=100)
+    toks = {"a": [1] * 50, "long": [2] * 60}
+    _steps(ctl, toks, 2)
+    ctl.forwards = ctl.window_due
+    ctl._idle_turn()
+    assert ctl.reqs["a"].checked == 2 and set(ctl.parked) == {"long"}
+    toks["short"] = [3] * 10  # fits beside a, but "long" waits first
+    _steps(ctl, toks, 2)
+    ctl.forwards = ctl.window_due
+    ctl._idle_turn()
+    assert set(ctl.parked) == {"long", "short"}
+    ctl._finish(P.Finish(rid="a", output=toks.pop("a")[50:]))
+    ctl._complete(["a"])
+    ctl._idle_turn()
+    assert ctl.reqs["long"].checked == 4 and ctl.reqs["short"].checked == 2 and not ctl.parked
+
+
+def test_a_swept_arrival_frees_its_room_for_a_parked_request(make_ctl, monkeypatch):  # noqa: F811
+    """An arrival computed and then aborted in SGLang's queue (no step, no Finish) holds room until
+    its sweep; the sweep's release lets the parked request in."""
+    from mg_server.controller import arrivals
+
+    ctl = make_ctl("margin", 0.5)
+    ctl.vinfo = SimpleNamespace(pool_tokens=40)
+    ctl.vclient = PoolVerifier(40)
+    monkeypatch.setattr(arrivals, "PREFILL_HOLD_S", 0.0)
+    ctl.handle(P.Arrive(rid="gone", prompt=[4] * 30))
+    ctl._idle_turn()
+    assert ctl.reqs["gone"].verifier_len == 30
+    toks = {"b": [5] * 20}
+    _steps(ctl, toks, 3)
+    ctl.forwards = ctl.window_due
+    ctl._idle_turn()
+    assert set(ctl.parked) == {"b"}
+    monkeypatch.setattr(arrivals, "ARRIVAL_TTL_S", 0.0)
+    ctl._arrivals_swept = 0.0
+    ctl._sweep_arrivals()
+    ctl._idle_turn()
+    assert "gone" not in ctl.reqs and not ctl.parked and ctl.reqs["b"].checked == 3
+
+
+def test_a_parked_held_end_waits_without_a_call_every_forward(make_ctl):  # noqa: F811
+    """A held end with no room waits DUE_PATIENCE forwards, its surplus rows asking for no check
+    (a window check each forward would read the verifier's weights each forward), then enters."""
+    from mg_server.controller.pool import DUE_PATIENCE
+
+    ctl = make_ctl("margin", 0.5)
+    ctl.vinfo = SimpleNamespace(pool_tokens=120)
+    ctl.vclient = fake = PoolVerifier(120)
+    toks = {"a": [1] * 50, "b": [2] * 50, "c": [3] * 60}
+    _steps(ctl, toks, 3)
+    ctl.forwards = ctl.window_due
+    ctl._idle_turn()
+    assert set(ctl.parked) == {"c"}
+    calls = len(fake.calls)
+    for _ in range(DUE_PATIENCE - 1):
+        _steps(ctl, toks, 1, margin=0.9, due={"c"})
+        ctl._idle_turn()
+    assert "c" in ctl.parked and len(fake.calls) == calls  # no call while it waits
+    for _ in range(4):
+        _steps(ctl, toks, 1, margin=0.9, due={"c"})
+        for _ in range(3):
+            ctl._idle_turn()
+    assert "c" not in ctl.parked and ctl.reqs["c"].checked >= 3
+
+
+def test_requests_that_outgrow_the_pool_are_evicted_once_not_in_turns(make_ctl):  # noqa: F811
+    """Two requests enter at their prompts' length and their answers outgrow the pool: the one
+    the verifier evicts waits for room and is computed again once (before: 3.3x the tokens, each
+    eviction's recompute evicting the next)."""
+    ctl = make_ctl("margin", 0.5)
+    ctl.vinfo = SimpleNamespace(pool_tokens=2 * 150 + 60)
+    ctl.vclient = fake = PoolVerifier(ctl.vinfo.pool_tokens)
+    toks = serve(ctl, 4, 150, 120, 0)
+    assert [ctl._verdict(rid).state for rid in toks] == ["verified"] * 4
+    assert fake.rows <= 1.3 * sum(len(t) - 1 for t in toks.values())

@@ -42,6 +42,7 @@ class ArrivalMixin:
         if self.cfg.mode == "off" or not msg.prompt or (st is not None and not st.finished_at):
             return
         self.pending.pop(msg.rid, None)  # a finished request of the same id: its verdict is replaced
+        self.parked.pop(msg.rid, None)
         self.reqs[msg.rid] = ReqState.of_prompt(msg.prompt, msg.temperature, msg.seed, arrived_at=time.monotonic())
         self.arrivals[msg.rid] = None
 
@@ -59,13 +60,14 @@ class ArrivalMixin:
                 return False
         return self._arrival_fits(next(iter(self.arrivals)))
 
-    def _arrival_fits(self, rid: str, held: int | None = None) -> bool:
-        """The verifier's pool has room for this arrival's prompt (controller/pool.py); a request
-        gone or computed already takes none (its entry is dropped by `_prefill_arrivals`)."""
+    def _arrival_fits(self, rid: str, held=None) -> bool:
+        """The verifier's pool has room for this arrival's prompt and no older request waits for
+        room (controller/pool.py); a request gone, failed or computed already takes none (its entry
+        is dropped by `_prefill_arrivals`)."""
         st = self.reqs.get(rid)
-        if st is None or st.verifier_len or not (room := self._pool_room()):
+        if st is None or st.error or st.finished_at or st.verifier_len or not (room := self._pool_room()):
             return True
-        return self._may_enter(st, self._pool_held() if held is None else held, room)
+        return not self.parked and self._may_enter(st, self._pool_held() if held is None else held, room)
 
     def _prefill_arrivals(self) -> None:
         """The verifier computes arrived prompts (one call's rows a turn, the oldest first): each
@@ -84,7 +86,7 @@ class ArrivalMixin:
                 continue
             todo.append((rid, st))
             budget -= st.prompt_len - st.verifier_len
-            held += st.prompt_len
+            held.take(rid, st, st.prompt_len)
         if not todo:
             return
         results = self._verify([self._item(rid, st, st.prompt_len - 1) for rid, st in todo])

@@ -110,12 +110,13 @@ class AuditMixin:
         for _, st in done:
             st.audit_pending = False
         self._release([rid for rid, _ in done])
-        if done:
-            self._unpark()
         self._expire()
 
     def _release(self, rids: list[str]) -> None:
-        """Free the verifier's shadow caches of these requests (if it is up)."""
+        """Free the verifier's shadow caches of these requests (if it is up); the parked checks
+        are due again (controller/pool.py)."""
+        if rids:
+            self._unpark()
         if rids and self.vclient is not None and self.verifier_up():
             try:
                 self.vclient.release(rids, timeout_s=5)

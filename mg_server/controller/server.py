@@ -62,12 +62,9 @@ class Controller(ArrivalMixin, AuditMixin, PoolMixin, WindowMixin, WorkerMixin):
         # Finished requests whose tail audit waits until no Step is queued (or their verdict is
         # asked for): a Step holds up an SGLang forward, an audit holds up nobody yet.
         self.pending: dict[str, None] = {}
-        # Requests with steps to check (rid -> their low-margin positions) (controller/window.py).
-        self.checks: dict[str, list[int]] = {}
-        # Checks of requests the verifier's pool has no room for yet (controller/pool.py), in order.
-        self.parked: dict[str, list[int]] = {}
-        # Arrived requests whose prompt the verifier has not computed yet, in arrival order.
-        self.arrivals: dict[str, None] = {}
+        self.checks: dict[str, list[int]] = {}  # rid -> its low-margin positions to check (window.py)
+        self.parked: dict[str, list[int]] = {}  # checks the verifier's pool has no room for yet (pool.py)
+        self.arrivals: dict[str, None] = {}  # arrived requests whose prompt is not computed yet, in order
         self._arrivals_swept = 0.0  # monotonic time of the last sweep of stale arrivals
         self._prefilled = False  # the last idle turn computed arrivals (due checks go next)
         # Disagreements the seam has not been told yet (controller/window.py).
@@ -172,6 +169,7 @@ class Controller(ArrivalMixin, AuditMixin, PoolMixin, WindowMixin, WorkerMixin):
             st.error = st.error or f"request id {row.rid!r} started twice"
             return st
         self.pending.pop(row.rid, None)  # a finished request of the same id: its verdict is replaced
+        self.parked.pop(row.rid, None)
         st = self.reqs[row.rid] = ReqState.of_prompt(row.prompt, row.temperature, row.seed)
         return st
 
@@ -180,12 +178,13 @@ class Controller(ArrivalMixin, AuditMixin, PoolMixin, WindowMixin, WorkerMixin):
         return catch_up(st, pos, self._rows_per_call(), lambda end: self._item(rid, st, end), self._call_verifier,
                         lambda res: self._audit(rid, st, res))
 
-    def _verify(self, items: list[P.VerifyItem]) -> list[P.VerifyResult | P.ErrorReply]:
+    def _verify(self, items: list[P.VerifyItem], recompute: bool = True) -> list[P.VerifyResult | P.ErrorReply]:
         """The items' results, in as few calls as the verifier accepts (`_calls`)."""
-        return [res for part in self._calls(items) for res in self._call_verifier(part)]
+        return [res for part in self._calls(items) for res in self._call_verifier(part, recompute)]
 
-    def _call_verifier(self, items: list[P.VerifyItem]) -> list[P.VerifyResult | P.ErrorReply]:
-        """One verify call (its items share one batched forward), timed; errors become replies."""
+    def _call_verifier(self, items: list[P.VerifyItem], recompute: bool = True) -> list[P.VerifyResult | P.ErrorReply]:
+        """One verify call (its items share one batched forward), timed; errors become replies; a
+        request the verifier evicted is computed again (not with `recompute` False: pool.py)."""
         from mg_server.verifier.client import VerifierError
 
         t0 = time.perf_counter()
@@ -203,42 +202,33 @@ class Controller(ArrivalMixin, AuditMixin, PoolMixin, WindowMixin, WorkerMixin):
             self.m.verifier_forward_seconds.observe(ok[0].forward_ms / 1e3)
             self.m.verify_rows.observe(ok[0].batch_rows)
         for k, (it, res) in enumerate(zip(items, results)):
-            if isinstance(res, P.ErrorReply) and res.code == P.ErrorCode.UNKNOWN_REQUEST and it.rid in self.reqs:
+            if (recompute and isinstance(res, P.ErrorReply) and res.code == P.ErrorCode.UNKNOWN_REQUEST
+                    and it.rid in self.reqs):
                 results[k] = self._recompute(it)
         return results
-
-    def _recompute(self, it: P.VerifyItem) -> P.VerifyResult | P.ErrorReply:
-        """The verifier evicted this request's shadow K/V for others' (its pool is sized to the
-        deterministic load, not to every request's whole length): compute it again from position
-        0, in chunks, then the item's position. The same bits as the first time: a token's K/V and
-        logits depend only on the tokens before it (batch- and chunk-invariant kernels)."""
-        st = self.reqs[it.rid]
-        self.m.recomputes.inc()
-        st.verifier_len, st.rewind, st.freed = 0, False, False
-        if err := self._catch_up(it.rid, st, it.pos):
-            return P.ErrorReply(code=P.ErrorCode.INTERNAL, rid=it.rid, message=err)
-        (res,) = self._call_verifier([self._item(it.rid, st, it.pos)])
-        return res
 
     def _run_checks(self, first: str = "") -> None:
         """Check the requests with steps to check in one call; `first` (the finish barrier's) before
         the others, never deferred; one the verifier's pool has no room for is parked (pool.py)."""
         todo, self.checks = self.checks, {}
         batch, in_call = [], 0  # in_call: the K/V tokens of this call's requests in the verifier's pool
-        room = self._pool_room()
-        held = self._pool_held() if room else 0  # the pool's tokens of every request it holds
+        room, waiting = self._pool_room(), False  # waiting: a new request is parked (the younger wait)
+        held = self._pool_held() if room else None  # what the pool holds, shared prompt blocks once
         for rid, positions in self._check_order(todo, first):
             st = self.reqs.get(rid)
             if st is None or st.error or st.finished_at or st.mismatches or st.freed:
                 continue  # gone, failed, diverged already, finished (its tail audit covers it), or its end checked
-            if rid != first and not self._holds(st) and not self._may_enter(st, held, room):
+            new = rid != first and not self._holds(st)
+            if new and room and (waiting and self._waits_parked(st) or not self._may_enter(st, held, room)):
                 self._park(rid, positions)  # until a request leaves the pool
+                waiting = True
                 continue
             if room and batch and in_call + len(st.tokens) > room:
                 self.checks[rid] = positions  # next turn: together they would evict each other in the pool
                 continue
             in_call += len(st.tokens)
-            held += len(st.tokens) - (st.verifier_len if self._holds(st) else 0)
+            if held is not None:
+                held.take(rid, st, len(st.tokens))
             pos = len(st.tokens) - 2  # up to the latest decided token t_{pos+1}
             if not self.verifier_up():
                 st.error = "deterministic verifier is not running"
@@ -250,8 +240,12 @@ class Controller(ArrivalMixin, AuditMixin, PoolMixin, WindowMixin, WorkerMixin):
                 self._diverged(rid, st)
         if not batch:
             return
-        results = self._verify([self._item(rid, st, pos) for rid, st, pos, _ in batch])
+        results = self._verify([self._item(rid, st, pos) for rid, st, pos, _ in batch], recompute=False)
         for (rid, st, pos, positions), res in zip(batch, results):
+            if isinstance(res, P.ErrorReply) and res.code == P.ErrorCode.UNKNOWN_REQUEST:
+                if self._evicted(rid, st, positions, first):
+                    continue
+                res = self._recompute(P.VerifyItem(rid=rid, pos=pos, tokens=[]))
             if isinstance(res, P.ErrorReply):
                 st.error = f"verifier: [{res.code}] {res.message}"
                 self.m.verify_errors.inc()

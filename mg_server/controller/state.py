@@ -45,6 +45,7 @@ class ReqState:
     margins: list[float] = field(default_factory=list)  # the fast margin of each answer token (-1: the verifier's)
     arrived_at: float = 0.0  # monotonic time of its Arrive while no step has come (0: it has stepped)
     freed: bool = False  # its verifier K/V released before its Finish (a checked held end: controller/pool.py)
+    block_keys: tuple[int, ...] | None = None  # its prompt's whole blocks (controller/pool.prompt_blocks)
 
     @classmethod
     def of_prompt(cls, prompt: list[int], temperature: float, seed: int, **fields) -> "ReqState":

@@ -39,7 +39,7 @@ class WindowMixin:
             st.released = st.steps
         if row.due and st.due_from is None:
             st.due_from = st.steps - 1
-        if row.rid in self.parked and st.due_from is None:  # no room in the verifier's pool yet: no call
+        if row.rid in self.parked and self._waits_parked(st):  # no room in the verifier's pool yet: no call
             if low:
                 self.parked[row.rid].append(row.pos)
             return
