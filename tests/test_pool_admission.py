@@ -106,10 +106,13 @@ def test_every_token_is_computed_about_once_when_the_pool_holds_two_requests(mak
 
 
 def _steps(ctl, toks: dict[str, list[int]], n: int, margin: float = 0.1, due=()) -> None:
+    """n forwards of every request in `toks` (a token list not stepped before: a new request)."""
+    started = ctl.__dict__.setdefault("_test_started", {})  # rid -> (its token list, its prompt's length)
     for _ in range(n):
         for rid, t in toks.items():
-            row = _window_row(t, len(t) - ctl.reqs[rid].prompt_len if rid in ctl.reqs else 0, ref_next(t), margin,
-                              rid=rid)
+            if started.get(rid, (None,))[0] is not t:
+                started[rid] = (t, len(t))
+            row = _window_row(t, len(t) - started[rid][1], ref_next(t), margin, rid=rid)
             row.due = rid in due
             ctl._step([row])
             t.append(ref_next(t))
@@ -117,16 +120,20 @@ def _steps(ctl, toks: dict[str, list[int]], n: int, margin: float = 0.1, due=())
 
 def test_n_samples_of_one_prompt_count_its_shared_blocks_once(make_ctl):  # noqa: F811
     """The verifier maps a prompt's whole blocks an earlier request computed: four requests of one
-    40-token prompt take 32 shared positions once, so all four enter a pool of 100 (two a call:
-    blocks computed in one forward are not shared)."""
+    40-token prompt take 32 shared positions once, so all four fit a pool of 100; two enter first
+    (blocks computed beside each other in one forward are not shared), the others at the next
+    window check."""
     ctl = make_ctl("margin", 0.5)
     ctl.vinfo = SimpleNamespace(pool_tokens=100)
     toks = {f"s{k}": [7] * 40 for k in range(4)}
     _steps(ctl, toks, 3)
     ctl.forwards = ctl.window_due
     ctl._idle_turn()
+    assert set(ctl.parked) == {"s2", "s3"}
+    _steps(ctl, toks, 1)
+    ctl.forwards = ctl.window_due
     ctl._idle_turn()
-    assert not ctl.parked and all(ctl.reqs[r].checked == 3 for r in toks)
+    assert not ctl.parked and all(ctl.reqs[r].checked == 4 for r in toks)
 
 
 def test_a_long_request_is_not_overtaken_by_younger_short_ones(make_ctl):  # noqa: F811
@@ -207,3 +214,118 @@ def test_requests_that_outgrow_the_pool_are_evicted_once_not_in_turns(make_ctl):
     toks = serve(ctl, 4, 150, 120, 0)
     assert [ctl._verdict(rid).state for rid in toks] == ["verified"] * 4
     assert fake.rows <= 1.3 * sum(len(t) - 1 for t in toks.values())
+
+
+class EngineClient:
+    """The controller's verifier client over a real CPU engine (no worker process)."""
+
+    def __init__(self, engine):
+        self.engine, self.rows, self.unknown = engine, 0, 0
+
+    def verify_many(self, items, timeout_s=None):
+        out = []
+        for it, r in zip(items, self.engine.step(items)):
+            if isinstance(r, P.ErrorReply):
+                self.unknown += r.code == P.ErrorCode.UNKNOWN_REQUEST
+                out.append(r)
+                continue
+            self.rows += len(it.tokens) - r.reused
+            out.append(P.VerifyResult(rid=r.rid, pos=r.pos, token=r.token, margin=r.margin, audit_tokens=r.audit_tokens,
+                                      audit_margins=r.audit_margins, first_mismatch=r.first_mismatch, reused=r.reused))
+        return out
+
+    def release(self, rids, timeout_s=None):
+        return sum(self.engine.release(r) for r in rids)
+
+    def close(self):
+        pass
+
+
+def test_samples_of_a_prompt_longer_than_a_call_share_only_the_blocks_the_cache_maps(make_ctl, monkeypatch,  # noqa: F811
+                                                                                      tmp_path):
+    """A real CPU engine: the prefix cache maps blocks only inside a request's first item (a
+    400-token prompt goes in 256-row chunks), so four samples share 240 positions, not 384; counted
+    as the cache maps them, no request is evicted and every token is computed once."""
+    import torch
+    from verifier_helpers import make_tiny
+
+    from mg_server.controller import arrivals
+    from mg_server.verifier.engine import VerifierEngine
+    from mg_server.verifier.model import VerifierModel
+
+    make_tiny("llama", tmp_path, dtype=torch.bfloat16, seed=5)
+    model = VerifierModel.load(tmp_path, torch.bfloat16, "cpu", max_positions=512)
+    prompt = torch.randint(0, model.spec.vocab, (400,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref, seq = [], list(prompt)
+    alone = VerifierEngine(model, max_requests=2, pool_tokens=1024, max_seq_len=512)
+    for k in range(41):  # the verifier-alone answer
+        r = alone.step([P.VerifyItem(rid="x", pos=len(seq) - 1, tokens=seq if k == 0 else seq[-1:],
+                                     prompt_len=len(seq) if k == 0 else 0)])[0]
+        ref.append(r.token)
+        seq.append(r.token)
+    engine = VerifierEngine(model, max_requests=16, pool_tokens=701, max_seq_len=512, evict_idle_s=0.0)
+    ctl = make_ctl("margin", 0.5)
+    ctl.vclient = client = EngineClient(engine)
+    ctl.vinfo = SimpleNamespace(pool_tokens=engine.pool.n_tokens)
+    monkeypatch.setattr(arrivals, "PREFILL_HOLD_S", 0.0)
+    toks = {f"s{k}": list(prompt) for k in range(4)}
+    for rid in toks:
+        ctl._arrive(P.Arrive(rid=rid, prompt=list(prompt)))
+    for _ in range(4):
+        ctl._idle_turn()
+    for k in range(40):
+        for rid, t in toks.items():
+            ctl._step([_window_row(t, k, ref[k], 0.1, rid=rid)])
+            t.append(ref[k])
+        ctl._idle_turn()
+        ctl._idle_turn()
+    for rid in toks:
+        assert not ctl._check_tail(rid).error
+        ctl._finish(P.Finish(rid=rid, output=toks[rid][400:]))
+    ctl._complete(list(ctl.pending))
+    assert [ctl._verdict(r).state for r in toks] == ["verified"] * 4
+    assert client.unknown == 0 and client.rows <= 1.05 * (400 + 3 * 160 + 4 * 40)  # (3.8x before)
+
+
+def test_a_restarted_verifier_is_not_held_up_by_requests_parked_before(make_ctl, monkeypatch):  # noqa: F811
+    from test_controller import Alive
+
+    from mg_server.controller import arrivals
+
+    monkeypatch.setattr(arrivals, "PREFILL_HOLD_S", 0.0)
+    ctl = make_ctl("margin", 0.5)
+    ctl.vinfo = SimpleNamespace(pool_tokens=100)
+    ctl.vclient = PoolVerifier(100)
+    toks = {"a": [1] * 60, "p": [2] * 60}
+    _steps(ctl, toks, 2)
+    ctl.forwards = ctl.window_due
+    ctl._idle_turn()
+    assert set(ctl.parked) == {"p"}
+    ctl._lose("test")  # every live request fails
+    ctl.vclient, ctl.verifier_proc, ctl._restart_at, ctl.down_reason = PoolVerifier(100), Alive(), None, ""
+    ctl._arrive(P.Arrive(rid="new", prompt=[3] * 10))
+    ctl._idle_turn()
+    assert ctl.reqs["new"].verifier_len == 10
+
+
+def test_a_new_request_under_an_old_id_is_the_youngest(make_ctl):  # noqa: F811
+    ctl = make_ctl("margin", 0.5)
+    ctl.vinfo = SimpleNamespace(pool_tokens=100)
+    ctl.vclient = PoolVerifier(100)
+    x = {"x": [9] * 5}
+    _steps(ctl, x, 1)
+    ctl._finish(P.Finish(rid="x", output=x["x"][5:]))
+    ctl._complete(["x"])  # its verdict kept: "x" stays in the controller's table
+    toks = {"a": [1] * 50, "old": [2] * 55}
+    _steps(ctl, toks, 2)
+    ctl.forwards = ctl.window_due
+    ctl._idle_turn()
+    assert set(ctl.parked) == {"old"}
+    young = {"x": [3] * 45}
+    _steps(ctl, young, 2)  # a new request under the finished one's id
+    assert ctl.reqs["x"].prompt_len == 45
+    ctl._finish(P.Finish(rid="a", output=toks["a"][50:]))
+    ctl._complete(["a"])  # room for one of them: the older
+    ctl._all_window_checks()
+    ctl._run_checks()
+    assert ctl.reqs["old"].checked == 2 and ctl.reqs["x"].checked == 0

@@ -43,6 +43,7 @@ class ArrivalMixin:
             return
         self.pending.pop(msg.rid, None)  # a finished request of the same id: its verdict is replaced
         self.parked.pop(msg.rid, None)
+        self.reqs.pop(msg.rid, None)  # (a new request: the youngest, controller/pool.py)
         self.reqs[msg.rid] = ReqState.of_prompt(msg.prompt, msg.temperature, msg.seed, arrived_at=time.monotonic())
         self.arrivals[msg.rid] = None
 
@@ -67,7 +68,7 @@ class ArrivalMixin:
         st = self.reqs.get(rid)
         if st is None or st.error or st.finished_at or st.verifier_len or not (room := self._pool_room()):
             return True
-        return not self.parked and self._may_enter(st, self._pool_held() if held is None else held, room)
+        return not self._someone_waits() and self._may_enter(st, self._pool_held() if held is None else held, room)
 
     def _prefill_arrivals(self) -> None:
         """The verifier computes arrived prompts (one call's rows a turn, the oldest first): each
@@ -86,7 +87,7 @@ class ArrivalMixin:
                 continue
             todo.append((rid, st))
             budget -= st.prompt_len - st.verifier_len
-            held.take(rid, st, st.prompt_len)
+            held.take_new(rid, st)
         if not todo:
             return
         results = self._verify([self._item(rid, st, st.prompt_len - 1) for rid, st in todo])

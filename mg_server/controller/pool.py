@@ -42,12 +42,13 @@ from mg_server.wire import protocol as P
 DUE_PATIENCE = 32
 
 
-def prompt_blocks(st: ReqState) -> tuple[int, ...]:
-    """Keys of the prompt's whole blocks the prefix cache may map (never the prompt's last
-    position: verifier/engine._reusable), each naming every token up to its end."""
+def prompt_blocks(st: ReqState, first_item: int) -> tuple[int, ...]:
+    """Keys of the prompt's whole blocks the prefix cache may map, each naming every token up to
+    its end: those of a request's first item only (`first_item` rows: a longer prompt goes in
+    chunks), never the prompt's last position (verifier/engine._reusable)."""
     if st.block_keys is None:
         keys, h = [], 0
-        for a in range(0, (st.prompt_len - 1) // BLOCK * BLOCK, BLOCK):
+        for a in range(0, (min(st.prompt_len, first_item) - 1) // BLOCK * BLOCK, BLOCK):
             h = hash((h, tuple(st.tokens[a:a + BLOCK])))
             keys.append(h)
         st.block_keys = tuple(keys)
@@ -56,8 +57,10 @@ def prompt_blocks(st: ReqState) -> tuple[int, ...]:
 
 @dataclass
 class Held:
-    """The pool's tokens as the controller counts them: shared prompt blocks once, the rest per request."""
+    """The pool's tokens as the controller counts them: shared prompt blocks once, the rest per
+    request. `first_item`: the rows of a request's first verify item (its blocks the cache maps)."""
 
+    first_item: int
     blocks: set[int] = field(default_factory=set)
     own: dict[str, int] = field(default_factory=dict)  # rid -> its tokens outside the shared blocks
 
@@ -67,12 +70,18 @@ class Held:
 
     def need(self, st: ReqState) -> int:
         """The tokens `st` would add at its current length (its blocks held already are mapped)."""
-        return len(st.tokens) - BLOCK * sum(1 for b in prompt_blocks(st) if b in self.blocks)
+        return len(st.tokens) - BLOCK * sum(1 for b in prompt_blocks(st, self.first_item) if b in self.blocks)
 
     def take(self, rid: str, st: ReqState, length: int) -> None:
-        keys = prompt_blocks(st)[: length // BLOCK]
+        """`st` held at `length` tokens, its blocks computed (a request the verifier holds)."""
+        keys = prompt_blocks(st, self.first_item)[: length // BLOCK]
         self.blocks.update(keys)
         self.own[rid] = length - BLOCK * len(keys)
+
+    def take_new(self, rid: str, st: ReqState) -> None:
+        """`st` entering now: its own whole length (blocks computed in one forward beside an equal
+        one are not shared), less the blocks held already, which it maps."""
+        self.own[rid] = self.need(st)
 
 
 class PoolMixin:
@@ -89,7 +98,7 @@ class PoolMixin:
                 and (not st.finished_at or st.audit_pending))
 
     def _pool_held(self) -> Held:
-        held = Held()
+        held = Held(self._rows_per_call())
         for rid, st in self.reqs.items():
             if self._holds(st):
                 held.take(rid, st, st.verifier_len)
@@ -108,6 +117,12 @@ class PoolMixin:
 
     def _park(self, rid: str, positions: list[int]) -> None:
         self.parked[rid] = self.parked.pop(rid, []) + positions
+
+    def _someone_waits(self) -> bool:
+        """A live request waits for room (those failed or ended while parked are dropped)."""
+        for rid in [r for r, _ in self.parked.items() if (s := self.reqs.get(r)) is None or s.error or s.finished_at]:
+            del self.parked[rid]
+        return bool(self.parked)
 
     def _unpark(self) -> None:
         """A request left the pool: the parked checks are due again (they enter if they fit)."""

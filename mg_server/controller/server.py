@@ -34,7 +34,7 @@ from mg_server.controller.arrivals import ArrivalMixin
 from mg_server.controller.audit import AuditMixin
 from mg_server.controller.catchup import catch_up
 from mg_server.controller.correct import AnswerCompletion
-from mg_server.controller.pool import PoolMixin
+from mg_server.controller.pool import Held, PoolMixin
 from mg_server.controller.state import ReqState
 from mg_server.controller.window import WindowMixin
 from mg_server.controller.worker import WorkerMixin
@@ -159,6 +159,7 @@ class Controller(ArrivalMixin, AuditMixin, PoolMixin, WindowMixin, WorkerMixin):
                 return st
             # another prompt under its id, or its arrival failed: start afresh (the verifier drops what it holds)
             self.arrivals.pop(row.rid, None)
+            del self.reqs[row.rid]  # (a new request: the youngest, controller/pool.py)
             st = self.reqs[row.rid] = ReqState.of_prompt(row.prompt, row.temperature, row.seed, rewind=True)
             return st
         if not row.prompt:
@@ -170,6 +171,7 @@ class Controller(ArrivalMixin, AuditMixin, PoolMixin, WindowMixin, WorkerMixin):
             return st
         self.pending.pop(row.rid, None)  # a finished request of the same id: its verdict is replaced
         self.parked.pop(row.rid, None)
+        self.reqs.pop(row.rid, None)  # (a new request: the youngest, controller/pool.py)
         st = self.reqs[row.rid] = ReqState.of_prompt(row.prompt, row.temperature, row.seed)
         return st
 
@@ -211,9 +213,9 @@ class Controller(ArrivalMixin, AuditMixin, PoolMixin, WindowMixin, WorkerMixin):
         """Check the requests with steps to check in one call; `first` (the finish barrier's) before
         the others, never deferred; one the verifier's pool has no room for is parked (pool.py)."""
         todo, self.checks = self.checks, {}
-        batch, in_call = [], 0  # in_call: the K/V tokens of this call's requests in the verifier's pool
-        room, waiting = self._pool_room(), False  # waiting: a new request is parked (the younger wait)
+        room, waiting, batch = self._pool_room(), False, []  # waiting: a new one is parked (the younger wait)
         held = self._pool_held() if room else None  # what the pool holds, shared prompt blocks once
+        call = Held(self._rows_per_call())  # this call's requests, all in the pool at once
         for rid, positions in self._check_order(todo, first):
             st = self.reqs.get(rid)
             if st is None or st.error or st.finished_at or st.mismatches or st.freed:
@@ -223,12 +225,11 @@ class Controller(ArrivalMixin, AuditMixin, PoolMixin, WindowMixin, WorkerMixin):
                 self._park(rid, positions)  # until a request leaves the pool
                 waiting = True
                 continue
-            if room and batch and in_call + len(st.tokens) > room:
+            if room and batch and call.tokens + call.need(st) > room:
                 self.checks[rid] = positions  # next turn: together they would evict each other in the pool
                 continue
-            in_call += len(st.tokens)
-            if held is not None:
-                held.take(rid, st, len(st.tokens))
+            for h in (call, held) if held is not None else (call,):
+                h.take_new(rid, st) if new else h.take(rid, st, len(st.tokens))
             pos = len(st.tokens) - 2  # up to the latest decided token t_{pos+1}
             if not self.verifier_up():
                 st.error = "deterministic verifier is not running"
