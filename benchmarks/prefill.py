@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from verifier import MODELS, _kernel_class, random_tensors  # benchmarks/verifier.py
+from verifier import MODELS, _kernel_class, _timed, random_tensors  # benchmarks/verifier.py
 
 from mg_server.verifier.engine import VerifierEngine
 from mg_server.verifier.model import ModelSpec, VerifierModel, fused_checkpoint
@@ -36,16 +35,6 @@ def _prefill(engine: VerifierEngine, prompt: list[int], rows: int) -> None:
         b = min(len(prompt), a + rows)
         engine.step([VerifyItem(rid="p", pos=b - 1, tokens=prompt[a:b])])
     torch.cuda.synchronize()
-
-
-def _median_s(fn, reps: int) -> float:
-    fn()  # warm-up (Triton compiles a shape class once)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def _by_class(fn) -> dict:
@@ -85,7 +74,7 @@ def torch_forward(model: VerifierModel, n: int, reps: int) -> float:
         torch.cuda.synchronize()
 
     with torch.inference_mode():
-        return _median_s(run, reps)
+        return _timed(run, torch.device("cuda"), reps) / 1e3
 
 
 def main(argv=None) -> dict:
@@ -112,7 +101,7 @@ def main(argv=None) -> dict:
         capture_s = time.perf_counter() - t0
         for n in lengths:
             run = functools.partial(_prefill, engine, prompt[:n], a.rows)
-            sec = _median_s(run, a.reps)
+            sec = _timed(run, torch.device("cuda"), a.reps) / 1e3
             prof = _by_class(run)
             case = dict(seq_limit=limit, tokens=n, ms=round(sec * 1e3, 1), rows_per_s=round(n / sec),
                         graph_capture_s=round(capture_s, 1), kernel_ms=prof)

@@ -41,10 +41,8 @@ class ArrivalMixin:
         st = self.reqs.get(msg.rid)
         if self.cfg.mode == "off" or not msg.prompt or (st is not None and not st.finished_at):
             return
-        self.pending.pop(msg.rid, None)  # a finished request of the same id: its verdict is replaced
-        self.parked.pop(msg.rid, None)
-        self.reqs.pop(msg.rid, None)  # (a new request: the youngest, controller/pool.py)
-        self.reqs[msg.rid] = ReqState.of_prompt(msg.prompt, msg.temperature, msg.seed, arrived_at=time.monotonic())
+        self._new_request(msg.rid, ReqState.of_prompt(msg.prompt, msg.temperature, msg.seed,
+                                                      arrived_at=time.monotonic()))
         self.arrivals[msg.rid] = None
 
     def _arrivals_ready(self) -> bool:

@@ -159,9 +159,7 @@ class Controller(ArrivalMixin, AuditMixin, PoolMixin, WindowMixin, WorkerMixin):
                 return st
             # another prompt under its id, or its arrival failed: start afresh (the verifier drops what it holds)
             self.arrivals.pop(row.rid, None)
-            del self.reqs[row.rid]  # (a new request: the youngest, controller/pool.py)
-            st = self.reqs[row.rid] = ReqState.of_prompt(row.prompt, row.temperature, row.seed, rewind=True)
-            return st
+            return self._new_request(row.rid, ReqState.of_prompt(row.prompt, row.temperature, row.seed, rewind=True))
         if not row.prompt:
             if st is None:
                 st = self.reqs[row.rid] = ReqState(error="step of a request the controller never saw start")
@@ -169,10 +167,15 @@ class Controller(ArrivalMixin, AuditMixin, PoolMixin, WindowMixin, WorkerMixin):
         if st is not None and not st.finished_at:
             st.error = st.error or f"request id {row.rid!r} started twice"
             return st
-        self.pending.pop(row.rid, None)  # a finished request of the same id: its verdict is replaced
-        self.parked.pop(row.rid, None)
-        self.reqs.pop(row.rid, None)  # (a new request: the youngest, controller/pool.py)
-        st = self.reqs[row.rid] = ReqState.of_prompt(row.prompt, row.temperature, row.seed)
+        return self._new_request(row.rid, ReqState.of_prompt(row.prompt, row.temperature, row.seed))
+
+    def _new_request(self, rid: str, st: ReqState) -> ReqState:
+        """`st` under `rid`, replacing an earlier request of that id (a finished one's verdict and
+        parked checks), as the youngest: new requests enter the verifier's pool oldest first."""
+        self.pending.pop(rid, None)
+        self.parked.pop(rid, None)
+        self.reqs.pop(rid, None)
+        self.reqs[rid] = st
         return st
 
     def _catch_up(self, rid: str, st: ReqState, pos: int) -> str:
