@@ -2,9 +2,11 @@
 
     python benchmarks/reuse.py --out DIR [--model llama8b-planted] [--parts ttft,eval,rl]
         [--lengths 1250,8000] [--shares 0.02,0.25,1] [--spacing-ms 80,480] [--ab-tree DIR] [--kv-budget-gb X]
+        [--plain-from OLD/reuse.json]
 
 Each server runs alone on the GPU at its own defaults (plain SGLang = mg-server with --mg-mode off;
-then mg; then, with --ab-tree, another checkout's mg), one after the other, every part on each:
+then mg; then, with --ab-tree, another checkout's mg; --plain-from takes plain's results from an earlier run
+of the same workload instead), one after the other, every part on each:
 - ttft: for each length and share, --requests distinct random prompts (new ones each run: no
   radix-cache hit), at most --concurrency in flight, 16 tokens each, streamed one token per chunk;
   the first of every 1/share deterministic. TTFT (the first event carrying a token) p50 / p99 of
@@ -238,6 +240,9 @@ def main() -> int:
     ap.add_argument("--tau", type=float, default=0.117, help="mg's tau (the 8B shape's benchmarks' tau: 10 %% of steps below it)")
     ap.add_argument("--kv-budget-gb", type=float, default=0.0, help="mg's --mg-kv-budget-gb (0: its default)")
     ap.add_argument("--ab-tree", type=Path, help="also time this checkout's mg (e.g. the commit before)")
+    ap.add_argument("--plain-from", type=Path, help="plain SGLang's results from an earlier reuse.json of the same "
+                    "workload (model, parts, lengths, shares, spacings, requests, concurrency: the same prompts), "
+                    "instead of running it again")
     args = ap.parse_args()
     args.parts = args.parts.split(",")
     args.lengths = [int(x) for x in args.lengths.split(",")]
@@ -258,6 +263,14 @@ def main() -> int:
         "servers": {}}
     budget = ["--mg-kv-budget-gb", str(args.kv_budget_gb)] if args.kv_budget_gb else []
     plan = [("plain", "off", [], None), ("mg", "margin", ["--mg-tau", str(args.tau), *budget], None)]
+    if args.plain_from:
+        old = json.loads(args.plain_from.read_text())
+        same = ("model", "parts", "lengths", "shares", "spacings", "requests", "concurrency")
+        if any(old["args"].get(k) != res["args"][k] for k in same):
+            ap.error(f"--plain-from {args.plain_from}: another workload (it must match in {', '.join(same)})")
+        res["servers"]["plain"] = old["servers"]["plain"]
+        res["plain_from"] = str(args.plain_from)
+        plan = plan[1:]
     if args.ab_tree:
         plan.append(("mg_b", "margin", ["--mg-tau", str(args.tau), *budget], args.ab_tree))
     for kind, mode, extra, tree in plan:
