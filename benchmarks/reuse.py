@@ -2,7 +2,7 @@
 
     python benchmarks/reuse.py --out DIR [--model llama8b-planted] [--parts ttft,eval,rl]
         [--lengths 1250,8000] [--shares 0.02,0.25,1] [--spacing-ms 80,480] [--ab-tree DIR] [--kv-budget-gb X]
-        [--plain-from OLD/reuse.json]
+        [--preamble 2000] [--plain-from OLD/reuse.json]
 
 Each server runs alone on the GPU at its own defaults (plain SGLang = mg-server with --mg-mode off;
 then mg; then, with --ab-tree, another checkout's mg; --plain-from takes plain's results from an earlier run
@@ -15,7 +15,7 @@ of the same workload instead), one after the other, every part on each:
   --concurrency in flight: a request's TTFT is mostly its place in SGLang's queue, so a few
   milliseconds of extra path can move it a whole prefill later) and, with --spacing-ms (one value
   per length), request k sent k * spacing after the first (an open-loop rate).
-- eval: one 2,000-token preamble before 64 distinct ~40-token questions, all deterministic, 64
+- eval: one preamble of --preamble tokens (2,000) before 64 distinct ~40-token questions, all deterministic, 64
   tokens each, greedy: output tokens/s, and the verifier's rows per request (mg_verify_rows_sum:
   rows computed; mg_verifier_reused_rows_total: prompt rows mapped from its prefix cache).
 - rl: 32 distinct 300-token prompts, each n = 8 seeded samples (temperature 0.8), 64 tokens each.
@@ -116,7 +116,7 @@ def batch_run(url: str, bodies: list[dict], det: bool, concurrency: int) -> dict
 
 def workloads(args) -> dict:
     rng = random.Random(1)
-    preamble = ids(rng, 2000)
+    preamble = ids(rng, args.preamble)
     return {
         # distinct prompts for every run: a prompt seen before would be a radix-cache hit in SGLang
         "ttft": {f"{L}@{share}@{sp}": [ids(rng, L) for _ in range(args.requests)]
@@ -235,6 +235,8 @@ def main() -> int:
     ap.add_argument("--shares", default="0.02,0.25,1")
     ap.add_argument("--spacing-ms", default="", help="per length: also send the TTFT requests this far apart "
                     "(after the burst), e.g. 80,480")
+    ap.add_argument("--preamble", type=int, default=2000, help="eval: the shared preamble's tokens (longer than "
+                    "a verify call's 4,096 rows: reused chunk by chunk)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--tau", type=float, default=0.117, help="mg's tau (the 8B shape's benchmarks' tau: 10 %% of steps below it)")
@@ -265,7 +267,8 @@ def main() -> int:
     plan = [("plain", "off", [], None), ("mg", "margin", ["--mg-tau", str(args.tau), *budget], None)]
     if args.plain_from:
         old = json.loads(args.plain_from.read_text())
-        same = ("model", "parts", "lengths", "shares", "spacings", "requests", "concurrency")
+        same = ("model", "parts", "lengths", "shares", "spacings", "requests", "concurrency", "preamble")
+        old["args"].setdefault("preamble", 2000)  # (before the flag: always 2,000)
         if any(old["args"].get(k) != res["args"][k] for k in same):
             ap.error(f"--plain-from {args.plain_from}: another workload (it must match in {', '.join(same)})")
         res["servers"]["plain"] = old["servers"]["plain"]

@@ -136,6 +136,19 @@ def test_n_samples_of_one_prompt_count_its_shared_blocks_once(make_ctl):  # noqa
     assert not ctl.parked and all(ctl.reqs[r].checked == 4 for r in toks)
 
 
+def test_a_call_ending_inside_shared_blocks_counts_its_last_block():
+    """A chunk whose end lies inside the cached blocks computes its last block (an item never maps
+    its last position) before the engine frees it for the cache's: counted, or the pool overfills."""
+    from mg_server.controller.pool import Held
+    from mg_server.controller.state import ReqState
+
+    a, b = ReqState(tokens=list(range(100)) * 4, prompt_len=400), ReqState(tokens=list(range(100)) * 4, prompt_len=400)
+    for chunk, extra in ((256, 16), (512, 0)):  # 384 shared positions: one 256-row call ends inside them
+        held = Held(chunk)
+        held.take("a", a, 400)
+        assert held.need(b) == 400 - 384 + extra
+
+
 def test_a_long_request_is_not_overtaken_by_younger_short_ones(make_ctl):  # noqa: F811
     ctl = make_ctl("margin", 0.5)
     ctl.vinfo = SimpleNamespace(pool_tokens=100)
@@ -241,11 +254,11 @@ class EngineClient:
         pass
 
 
-def test_samples_of_a_prompt_longer_than_a_call_share_only_the_blocks_the_cache_maps(make_ctl, monkeypatch,  # noqa: F811
-                                                                                      tmp_path):
-    """A real CPU engine: the prefix cache maps blocks only inside a request's first item (a
-    400-token prompt goes in 256-row chunks), so four samples share 240 positions, not 384; counted
-    as the cache maps them, no request is evicted and every token is computed once."""
+def test_samples_of_a_prompt_longer_than_a_call_share_its_blocks(make_ctl, monkeypatch, tmp_path):  # noqa: F811
+    """A real CPU engine: a 400-token prompt goes in 256-row chunks, and the prefix cache maps its
+    blocks chunk by chunk, so four samples share its 384 whole-block positions (each later sample
+    computes each chunk's last block only); counted as the cache maps them, no request is evicted
+    and every token is computed once."""
     import torch
     from verifier_helpers import make_tiny
 
@@ -284,7 +297,7 @@ def test_samples_of_a_prompt_longer_than_a_call_share_only_the_blocks_the_cache_
         ctl._finish(P.Finish(rid=rid, output=toks[rid][400:]))
     ctl._complete(list(ctl.pending))
     assert [ctl._verdict(r).state for r in toks] == ["verified"] * 4
-    assert client.unknown == 0 and client.rows <= 1.05 * (400 + 3 * 160 + 4 * 40)  # (3.8x before)
+    assert client.unknown == 0 and client.rows <= 1.05 * (400 + 3 * 2 * 16 + 4 * 40)  # (3.8x, then 1.6x before)
 
 
 def test_a_restarted_verifier_is_not_held_up_by_requests_parked_before(make_ctl, monkeypatch):  # noqa: F811

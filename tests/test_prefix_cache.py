@@ -157,3 +157,93 @@ def test_eviction_takes_unmapped_blocks_only(model):
     out = small.step([VerifyItem(rid="y", pos=len(big) - 1, tokens=big)])[0]
     assert isinstance(out, ErrorReply) and out.code == ErrorCode.NO_CAPACITY
     assert all(b.key in small.cache.blocks for b in held)
+
+
+def chunked(eng, rid, prompt, chunk, n, temperature=0.0, seed=0):
+    """decode() with the prompt sent as the controller's catch-up sends a long one: items of
+    `chunk` tokens (the first naming the prompt's length), then the rest; [reused per chunk] too."""
+    reused = []
+    for a in range(0, len(prompt) - chunk, chunk):
+        r = eng.step([VerifyItem(rid=rid, pos=a + chunk - 1, tokens=prompt[a:a + chunk],
+                                 prompt_len=len(prompt) if a == 0 else 0, temperature=temperature, seed=seed)])[0]
+        assert not isinstance(r, ErrorReply), r
+        reused.append(r.reused)
+    a = len(reused) * chunk
+    seq, out = list(prompt), []
+    res = eng.step([VerifyItem(rid=rid, pos=len(seq) - 1, tokens=seq[a:], prompt_len=0 if a else len(seq),
+                               temperature=temperature, seed=seed)])[0]
+    reused.append(res.reused)
+    for k in range(n):
+        out.append((res.token, res.margin, res.logits.cpu().clone()))
+        seq.append(res.token)
+        if k < n - 1:
+            res = eng.step([VerifyItem(rid=rid, pos=len(seq) - 1, tokens=[seq[-1]], temperature=temperature,
+                                       seed=seed)])[0]
+    idx = torch.tensor(eng.seqs[rid].slots)
+    kv = torch.stack([eng.pool.k[:, idx], eng.pool.v[:, idx]], 1).cpu().clone()
+    return reused, (None, out, kv)
+
+
+def test_a_preamble_longer_than_a_call_is_mapped_chunk_by_chunk(model):
+    """A preamble longer than one call's rows goes in chunks; a later request maps its cached
+    blocks in every chunk, not only the first (each chunk computes its last block: its last row
+    gives the chunk's answer), and equals an engine that computed it cold in one item."""
+    preamble = tokens(model, 6 * B + 3, seed=11)
+    warm = engine(model)
+    got = []
+    for k in range(3):
+        prompt = preamble + tokens(model, 5 + k, seed=20 + k)
+        reused, res = chunked(warm, f"q{k}", prompt, 2 * B, 4)
+        # cold, then in each 2-block chunk one mapped (its second is its last row's), the rest computed
+        assert reused == ([0, 0, 0, 0] if k == 0 else [B, B, B, 0])
+        same(decode(engine(model), "cold", prompt, 4, release=False), res)
+        got.append(res)
+        warm.release(f"q{k}")
+    assert warm.cache.hits == 2 * 3 * B
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_n_samples_of_a_long_prompt_compute_each_chunk_once(model, temperature):
+    """n samples of a prompt longer than a call, their chunks sent together as the controller's
+    arrival does: a chunk's block computed by one sample is mapped by the others (the same call's
+    next forward), and blocks computed beside an equal one become the cache's (their slots freed);
+    each sample equals its cold decode."""
+    prompt = tokens(model, 4 * B + 7, seed=12)
+    warm = engine(model)
+    n = 4
+    for a in (0, 2 * B):  # the first two chunks of 2 blocks: all samples in one call each
+        got = warm.step([VerifyItem(rid=f"s{k}", pos=a + 2 * B - 1, tokens=prompt[a:a + 2 * B],
+                                    prompt_len=len(prompt) if a == 0 else 0, temperature=temperature,
+                                    seed=k + 1) for k in range(n)])
+        assert [r.reused for r in got] == [0] + [B] * (n - 1)
+        assert [r.batch_requests for r in got] == [1] + [n - 1] * (n - 1)
+    held = {s for st in warm.seqs.values() for s in st.slots}
+    assert len(held) == 4 * B  # every sample's 64 positions are the cache's 4 blocks
+    for k in range(n):
+        last = warm.step([VerifyItem(rid=f"s{k}", pos=len(prompt) - 1, tokens=prompt[4 * B:],
+                                     temperature=temperature, seed=k + 1)])[0]
+        cold = decode(engine(model), "cold", prompt, 1, temperature, seed=k + 1)[1][0]
+        assert (last.token, last.margin) == cold[:2] and torch.equal(last.logits.cpu(), cold[2])
+
+
+def test_slots_freed_for_a_cached_block_are_never_read_by_the_request_that_freed_them(model):
+    """Guard: b computes a block a already cached, maps a's in its place and frees its own; c then
+    takes the freed slots and writes other tokens into them; b's next steps and the K/V column of
+    its answer read a's block (the cold answer), not c's K/V."""
+    prompt = tokens(model, 2 * B + 5, seed=13)
+    warm = engine(model)
+    warm.step([VerifyItem(rid="a", pos=len(prompt) - 1, tokens=prompt, prompt_len=len(prompt))])
+    b = warm.step([VerifyItem(rid="b", pos=B - 1, tokens=prompt[:B], prompt_len=len(prompt))])[0]
+    assert b.reused == 0 and warm.seqs["b"].slots == warm.seqs["a"].slots[:B]  # its block is a's now
+    freed = set(warm._free[-B:])
+    other = tokens(model, 3 * B, seed=14)
+    warm.step([VerifyItem(rid="c", pos=len(other) - 1, tokens=other, prompt_len=len(other))])
+    assert freed & set(warm.seqs["c"].slots)  # c wrote into the slots b gave back
+    a_slot = warm.seqs["a"].slots[B - 1]
+    assert torch.equal(b.kv_column, warm.pool.column(a_slot))  # b's answer's K/V column: a's block's
+    seq = list(prompt)
+    r = warm.step([VerifyItem(rid="b", pos=len(seq) - 1, tokens=seq[B:])])[0]
+    ref = engine(model)
+    ref.step([VerifyItem(rid="b", pos=B - 1, tokens=prompt[:B], prompt_len=len(prompt))])
+    cold = ref.step([VerifyItem(rid="b", pos=len(seq) - 1, tokens=seq[B:])])[0]
+    assert (r.token, r.margin) == (cold.token, cold.margin) and torch.equal(r.logits.cpu(), cold.logits.cpu())

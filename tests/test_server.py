@@ -266,7 +266,9 @@ def _references(model, prompts, temperature=0.0, seeds=None):
 
 def test_a_shared_preamble_is_reused_and_every_answer_is_the_reference(server, prepared_model):
     rng = random.Random(4)
-    preamble = [rng.randrange(100, 40000) for _ in range(70)]  # 4 whole blocks of the verifier's cache
+    # 18 whole blocks of the verifier's cache, longer than a CPU verify call (256 rows): the second
+    # chunk maps its blocks too (each chunk computes its last block: 240 + 32 mapped per prompt)
+    preamble = [rng.randrange(100, 40000) for _ in range(290)]
     prompts = [preamble + [rng.randrange(100, 40000) for _ in range(5 + k)] for k in range(4)]
     refs = _references(prepared_model, prompts)
     reused0, arrived0 = _counter(server.url, "mg_verifier_reused_rows_total"), _counter(server.url,
@@ -274,11 +276,11 @@ def test_a_shared_preamble_is_reused_and_every_answer_is_the_reference(server, p
     first = _generate_ids(server.url, prompts[0])  # cold
     assert _counter(server.url, "mg_verifier_reused_rows_total") == reused0
     assert first.json()["output_ids"] == refs[0] and first.headers["x-mg-verdict"] == "verified"
-    with cf.ThreadPoolExecutor(3) as ex:  # warm: each maps the preamble's 64 positions
+    with cf.ThreadPoolExecutor(3) as ex:  # warm: each maps 272 of the preamble's positions
         rs = list(ex.map(lambda p: _generate_ids(server.url, p), prompts[1:]))
     assert [r.json()["output_ids"] for r in rs] == refs[1:]
     assert all(r.headers["x-mg-verdict"] == "verified" for r in rs)
-    assert _counter(server.url, "mg_verifier_reused_rows_total") >= reused0 + 3 * 64
+    assert _counter(server.url, "mg_verifier_reused_rows_total") >= reused0 + 3 * 272
     assert _counter(server.url, "mg_arrival_prefills_total") > arrived0
 
 

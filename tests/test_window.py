@@ -138,6 +138,23 @@ def test_the_window_flag_reaches_the_config_and_is_checked(monkeypatch, prepared
     assert rc == 2 and "must be >= 1" in capsys.readouterr().err
 
 
+def test_a_catchup_chunk_off_the_block_grid_is_refused(monkeypatch, prepared_model, capsys, tmp_path):
+    """A chunk ends on a prefix-cache block's end, so the next chunk can map what the cache holds."""
+    from mg_server.launch import cli, launcher
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    seen = []
+    monkeypatch.setattr(launcher, "serve", seen.append)
+    base = ["serve", "--model", str(prepared_model), "--device", "cpu"]
+    assert cli.main([*base, "--mg-catchup-chunk", "64"]) == 0 and seen[0].catchup_chunk == 64
+    for bad in ("100", "0"):
+        try:
+            rc = cli.main([*base, "--mg-catchup-chunk", bad])
+        except SystemExit as e:
+            rc = e.code
+        assert rc == 2 and f"--mg-catchup-chunk must be a positive multiple of 16, got {bad}" in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def early(prepared_model, tmp_path_factory):
     """A tiny tau: every step's margin is above it, so a stream's tokens leave before their check;

@@ -42,13 +42,13 @@ from mg_server.wire import protocol as P
 DUE_PATIENCE = 32
 
 
-def prompt_blocks(st: ReqState, first_item: int) -> tuple[int, ...]:
+def prompt_blocks(st: ReqState) -> tuple[int, ...]:
     """Keys of the prompt's whole blocks the prefix cache may map, each naming every token up to
-    its end: those of a request's first item only (`first_item` rows: a longer prompt goes in
-    chunks), never the prompt's last position (verifier/engine._reusable)."""
+    its end: never the prompt's last position (verifier/engine._reusable; a prompt longer than a
+    call goes in chunks, each mapping along the chain the one before held)."""
     if st.block_keys is None:
         keys, h = [], 0
-        for a in range(0, (min(st.prompt_len, first_item) - 1) // BLOCK * BLOCK, BLOCK):
+        for a in range(0, (st.prompt_len - 1) // BLOCK * BLOCK, BLOCK):
             h = hash((h, tuple(st.tokens[a:a + BLOCK])))
             keys.append(h)
         st.block_keys = tuple(keys)
@@ -58,9 +58,9 @@ def prompt_blocks(st: ReqState, first_item: int) -> tuple[int, ...]:
 @dataclass
 class Held:
     """The pool's tokens as the controller counts them: shared prompt blocks once, the rest per
-    request. `first_item`: the rows of a request's first verify item (its blocks the cache maps)."""
+    request. `chunk`: the rows of a catch-up call (a longer prompt goes in chunks of it)."""
 
-    first_item: int
+    chunk: int = 0
     blocks: set[int] = field(default_factory=set)
     own: dict[str, int] = field(default_factory=dict)  # rid -> its tokens outside the shared blocks
 
@@ -69,18 +69,22 @@ class Held:
         return BLOCK * len(self.blocks) + sum(self.own.values())
 
     def need(self, st: ReqState) -> int:
-        """The tokens `st` would add at its current length (its blocks held already are mapped)."""
-        return len(st.tokens) - BLOCK * sum(1 for b in prompt_blocks(st, self.first_item) if b in self.blocks)
+        """The tokens `st` would add at its current length (its blocks held already are mapped),
+        plus one block where a call of it ends inside them: that call's last position is computed
+        though a cached block holds it, whose slots the engine frees after the forward only
+        (verifier/engine._register)."""
+        shared = BLOCK * sum(1 for b in prompt_blocks(st) if b in self.blocks)
+        return len(st.tokens) - shared + (BLOCK if self.chunk and shared >= self.chunk else 0)
 
     def take(self, rid: str, st: ReqState, length: int) -> None:
         """`st` held at `length` tokens, its blocks computed (a request the verifier holds)."""
-        keys = prompt_blocks(st, self.first_item)[: length // BLOCK]
+        keys = prompt_blocks(st)[: length // BLOCK]
         self.blocks.update(keys)
         self.own[rid] = length - BLOCK * len(keys)
 
     def take_new(self, rid: str, st: ReqState) -> None:
         """`st` entering now: its own whole length (blocks computed in one forward beside an equal
-        one are not shared), less the blocks held already, which it maps."""
+        one are shared only after it), less the blocks held already, which it maps."""
         self.own[rid] = self.need(st)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from mg_server import env, logs
 from mg_server.config import CalibrationConfig, ServeConfig, VerifierConfig
 from mg_server.launch.compat import die_with_the_server, install_if_requested
+from mg_server.verifier.prefix import BLOCK
 
 install_if_requested()
 die_with_the_server()
@@ -208,8 +209,11 @@ def _main(argv: list[str] | None) -> int:
     model = _model_path(args.model)
     if not args.mg_drain_timeout >= 0:
         _parser().error("--mg-drain-timeout must be >= 0")
-    if not (args.mg_verify_timeout > 0 and args.mg_verdict_wait > 0 and args.mg_catchup_chunk >= 1):
-        _parser().error("--mg-verify-timeout and --mg-verdict-wait must be > 0, --mg-catchup-chunk >= 1")
+    if not (args.mg_verify_timeout > 0 and args.mg_verdict_wait > 0):
+        _parser().error("--mg-verify-timeout and --mg-verdict-wait must be > 0")
+    if args.mg_catchup_chunk < 1 or args.mg_catchup_chunk % BLOCK:
+        # (a chunk's end on a block's: its next chunk maps what the verifier's prefix cache holds)
+        _parser().error(f"--mg-catchup-chunk must be a positive multiple of {BLOCK}, got {args.mg_catchup_chunk}")
     if args.mg_queue < 0:
         _parser().error(f"--mg-queue must be >= 0, got {args.mg_queue}")
     if args.mg_window < 1:

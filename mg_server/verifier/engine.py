@@ -6,9 +6,10 @@ request's shadow cache, and answers for position pos: the greedy token t_{pos+1}
 the K/V column of position pos. Catch-up rows are ordinary rows of the same forward, so the
 verifier also records its own argmax/margin at every caught-up position (the audit).
 Several requests share one forward; the kernels are batch-invariant, so this changes nothing.
-A new request's prompt positions that begin like an earlier request's are mapped from the prefix
-cache (verifier/prefix.py) instead of computed: the item's answer is the same bits, its rows
-there decide nothing (prompt rows are not audited: their audit entries are -1 / NaN).
+A request's prompt positions that begin like an earlier request's are mapped from the prefix
+cache (verifier/prefix.py) instead of computed, at its first item and at every later chunk of its
+prompt while all it holds is cached blocks: the item's answer is the same bits, its rows there
+decide nothing (prompt rows are not audited: their audit entries are -1 / NaN).
 An item with temperature > 0 is decoded by seeded sampling (protocol module doc): its rows'
 tokens and margins come from `sampling.sampled_pairs` (all of a forward's seeded rows at once) of
 their fp32 logits row, the function mg's seam calls on the fast path's row, so both add
@@ -73,7 +74,8 @@ class StepOutput:
     @property
     def kv_column(self) -> Tensor:
         """[L, 2, Hkv, D] model dtype, device: K/V of position pos (0 = K, 1 = V); read it before
-        the request's positions change (a rewind or release frees the slot)."""
+        the request's positions change (a rewind or release frees the slot, and so does a later
+        forward of the request that maps a cached block in place of the one holding it)."""
         return self.column()
 
 
@@ -136,16 +138,28 @@ class VerifierEngine:
         st.last_pred = -1
 
     def _register(self, st: SeqState) -> None:
-        """Cache the whole blocks the request has computed (prefix module doc)."""
+        """Cache the whole blocks the request has computed (prefix module doc). A block cached
+        already (computed beside this one, or by a request that began alike) is mapped in place of
+        the request's own slots, which are freed: the same bits, and its chain goes on, so its next
+        chunk maps what is cached past it."""
+        swapped = -1  # the first position whose slots became the cache's
         while st.caching and st.length >= st.shared + BLOCK:
-            a = st.shared
-            b = self.cache.register(st.blocks[-1] if st.blocks else None, tuple(st.tokens[a:a + BLOCK]),
-                                    st.slots[a:a + BLOCK])
-            if b is None:  # an equal block is cached already (computed beside this one): keep ours
-                st.caching = False
-                return
+            a, parent = st.shared, st.blocks[-1] if st.blocks else None
+            toks = tuple(st.tokens[a:a + BLOCK])
+            b = self.cache.register(parent, toks, st.slots[a:a + BLOCK])
+            if b is None:
+                b = self.cache.find(parent, toks)
+                if b is None:  # a digest collision (prefix module doc): keep ours, cache no more
+                    st.caching = False
+                    break
+                self.cache.take([b])
+                self._free.extend(reversed(st.slots[a:a + BLOCK]))
+                st.slots[a:a + BLOCK] = b.slots
+                swapped = a if swapped < 0 else swapped
             st.blocks.append(b)
             st.shared += BLOCK
+        if swapped >= 0:
+            self._map(st.table_row, st.slots[swapped:st.shared], at=swapped)
 
     def _evict_idle(self, need_tokens: int, need_requests: int, keep: set[str], rid: str) -> None:
         """Free slots until the need is met: unmapped cached blocks first (least recently used
@@ -179,24 +193,32 @@ class VerifierEngine:
         """Slots held by requests and by unmapped cached blocks (the scratch slot is never a request's)."""
         return self.pool.n_tokens - 1 - len(self._free)
 
-    def _reusable(self, it: VerifyItem) -> list[Block]:
-        """The cached blocks a new request's item may map: whole blocks of its prompt, never its
-        last prompt position (its row gives the first answer token) nor the item's last."""
+    def _reusable(self, it: VerifyItem, st: SeqState | None = None) -> list[Block] | None:
+        """The cached blocks an item may map: whole blocks of the prompt, never its last position
+        (its row gives the first answer token) nor the item's last. A new request's first item
+        (`st` None) looks them up from position 0; a held request's item from where it stands,
+        if every position it holds is a cached block's (a long prompt's next chunk). None: the
+        item may map nothing (a held request with positions of its own, a cut, a gap)."""
         n = len(it.tokens)
-        return self.cache.match(it.tokens, min(it.prompt_len or n, n) - 1)
+        start = it.pos + 1 - n
+        if st is None:
+            return self.cache.match(it.tokens, min(it.prompt_len or n, n) - 1) if start == 0 else None
+        if start != st.length or st.shared != st.length or not st.caching or not st.blocks:
+            return None
+        return self.cache.match(it.tokens, min(st.prompt_len, it.pos + 1) - 1 - start, st.blocks[-1])
 
-    def _map(self, row: int, slots: list[int]) -> None:
-        """kv_table[row, :len(slots)] = slots (a mapped prefix), before the forward that reads them."""
+    def _map(self, row: int, slots: list[int], at: int = 0) -> None:
+        """kv_table[row, at:at + len(slots)] = slots (mapped blocks), before the forward that reads them."""
         m = len(slots)
         if m == 0:
             return
         if self.graphs is None:
-            self.kv_table[row, :m] = torch.tensor(slots, dtype=torch.int64, device=self.kv_table.device)
+            self.kv_table[row, at:at + m] = torch.tensor(slots, dtype=torch.int64, device=self.kv_table.device)
             return
         from mg_server.wire.zerocopy import copy_  # (a kernel's copy: graphs.py)
 
         self._map_host.numpy()[:m] = slots
-        copy_(self._map_host[:m], self.kv_table[row, :m])
+        copy_(self._map_host[:m], self.kv_table[row, at:at + m])
         self.graphs._wait()  # (the buffer is reused by the next mapping)
 
     def _check(self, it: VerifyItem, busy: set[str], reserved: int = 0) -> ErrorReply | int:
@@ -227,7 +249,9 @@ class VerifierEngine:
             if start != st.length and not (it.rewind and start <= st.length):
                 return ErrorReply(code=ErrorCode.POSITION_MISMATCH, rid=it.rid, expected_pos=st.length,
                                   message=f"tokens start at {start}, verifier holds {st.length} positions")
-            need = it.pos + 1 - min(start, st.length)
+            mapped = self._reusable(it, st) or []
+            self.cache.take(mapped)
+            need = it.pos + 1 - min(start, st.length) - BLOCK * len(mapped)
         self._evict_idle(need + reserved, int(st is None), busy, it.rid)
         err = None
         if st is None and len(self.seqs) >= self.max_requests:
@@ -246,6 +270,14 @@ class VerifierEngine:
                                               last_used=self.now, blocks=mapped, shared=m,
                                               slots=[s for b in mapped for s in b.slots], tokens=it.tokens[:m])
             self._map(st.table_row, st.slots)
+            self.cache.hits += m
+        elif mapped:  # a long prompt's next chunk goes on along the cached chain
+            m, slots = BLOCK * len(mapped), [s for b in mapped for s in b.slots]
+            self._map(st.table_row, slots, at=st.length)
+            st.blocks.extend(mapped)
+            st.slots.extend(slots)
+            st.tokens.extend(it.tokens[:m])
+            st.shared += m
             self.cache.hits += m
         elif start < st.length:  # rewind
             self._truncate(st, start)
@@ -283,15 +315,19 @@ class VerifierEngine:
         return out  # type: ignore[return-value]
 
     def _first_new_block(self, it: VerifyItem) -> tuple | None:
-        """A new request's next block to compute past its cached prefix, if it could be reused by
-        another item of the same forward (None: nothing to share)."""
-        if it.rid in self.seqs or it.pos + 1 != len(it.tokens):
+        """An item's next prompt block to compute past what the cache maps for it, if another item
+        of the same forward could reuse it (None: nothing to share): its parent block's key and
+        its tokens, which name every token up to its end."""
+        st = self.seqs.get(it.rid)
+        mapped = self._reusable(it, st)
+        if mapped is None:
             return None
-        k = len(self._reusable(it))
-        end = (k + 1) * BLOCK
-        if end > min(it.prompt_len or len(it.tokens), len(it.tokens)) - 1:
+        n = len(it.tokens)
+        k, limit = len(mapped), min((st.prompt_len if st else it.prompt_len) or n, it.pos + 1) - 1 - (it.pos + 1 - n)
+        if (k + 1) * BLOCK > limit:
             return None
-        return ("block", k, tuple(it.tokens[:end]))
+        parent = mapped[-1] if mapped else st.blocks[-1] if st else None
+        return (parent.key if parent else b"", tuple(it.tokens[k * BLOCK:(k + 1) * BLOCK]))
 
     def _admit(self, items: list[VerifyItem]) -> tuple[list[int], dict[int, ErrorReply]]:
         """_check each item of one forward (distinct rids) in order, the pool slots of those
@@ -315,7 +351,7 @@ class VerifierEngine:
             st = self.seqs[it.rid]
             st.last_used = self.now
             start = it.pos + 1 - len(it.tokens)
-            skip = st.length - start  # > 0: a new request's mapped prefix (_check), not computed
+            skip = st.length - start  # > 0: positions mapped from the prefix cache (_check), not computed
             rows = it.tokens[skip:]
             new = [self._free.pop() for _ in rows]
             prev_pred = st.last_pred
@@ -369,13 +405,13 @@ class VerifierEngine:
                         first_mm = start + j
                         break
             st.last_pred = preds[last]
+            self._register(st)  # (before its column is bound: a block it maps now has the cache's slots)
             results.append(StepOutput(
                 rid=it.rid, pos=it.pos, token=preds[last], margin=margins[last],
                 column=partial(self.pool.column, st.slots[it.pos]), logits=logits[last],
                 audit_tokens=audit_t, audit_margins=audit_m, first_mismatch=first_mm,
                 batch_rows=len(tokens), batch_requests=len(items), forward_ms=ms, reused=skip,
                 digest=_digest(logits[last]) if it.want_digest else b""))
-            self._register(st)
         return results
 
     def _graph_rows(self, tokens: list[int], positions: list[int], slots: list[int], table_rows: list[int],

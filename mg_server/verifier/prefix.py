@@ -3,10 +3,11 @@
 A position's K/V depends only on the tokens up to it (batch- and chunk-invariant kernels: the
 bits do not depend on which forward, chunk or neighbours computed it), so a block of BLOCK
 positions computed for one request holds exactly what another request with the same first tokens
-would compute. The engine registers every whole block a request has computed (`register`), and a
-new request maps the longest chain of cached blocks its prompt begins with (`match`) instead of
-computing it: a shared few-shot preamble, n samples of one prompt, a judge's rubric cost their
-prefix once.
+would compute. The engine registers every whole block a request has computed (`register`; one
+cached already is mapped in its place, so the chain goes on), and a request maps the longest
+chain of cached blocks its prompt goes on with (`match`), at its first item and at each later
+chunk of its prompt while every position it holds is a cached block's, instead of computing it:
+a shared few-shot preamble, n samples of one prompt, a judge's rubric cost their prefix once.
 
 Guard (no request reads K/V of tokens it does not have): a block is found by a digest of its
 tokens and its parent, then its tokens and its parent are compared exactly, so a digest collision
@@ -58,20 +59,21 @@ class PrefixCache:
         """Slots the cache could give back now (unmapped blocks)."""
         return BLOCK * len(self.idle)
 
-    def _find(self, parent: Block | None, tokens: tuple[int, ...]) -> Block | None:
+    def find(self, parent: Block | None, tokens: tuple[int, ...]) -> Block | None:
+        """The cached block of `tokens` after `parent`, if any."""
         b = self.blocks.get(block_key(parent, tokens))
         # the guard (module doc): a digest match is not a token match
         if b is None or b.parent is not parent or b.tokens != tokens:
             return None
         return b
 
-    def match(self, tokens: list[int], limit: int) -> list[Block]:
+    def match(self, tokens: list[int], limit: int, parent: Block | None = None) -> list[Block]:
         """The cached blocks that the first `limit` positions of `tokens` begin with (whole
-        blocks only), in order. Not yet mapped: `take` them."""
+        blocks only), in order, following `parent` (None: a sequence's first block). Not yet
+        mapped: `take` them."""
         out: list[Block] = []
-        parent = None
-        for k in range(limit // BLOCK):
-            b = self._find(parent, tuple(tokens[k * BLOCK:(k + 1) * BLOCK]))
+        for k in range(max(0, limit) // BLOCK):
+            b = self.find(parent, tuple(tokens[k * BLOCK:(k + 1) * BLOCK]))
             if b is None:
                 break
             out.append(b)
