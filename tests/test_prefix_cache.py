@@ -44,10 +44,11 @@ def tokens(model, n, seed):
     return torch.randint(0, model.spec.vocab, (n,), generator=g).tolist()
 
 
-def decode(eng, rid, prompt, n, temperature=0.0, seed=0, release=True):
-    """(first result, [(token, margin, logits row)] of n steps, the request's K/V [L, 2, len, Hkv, D])."""
+def decode(eng, rid, prompt, n, temperature=0.0, seed=0, release=True, start=0):
+    """(first result, [(token, margin, logits row)] of n steps, the request's K/V [L, 2, len, Hkv, D]).
+    `start` > 0: the verifier holds the prompt's first `start` positions already (a chunked prompt)."""
     seq, out = list(prompt), []
-    res = eng.step([VerifyItem(rid=rid, pos=len(seq) - 1, tokens=seq, prompt_len=len(seq),
+    res = eng.step([VerifyItem(rid=rid, pos=len(seq) - 1, tokens=seq[start:], prompt_len=0 if start else len(seq),
                                temperature=temperature, seed=seed)])[0]
     assert not isinstance(res, ErrorReply), res
     first = res
@@ -168,20 +169,9 @@ def chunked(eng, rid, prompt, chunk, n, temperature=0.0, seed=0):
                                  prompt_len=len(prompt) if a == 0 else 0, temperature=temperature, seed=seed)])[0]
         assert not isinstance(r, ErrorReply), r
         reused.append(r.reused)
-    a = len(reused) * chunk
-    seq, out = list(prompt), []
-    res = eng.step([VerifyItem(rid=rid, pos=len(seq) - 1, tokens=seq[a:], prompt_len=0 if a else len(seq),
-                               temperature=temperature, seed=seed)])[0]
-    reused.append(res.reused)
-    for k in range(n):
-        out.append((res.token, res.margin, res.logits.cpu().clone()))
-        seq.append(res.token)
-        if k < n - 1:
-            res = eng.step([VerifyItem(rid=rid, pos=len(seq) - 1, tokens=[seq[-1]], temperature=temperature,
-                                       seed=seed)])[0]
-    idx = torch.tensor(eng.seqs[rid].slots)
-    kv = torch.stack([eng.pool.k[:, idx], eng.pool.v[:, idx]], 1).cpu().clone()
-    return reused, (None, out, kv)
+    res = decode(eng, rid, prompt, n, temperature, seed, release=False, start=len(reused) * chunk)
+    reused.append(res[0].reused)
+    return reused, res
 
 
 def test_a_preamble_longer_than_a_call_is_mapped_chunk_by_chunk(model):

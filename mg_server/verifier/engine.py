@@ -199,13 +199,19 @@ class VerifierEngine:
         (`st` None) looks them up from position 0; a held request's item from where it stands,
         if every position it holds is a cached block's (a long prompt's next chunk). None: the
         item may map nothing (a held request with positions of its own, a cut, a gap)."""
-        n = len(it.tokens)
-        start = it.pos + 1 - n
+        start = it.pos + 1 - len(it.tokens)
         if st is None:
-            return self.cache.match(it.tokens, min(it.prompt_len or n, n) - 1) if start == 0 else None
+            return self.cache.match(it.tokens, self._prompt_rows(it, st)) if start == 0 else None
         if start != st.length or st.shared != st.length or not st.caching or not st.blocks:
             return None
-        return self.cache.match(it.tokens, min(st.prompt_len, it.pos + 1) - 1 - start, st.blocks[-1])
+        return self.cache.match(it.tokens, self._prompt_rows(it, st), st.blocks[-1])
+
+    @staticmethod
+    def _prompt_rows(it: VerifyItem, st: SeqState | None) -> int:
+        """The item's leading tokens that are prompt positions before the prompt's last (the only
+        ones the cache may map: the last one's row gives the first answer token)."""
+        n = len(it.tokens)
+        return min((st.prompt_len if st else it.prompt_len) or n, it.pos + 1) - 1 - (it.pos + 1 - n)
 
     def _map(self, row: int, slots: list[int], at: int = 0) -> None:
         """kv_table[row, at:at + len(slots)] = slots (mapped blocks), before the forward that reads them."""
@@ -237,21 +243,15 @@ class VerifierEngine:
         if min(it.tokens) < 0 or max(it.tokens) >= vocab:
             return ErrorReply(code=ErrorCode.BAD_REQUEST, rid=it.rid, message=f"token id outside [0, {vocab})")
         st = self.seqs.get(it.rid)
-        mapped: list[Block] = []
-        if st is None:
-            if start != 0:
-                return ErrorReply(code=ErrorCode.UNKNOWN_REQUEST, rid=it.rid, expected_pos=0,
-                                  message=f"no shadow cache for {it.rid!r}; the first item must start at 0")
-            mapped = self._reusable(it)
-            self.cache.take(mapped)  # (mapped before eviction looks for room: they stay)
-            need = n - BLOCK * len(mapped)
-        else:
-            if start != st.length and not (it.rewind and start <= st.length):
-                return ErrorReply(code=ErrorCode.POSITION_MISMATCH, rid=it.rid, expected_pos=st.length,
-                                  message=f"tokens start at {start}, verifier holds {st.length} positions")
-            mapped = self._reusable(it, st) or []
-            self.cache.take(mapped)
-            need = it.pos + 1 - min(start, st.length) - BLOCK * len(mapped)
+        if st is None and start != 0:
+            return ErrorReply(code=ErrorCode.UNKNOWN_REQUEST, rid=it.rid, expected_pos=0,
+                              message=f"no shadow cache for {it.rid!r}; the first item must start at 0")
+        if st is not None and start != st.length and not (it.rewind and start <= st.length):
+            return ErrorReply(code=ErrorCode.POSITION_MISMATCH, rid=it.rid, expected_pos=st.length,
+                              message=f"tokens start at {start}, verifier holds {st.length} positions")
+        mapped = self._reusable(it, st) or []
+        self.cache.take(mapped)  # (mapped before eviction looks for room: they stay)
+        need = it.pos + 1 - (min(start, st.length) if st else 0) - BLOCK * len(mapped)
         self._evict_idle(need + reserved, int(st is None), busy, it.rid)
         err = None
         if st is None and len(self.seqs) >= self.max_requests:
@@ -265,13 +265,9 @@ class VerifierEngine:
             self.cache.drop(mapped)
             return err
         if st is None:
-            m = BLOCK * len(mapped)
             st = self.seqs[it.rid] = SeqState(it.rid, self._free_rows.pop(), prompt_len=it.prompt_len or n,
-                                              last_used=self.now, blocks=mapped, shared=m,
-                                              slots=[s for b in mapped for s in b.slots], tokens=it.tokens[:m])
-            self._map(st.table_row, st.slots)
-            self.cache.hits += m
-        elif mapped:  # a long prompt's next chunk goes on along the cached chain
+                                              last_used=self.now)
+        if mapped:  # a prompt's first item, or a long prompt's next chunk along the cached chain
             m, slots = BLOCK * len(mapped), [s for b in mapped for s in b.slots]
             self._map(st.table_row, slots, at=st.length)
             st.blocks.extend(mapped)
@@ -322,9 +318,8 @@ class VerifierEngine:
         mapped = self._reusable(it, st)
         if mapped is None:
             return None
-        n = len(it.tokens)
-        k, limit = len(mapped), min((st.prompt_len if st else it.prompt_len) or n, it.pos + 1) - 1 - (it.pos + 1 - n)
-        if (k + 1) * BLOCK > limit:
+        k = len(mapped)
+        if (k + 1) * BLOCK > self._prompt_rows(it, st):
             return None
         parent = mapped[-1] if mapped else st.blocks[-1] if st else None
         return (parent.key if parent else b"", tuple(it.tokens[k * BLOCK:(k + 1) * BLOCK]))
